@@ -1,0 +1,115 @@
+"""Configuration objects: what a user sets, validated once, frozen afterwards.
+
+Environment variables are read here and nowhere else:
+``SGLANG_REMOTE_INSTANCE_NIXL_BACKEND`` fills ``NixlConfig.backend`` when it is left unset.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``536870912``, ``"512MiB"``, ``"1GiB"`` or ``"1.5GB"`` as a number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or a string such as '512MiB'")
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise ValueError(f"cannot read {value!r} as a size; use e.g. 536870912, '512MiB' or '1GiB'")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "B").lower()])
+
+
+class MooncakeConfig(BaseModel):
+    """Write over the Mooncake transfer engine (the transport sglang publishes for)."""
+
+    model_config = _FROZEN
+
+    kind: Literal["mooncake"] = "mooncake"
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    """"rdma" on clusters with RDMA NICs; "tcp" where there are none (tests, one host)."""
+    device_name: str = ""
+    """RDMA device(s), e.g. "mlx5_0"; empty lets Mooncake choose."""
+    local_hostname: str = "127.0.0.1"
+    """The address other hosts reach this trainer's transfer engine at."""
+
+
+class NixlConfig(BaseModel):
+    """Write over NIXL (engines publishing with the NIXL plugin or sglang PR #35712)."""
+
+    model_config = _FROZEN
+
+    kind: Literal["nixl"] = "nixl"
+    backend: str = Field(
+        default_factory=lambda: os.environ.get("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "UCX")
+    )
+    """The NIXL plugin; defaults to $SGLANG_REMOTE_INSTANCE_NIXL_BACKEND, else "UCX"."""
+
+
+TransportConfig = Annotated[Union[MooncakeConfig, NixlConfig], Field(discriminator="kind")]
+
+
+class SyncConfig(BaseModel):
+    """Everything a ``WeightSyncSession`` needs besides the engines and the tensors."""
+
+    model_config = _FROZEN
+
+    transport: TransportConfig = Field(default_factory=MooncakeConfig)
+    """How bytes move: ``MooncakeConfig(...)`` or ``NixlConfig(...)``."""
+    buffer_bytes: int = 512 * 2**20
+    """Size of each of the two staging buffers (grown to the largest parameter group)."""
+    transfer_timeout_s: float = 30.0
+    """A write still running after this many seconds fails the update."""
+    http_timeout_s: float = 60.0
+    """Timeout of each control-plane HTTP call to an engine."""
+    pause_mode: Literal["retract", "abort", "in_place"] = "retract"
+    """How engines pause generation before the update (sglang's /pause_generation mode)."""
+    check_weight_update_equal: bool = False
+    """Ask each engine's weight checker to compare the first update with its own weights."""
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer <key>`` when the engines require one."""
+    trainer_rank: int = 0
+    """This process's rank among the trainer ranks that send the same weights."""
+    num_trainer_ranks: int = 1
+    """How many trainer ranks send (hold the same weights); engine ranks are split among them."""
+
+    @field_validator("buffer_bytes", mode="before")
+    @classmethod
+    def _read_size(cls, value: int | str) -> int:
+        size = parse_bytes(value)
+        if size < 2**20:
+            raise ValueError(f"buffer_bytes must be at least 1 MiB, got {size}")
+        return size
+
+    @field_validator("transfer_timeout_s", "http_timeout_s")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"timeouts must be positive, got {value}")
+        return value
+
+    @field_validator("num_trainer_ranks")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"num_trainer_ranks must be at least 1, got {value}")
+        return value
+
+    def model_post_init(self, _context: object) -> None:
+        if not 0 <= self.trainer_rank < self.num_trainer_ranks:
+            raise ValueError(
+                f"trainer_rank {self.trainer_rank} is outside 0..{self.num_trainer_ranks - 1}"
+            )

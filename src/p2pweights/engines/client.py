@@ -1,0 +1,125 @@
+"""A small synchronous client for the sglang HTTP routes a weight update uses.
+
+Every failure raises ``EngineError`` naming the engine URL and the route, with
+the engine's own message when it sent one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from p2pweights.engines.published import RankPublication, parse_publication
+from p2pweights.errors import EngineError
+
+_FLUSH_RETRY_S = 0.2
+
+
+class EngineClient:
+    """Talks to one sglang engine (one HTTP server, any number of ranks)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 60.0, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout_s = timeout_s
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- information ---------------------------------------------------------------------------
+
+    def server_info(self) -> dict[str, Any]:
+        return self._json("GET", "/server_info")
+
+    def model_info(self) -> dict[str, Any]:
+        return self._json("GET", "/model_info")
+
+    def weight_version(self) -> str:
+        return str(self.model_info().get("weight_version"))
+
+    def publication(self, rank: int) -> RankPublication:
+        """What engine rank ``rank`` published about its weights (addresses, transport handle)."""
+        body = self._json("GET", "/remote_instance_transfer_engine_info", params={"rank": rank})
+        return parse_publication(self.url, rank, body)
+
+    # -- the update session --------------------------------------------------------------------
+
+    def pause_generation(self, mode: str) -> None:
+        self._json("POST", "/pause_generation", json={"mode": mode})
+
+    def flush_cache(self) -> None:
+        """Flush the radix cache; sglang refuses while requests still run, so retry until timeout."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            response = self._send("GET", "/flush_cache")
+            if response.status_code == 200:
+                return
+            if time.monotonic() > deadline:
+                raise self._error("/flush_cache", response)
+            time.sleep(_FLUSH_RETRY_S)
+
+    def begin_weight_update(self, selector: str = "all") -> None:
+        self._checked("/begin_weight_update", {"selector": selector})
+
+    def end_weight_update(self) -> None:
+        self._checked("/end_weight_update", {})
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._checked(
+            "/update_weight_version", {"new_version": new_version, "abort_all_requests": False}
+        )
+
+    def continue_generation(self) -> None:
+        self._json("POST", "/continue_generation", json={"torch_empty_cache": False})
+
+    def weights_checker(self, action: str, **options: Any) -> dict[str, Any]:
+        """Run the engine's weight checker (snapshot, reset_tensors, compare, checksum)."""
+        return self._checked("/weights_checker", {"action": action, **options})
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _send(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, route, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine {self.url}: {method} {route} failed: {exc!r}") from exc
+
+    def _json(self, method: str, route: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._send(method, route, **kwargs)
+        if response.status_code != 200:
+            raise self._error(route, response)
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise EngineError(
+                f"engine {self.url}: {route} answered non-JSON: {response.text[:200]!r}"
+            ) from exc
+        if not isinstance(body, dict):
+            raise EngineError(f"engine {self.url}: {route} answered {body!r}, expected an object")
+        return body
+
+    def _checked(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST ``payload``; the answer's ``success`` must be true."""
+        body = self._json("POST", route, json=payload)
+        if body.get("success") is False:
+            raise EngineError(f"engine {self.url}: {route} failed: {body.get('message')}")
+        return body
+
+    def _error(self, route: str, response: httpx.Response) -> EngineError:
+        message = response.text[:500]
+        try:
+            body = response.json()
+            if isinstance(body, dict):
+                error = body.get("error")
+                message = (
+                    error.get("message", message) if isinstance(error, dict)
+                    else body.get("message", message)
+                )
+        except ValueError:
+            pass
+        return EngineError(
+            f"engine {self.url}: {route} answered HTTP {response.status_code}: {message}"
+        )

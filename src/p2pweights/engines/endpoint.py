@@ -1,0 +1,27 @@
+"""How a user names an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """One sglang engine (one HTTP server and all its ranks)."""
+
+    url: str
+    """e.g. ``http://10.0.0.5:30000``."""
+    api_key: str | None = None
+    """Overrides ``SyncConfig.api_key`` for this engine."""
+    model_path: str | None = None
+    """Where this trainer reads the engine's HF config.json (defaults to the engine's model_path)."""
+
+    @classmethod
+    def of(cls, engine: str | EngineEndpoint) -> EngineEndpoint:
+        if isinstance(engine, EngineEndpoint):
+            return engine
+        if not isinstance(engine, str) or not engine.startswith(("http://", "https://")):
+            from p2pweights.errors import ConfigError
+
+            raise ConfigError(f"an engine is a URL such as 'http://127.0.0.1:30000', got {engine!r}")
+        return cls(url=engine.rstrip("/"))

@@ -1,0 +1,99 @@
+"""What one engine rank publishes about its weights: where the bytes live and how to reach them.
+
+sglang's ``/remote_instance_transfer_engine_info?rank=R`` answers, for Mooncake::
+
+    {"rank": R, "remote_instance_transfer_engine_info": [session_id, {name: [ptr, numel, elsize]}]}
+
+and, with NIXL publishing (sglang PR #35712 or the p2pweights plugin), the second
+element is a dict ``{"backend": "nixl", "agent_name", "agent_metadata" (base64),
+"weights_info_dict": {name: [ptr, numel, elsize, gpu_id]}}``; Mooncake may also
+come as ``{"backend": "mooncake", "session_id", "weights_info_dict"}``.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2pweights.errors import EngineError
+
+
+@dataclass(frozen=True)
+class WeightRegion:
+    """One parameter's bytes in engine memory."""
+
+    address: int
+    num_bytes: int
+    gpu_id: int | None = None
+
+    @property
+    def end(self) -> int:
+        return self.address + self.num_bytes
+
+
+@dataclass(frozen=True)
+class RankPublication:
+    """The weight regions and transport handle one engine rank published."""
+
+    engine_url: str
+    engine_rank: int
+    backend: str  # "mooncake" or "nixl"
+    regions: dict[str, WeightRegion] = field(repr=False)
+    session_id: str | None = None  # mooncake: "host:rpc_port"
+    agent_name: str | None = None  # nixl
+    agent_metadata: bytes | None = field(default=None, repr=False)  # nixl
+
+    @property
+    def peer(self) -> str:
+        """The transport-level name of this rank (Mooncake session id or NIXL agent name)."""
+        peer = self.session_id if self.backend == "mooncake" else self.agent_name
+        assert peer is not None
+        return peer
+
+
+def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -> RankPublication:
+    """Parse sglang's JSON answer for one rank; raise ``EngineError`` naming what is wrong."""
+    info = body.get("remote_instance_transfer_engine_info")
+    if info is None:
+        raise EngineError(
+            f"engine {engine_url} rank {engine_rank}: answer has no "
+            f"'remote_instance_transfer_engine_info'; start sglang with "
+            f"--remote-instance-weight-loader-start-seed-via-transfer-engine (Mooncake) "
+            f"or the p2pweights NIXL plugin"
+        )
+    try:
+        if isinstance(info, list) and len(info) == 2:
+            session_id, table = info
+            return RankPublication(
+                engine_url, engine_rank, "mooncake", _regions(table), session_id=str(session_id)
+            )
+        backend = info.get("backend", "mooncake")
+        table = info["weights_info_dict"]
+        if backend == "mooncake":
+            return RankPublication(
+                engine_url, engine_rank, "mooncake", _regions(table),
+                session_id=str(info["session_id"]),
+            )
+        if backend == "nixl":
+            return RankPublication(
+                engine_url, engine_rank, "nixl", _regions(table),
+                agent_name=str(info["agent_name"]),
+                agent_metadata=base64.b64decode(info["agent_metadata"]),
+            )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(
+            f"engine {engine_url} rank {engine_rank}: malformed weight publication ({exc!r})"
+        ) from exc
+    raise EngineError(
+        f"engine {engine_url} rank {engine_rank}: unknown published backend {backend!r}"
+    )
+
+
+def _regions(table: dict[str, list[int]]) -> dict[str, WeightRegion]:
+    regions = {}
+    for name, entry in table.items():
+        address, numel, element_size = (int(x) for x in entry[:3])
+        gpu_id = int(entry[3]) if len(entry) > 3 else None
+        regions[name] = WeightRegion(address, numel * element_size, gpu_id)
+    return regions

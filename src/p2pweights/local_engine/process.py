@@ -1,0 +1,125 @@
+"""``LocalEngine``: start a local engine in its own process, wait until it serves, stop it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from p2pweights.errors import EngineError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalEngine:
+    """A local rollout engine process speaking sglang's weight-update API.
+
+    ``with LocalEngine("models/qwen3-tiny.json", tp=2, seed=0) as engine: engine.url``.
+    ``start()`` and ``wait_ready()`` let several engines start concurrently.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        tp: int = 1,
+        transport: str = "mooncake",
+        seed: int | None = 0,
+        weights: str | os.PathLike[str] | None = None,
+        dtype: str = "bfloat16",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+    ):
+        self.model = str(model)
+        self.tp = tp
+        self.transport = transport
+        self.seed = seed
+        self.weights = None if weights is None else str(weights)
+        self.dtype = dtype
+        self.host = host
+        self.port = port or free_port(host)
+        self.startup_timeout_s = startup_timeout_s
+        self._env = env
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix="p2pweights-engine-", suffix=".log", delete=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._log.name)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "p2pweights.cli", "engine",
+            "--model", self.model, "--tp", str(self.tp), "--port", str(self.port),
+            "--host", self.host, "--transport", self.transport, "--dtype", self.dtype,
+        ]
+        if self.weights is not None:
+            cmd += ["--weights", self.weights]
+        elif self.seed is not None:
+            cmd += ["--seed", str(self.seed)]
+        return cmd
+
+    def start(self) -> LocalEngine:
+        env = {**os.environ, **(self._env or {})}
+        self._process = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )
+        return self
+
+    def wait_ready(self) -> LocalEngine:
+        assert self._process is not None, "call start() first"
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise EngineError(
+                    f"local engine {self.url} exited with {self._process.returncode} while "
+                    f"starting; its log ({self.log_path}) ends with:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise EngineError(
+            f"local engine {self.url} not ready after {self.startup_timeout_s} s; "
+            f"log tail:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+    def __enter__(self) -> LocalEngine:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,94 @@
+"""Build a local engine's ranks and serve them (the ``p2pweights engine`` command)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pweights.local_engine.ranks import EngineRank
+from p2pweights.local_engine.server import create_app
+from p2pweights.replica import sglang_env
+from p2pweights.testing.synthetic import synthetic_weights, write_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+def model_folder(model: str) -> Path:
+    """A folder holding ``config.json`` for ``model`` (a folder, a config.json, or any .json)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if path.name == "config.json":
+        return path.parent
+    return write_model_dir(path, tempfile.mkdtemp(prefix="p2pweights-model-"))
+
+
+def read_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every ``*.safetensors`` file in ``folder``, in file then key order."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                yield key, handle.get_tensor(key)
+
+
+def resolved_server_info(fields: dict[str, Any]) -> dict[str, Any]:
+    """sglang's resolved ServerArgs for ``fields``, as its ``/server_info`` serves them."""
+    import json
+
+    from sglang.srt.runtime_context import get_server_args
+    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
+
+    sglang_env.ensure_server_args(fields)
+    resolved = msgspec_to_builtins(get_server_args().resolved_dict())
+    info: dict[str, Any] = json.loads(json.dumps(resolved, default=str))
+    return info
+
+
+def serve(
+    model: str,
+    *,
+    tp: int,
+    port: int,
+    host: str = "127.0.0.1",
+    transport: str = "mooncake",
+    weights: str | None = None,
+    seed: int | None = 0,
+    dtype: str = "bfloat16",
+) -> None:
+    import uvicorn
+
+    folder = model_folder(model)
+    torch_dtype = getattr(torch, dtype)
+    server_info = resolved_server_info(
+        {"model_path": str(folder), "tp_size": tp, "dtype": dtype, "host": host, "port": port}
+    )
+
+    def hf_weights() -> Iterator[tuple[str, torch.Tensor]]:
+        if weights is not None:
+            return read_safetensors(weights)
+        return synthetic_weights(folder, seed=seed or 0, dtype=torch_dtype)
+
+    ranks = [
+        EngineRank(
+            server_info, sglang_env.RankSpec.from_server_info(server_info, r), hf_weights,
+            transport,
+        )
+        for r in range(tp)
+    ]
+    logger.info("local engine: %d rank(s) of %s ready on %s:%d", tp, model, host, port)
+    app = create_app(server_info, ranks)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        for rank in ranks:
+            rank.close()

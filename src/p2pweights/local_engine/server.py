@@ -1,0 +1,123 @@
+"""The HTTP face of a local engine: the sglang routes a weight update uses, same JSON shapes.
+
+No generation happens here; pause and continue only flip state. Everything a
+weight-sync library reads or triggers (server args, published weights, the
+update session, the weight checker) is served as sglang 0.5.23 serves it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from typing import Any
+
+from fastapi import Body, FastAPI, Query
+from fastapi.responses import JSONResponse
+
+from p2pweights.local_engine.ranks import EngineRank
+
+logger = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
+    """The FastAPI app serving ``ranks`` (ordered by TP rank) of one engine."""
+    app = FastAPI(title="p2pweights local engine")
+    state: dict[str, Any] = {"weight_version": "default", "paused": False, "updating": False}
+    lock = threading.Lock()  # update-session routes run one at a time, as in sglang's scheduler
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/server_info")
+    def get_server_info() -> dict[str, Any]:
+        return {**server_info, "weight_version": state["weight_version"]}
+
+    @app.get("/model_info")
+    def model_info() -> dict[str, Any]:
+        return {
+            "model_path": server_info["model_path"],
+            "is_generation": True,
+            "weight_version": state["weight_version"],
+        }
+
+    def transfer_engine_info(rank: int) -> Any:
+        if not 0 <= rank < len(ranks):
+            return _error(400, f"rank {rank} not found; this engine has ranks 0..{len(ranks) - 1}")
+        return {"rank": rank, "remote_instance_transfer_engine_info": ranks[rank].publication()}
+
+    @app.get("/remote_instance_transfer_engine_info")
+    def remote_info(rank: int = Query(...)) -> Any:
+        return transfer_engine_info(rank)
+
+    @app.get("/get_remote_instance_transfer_engine_info")
+    def remote_info_old(rank: int = Query(...)) -> Any:
+        logger.warning("/get_remote_instance_transfer_engine_info is deprecated")
+        return transfer_engine_info(rank)
+
+    @app.post("/pause_generation")
+    def pause(body: dict[str, Any] = Body(default={})) -> dict[str, Any]:
+        state["paused"] = True
+        return {"status": "ok", "mode": body.get("mode", "abort")}
+
+    @app.post("/continue_generation")
+    def resume(body: dict[str, Any] = Body(default={})) -> dict[str, Any]:
+        state["paused"] = False
+        return {"status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    def flush_cache() -> Any:
+        return JSONResponse("Cache flushed.", status_code=200)
+
+    @app.post("/begin_weight_update")
+    def begin(body: dict[str, Any] = Body(default={})) -> dict[str, Any]:
+        with lock:
+            for rank in ranks:
+                rank.begin_update()
+            state["updating"] = True
+        return {"success": True, "message": "begin_weight_update done"}
+
+    @app.post("/end_weight_update")
+    def end(body: dict[str, Any] = Body(default={})) -> dict[str, Any]:
+        with lock:
+            if not state["updating"]:
+                return {"success": False, "message": "no weight update in progress"}
+            for rank in ranks:
+                rank.end_update()
+            state["updating"] = False
+        return {"success": True, "message": "end_weight_update done"}
+
+    @app.post("/update_weight_version")
+    def update_version(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        state["weight_version"] = str(body["new_version"])
+        return {"success": True, "message": "ok", "new_version": state["weight_version"]}
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    def weights_checker(body: dict[str, Any] = Body(default={})) -> Any:
+        action = body.get("action", "checksum")
+        options = {
+            "allow_quant_error": body.get("allow_quant_error", False),
+            "skip_tensor_list": body.get("skip_tensor_list"),
+        }
+        try:
+            with lock:
+                payloads = [rank.check(action, **options) for rank in ranks]
+        except Exception as exc:  # sglang answers a failed check as success=False, HTTP 400
+            logger.warning("weights_checker %s failed: %s", action, exc)
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+        answer: dict[str, Any] = {"success": True, "message": f"{action} ok"}
+        infos = [p for p in payloads if p is not None]
+        if infos:
+            digest = hashlib.sha256()
+            for info in infos:
+                digest.update(info["per_gpu_checksum"].encode())
+            answer["ranks"] = infos
+            answer["per_engine_checksum"] = digest.hexdigest()
+        return answer
+
+    return app

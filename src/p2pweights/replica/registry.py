@@ -1,0 +1,142 @@
+"""Replicas kept per shard layout for the whole trainer process.
+
+Two engine ranks whose bytes are laid out the same way (same model, same rank
+parallelism, same byte-relevant server arguments) share one replica and one
+loader probe, across engines and across reconnects. sglang is imported only
+when a replica is first built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pweights.engines.published import RankPublication
+from p2pweights.errors import ConfigError, LayoutMismatchError
+from p2pweights.plan.inputs import InputSpec, ParamGroup
+
+LAYOUT_SERVER_ARGS = (
+    "dtype",
+    "quantization",
+    "tp_size",
+    "ep_size",
+    "pp_size",
+    "dp_size",
+    "enable_dp_attention",
+    "enable_dp_lm_head",
+    "moe_dense_tp_size",
+    "moe_runner_backend",
+    "moe_a2a_backend",
+    "disable_shared_experts_fusion",
+    "ep_num_redundant_experts",
+)
+"""Server arguments that change which bytes a rank holds or how they are laid out."""
+
+_HANDLES: dict[Hashable, ReplicaHandle] = {}
+_LOCK = threading.Lock()
+
+
+def config_path(server_info: Mapping[str, Any], model_path: str | None) -> Path:
+    """The HF config.json this trainer reads for an engine's model."""
+    path = Path(model_path or server_info.get("model_path", ""))
+    candidate = path / "config.json" if path.is_dir() else path
+    if not candidate.is_file():
+        raise ConfigError(
+            f"cannot read the engine's model config at {str(path)!r} from this trainer; pass "
+            f"EngineEndpoint(url, model_path=<local folder or config.json of the same model>)"
+        )
+    return candidate
+
+
+def replica_for(
+    server_info: Mapping[str, Any], engine_rank: int, model_path: str | None = None
+) -> ReplicaHandle:
+    """The process-wide replica handle for ``engine_rank`` of an engine serving ``server_info``."""
+    from p2pweights.replica.sglang_env import RankSpec
+
+    path = config_path(server_info, model_path)
+    spec = RankSpec.from_server_info(dict(server_info), engine_rank)
+    layout_args = tuple((k, _hashable(server_info.get(k))) for k in LAYOUT_SERVER_ARGS)
+    key = (hashlib.sha256(path.read_bytes()).hexdigest(), spec, layout_args)
+    with _LOCK:
+        handle = _HANDLES.get(key)
+        if handle is None:
+            handle = _HANDLES[key] = ReplicaHandle(key, path, dict(server_info), spec)
+    return handle
+
+
+def _hashable(value: Any) -> Hashable:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+@dataclass(eq=False)
+class ReplicaHandle:
+    """One shard layout: its replica (built on first use) and its loader probe."""
+
+    key: Hashable
+    config_path: Path
+    server_info: dict[str, Any]
+    spec: Any
+    _replica: Any = field(default=None, repr=False)
+    _groups: dict[frozenset[str], list[ParamGroup]] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def replica(self) -> Any:
+        with self._lock:
+            if self._replica is None:
+                from p2pweights.replica.model_replica import ModelReplica
+
+                self._replica = ModelReplica.from_server_info(
+                    self.config_path, self.server_info, self.spec
+                )
+            return self._replica
+
+    def param_bytes(self, name: str) -> int:
+        return int(self.replica.param_layouts[name].num_bytes)
+
+    def check_published(self, pub: RankPublication) -> None:
+        """Refuse an engine rank whose published parameters differ from this replica's."""
+        layouts = self.replica.param_layouts
+        where = f"engine {pub.engine_url} rank {pub.engine_rank}"
+        for name, layout in layouts.items():
+            region = pub.regions.get(name)
+            if region is None:
+                raise LayoutMismatchError(
+                    f"{where} did not publish parameter {name!r} that its sglang layout has; "
+                    f"is the trainer's model config the engine's?"
+                )
+            if region.num_bytes != layout.num_bytes:
+                raise LayoutMismatchError(
+                    f"{where} parameter {name!r}: engine published {region.num_bytes} bytes, the "
+                    f"replica lays out {layout.num_bytes} ({tuple(layout.shape)}, {layout.dtype}); "
+                    f"the trainer's sglang build, model config or server args differ from the engine's"
+                )
+        extra = sorted(set(pub.regions) - set(layouts))
+        if extra:
+            raise LayoutMismatchError(
+                f"{where} published parameters the replica does not have: {', '.join(extra[:8])}"
+            )
+
+    def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
+        """Parameter groups for this set of HF inputs (probed once per set, then cached)."""
+        names = frozenset(inputs)
+        with self._lock:
+            cached = self._groups.get(names)
+        if cached is None:
+            cached = self.replica.probe(inputs)
+            with self._lock:
+                self._groups[names] = cached
+        return cached
+
+    def load_into(
+        self, inputs: Sequence[tuple[str, torch.Tensor]], views: Mapping[str, torch.Tensor]
+    ) -> None:
+        self.replica.load_into(list(inputs), dict(views))

@@ -1,0 +1,89 @@
+"""Two staging buffers: one is filled while the writes reading the other are in flight.
+
+A buffer lives where the transport reads fastest: pinned host memory (page-locked
+when a CUDA device exists; plain host memory on CPU-only hosts, where torch cannot
+pin) or device memory. Both are allocated and registered with the transport once
+and reused for every update; a buffer is refilled only after every write reading
+it has returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+ALIGNMENT_BYTES = 256
+"""Every staged parameter starts at a multiple of this (cache lines, RDMA-friendly, dtype-safe)."""
+
+
+def aligned(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+
+
+def allocate_staging(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 buffer of ``num_bytes`` on ``device``; pinned if it is host memory and CUDA exists."""
+    if device.type == "cpu":
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+
+class StagingBuffer:
+    """One flat byte buffer, bump-allocated per flush, with the writes that read it."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.used_bytes = 0
+        self.in_flight: list[Future[None]] = []
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def address(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    def reserve(self, num_bytes: int) -> int | None:
+        """Offset of ``num_bytes`` fresh bytes, or None if they do not fit any more."""
+        offset = self.used_bytes
+        if offset + num_bytes > self.capacity_bytes:
+            return None
+        self.used_bytes = offset + aligned(num_bytes)
+        return offset
+
+    def view(self, offset: int, num_bytes: int) -> torch.Tensor:
+        return self.tensor[offset : offset + num_bytes]
+
+
+class StagingBuffers:
+    """The pair of staging buffers of one session, registered once."""
+
+    def __init__(
+        self,
+        num_bytes: int,
+        device: torch.device,
+        register: Callable[[torch.Tensor], None],
+    ):
+        self.buffers = [StagingBuffer(allocate_staging(num_bytes, device)) for _ in range(2)]
+        for buffer in self.buffers:
+            register(buffer.tensor)
+        self._current = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.buffers[0].capacity_bytes
+
+    @property
+    def current(self) -> StagingBuffer:
+        return self.buffers[self._current]
+
+    @property
+    def other(self) -> StagingBuffer:
+        return self.buffers[1 - self._current]
+
+    def swap(self) -> StagingBuffer:
+        """Make the other buffer current and return it (its old writes are not yet waited for)."""
+        self._current = 1 - self._current
+        return self.current

@@ -1,0 +1,147 @@
+"""The data path of one update: stage parameter groups, stream them to engine ranks.
+
+``UpdatePipeline.stage`` asks a replica to load one parameter group's bytes into
+the current staging buffer and queues a write of each parameter to every engine
+rank that needs those bytes. When the buffer is full it is flushed: its batches
+go to the engines' writer threads and filling continues in the other buffer,
+which is reused only once every write reading it has returned. ``finish`` flushes
+the rest and waits; any failed, refused or late write fails the update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pweights.engines.published import RankPublication
+from p2pweights.errors import TransferError
+from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers, aligned
+from p2pweights.transfer.transports.base import Write
+from p2pweights.transfer.writers import EngineWriter, WriteBatch
+
+LoadFn = Callable[[Mapping[str, torch.Tensor]], None]
+"""Fills the given destination views (param name -> flat uint8 view) with one group's bytes."""
+
+
+@dataclass
+class PipelineStats:
+    """What one update moved and where its time went."""
+
+    bytes_by_target: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
+    load_s: float = 0.0
+    wait_s: float = 0.0
+    num_flushes: int = 0
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(self.bytes_by_target.values())
+
+
+class UpdatePipeline:
+    """Stages groups into two buffers and hands full buffers to per-engine writers."""
+
+    def __init__(
+        self,
+        buffers: StagingBuffers,
+        writers: Mapping[str, EngineWriter],
+        timeout_s: float,
+    ):
+        self._buffers = buffers
+        self._writers = writers
+        self._timeout_s = timeout_s
+        self._batches: dict[tuple[str, int], WriteBatch] = {}
+        self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
+        self.stats = PipelineStats()
+
+    def stage(
+        self,
+        sizes: Mapping[str, int],
+        load: LoadFn,
+        targets: Sequence[RankPublication],
+    ) -> None:
+        """Load one group (``sizes``: param name -> bytes) once and queue it for every target."""
+        total = sum(aligned(n) for n in sizes.values())
+        if total > self._buffers.capacity_bytes:
+            raise TransferError(
+                f"a parameter group of {total} bytes does not fit a {self._buffers.capacity_bytes}"
+                f"-byte staging buffer (parameters {sorted(sizes)}); raise buffer_bytes"
+            )
+        buffer = self._buffers.current
+        if buffer.capacity_bytes - buffer.used_bytes < total:
+            buffer = self._flush()
+        views: dict[str, torch.Tensor] = {}
+        offsets: dict[str, int] = {}
+        for name, num_bytes in sizes.items():
+            offset = buffer.reserve(num_bytes)
+            assert offset is not None  # the whole group was checked to fit
+            offsets[name] = offset
+            views[name] = buffer.view(offset, num_bytes)
+        started = time.perf_counter()
+        load(views)
+        self.stats.load_s += time.perf_counter() - started
+        for target in targets:
+            for name, num_bytes in sizes.items():
+                self._queue(target, name, buffer.address + offsets[name], num_bytes)
+
+    def _queue(self, target: RankPublication, param: str, src: int, num_bytes: int) -> None:
+        """Queue one parameter's write, checked against the region the engine published."""
+        region = target.regions.get(param)
+        where = f"engine {target.engine_url} rank {target.engine_rank} parameter {param!r}"
+        if region is None:
+            raise TransferError(f"{where} was not published by the engine; refusing to write")
+        if num_bytes != region.num_bytes:
+            raise TransferError(
+                f"{where}: {num_bytes} bytes staged but the engine published "
+                f"{region.num_bytes}; refusing to write outside the published region"
+            )
+        key = (target.engine_url, target.engine_rank)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = WriteBatch(target)
+        batch.add(Write(src, region.address, num_bytes), param)
+
+    def _flush(self) -> StagingBuffer:
+        """Send the current buffer's batches; return the other buffer once its writes returned."""
+        index = self._buffers.buffers.index(self._buffers.current)
+        for key, batch in self._batches.items():
+            future = self._writers[batch.target.engine_url].submit(batch)
+            self._pending[index].append((future, batch))
+            self.stats.bytes_by_target[key] += batch.num_bytes
+        self._batches = {}
+        self.stats.num_flushes += 1
+        buffer = self._buffers.swap()
+        self._wait(self._pending[1 - index])
+        buffer.used_bytes = 0
+        return buffer
+
+    def finish(self) -> PipelineStats:
+        """Flush what is staged and wait for every write; raise if any failed or is late."""
+        if self._batches:
+            self._flush()
+        for index in (0, 1):
+            self._wait(self._pending[index])
+        self._buffers.current.used_bytes = 0
+        return self.stats
+
+    def _wait(self, pending: list[tuple[Future[None], WriteBatch]]) -> None:
+        if not pending:
+            return
+        started = time.perf_counter()
+        done, not_done = wait([future for future, _ in pending], timeout=self._timeout_s)
+        self.stats.wait_s += time.perf_counter() - started
+        if not_done:
+            late = [batch.describe() for future, batch in pending if future in not_done]
+            raise TransferError(
+                f"writes still running after transfer_timeout_s={self._timeout_s}: "
+                + "; ".join(late)
+            )
+        for future, _ in pending:
+            error = future.exception()
+            if error is not None:
+                raise error
+        pending.clear()

@@ -1,0 +1,43 @@
+"""Transports by name, imported only when used (none of them is a hard dependency)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from p2pweights.errors import ConfigError
+from p2pweights.transfer.transports.base import Publisher, Transport, Write
+
+_TRANSPORTS = {
+    "mooncake": "p2pweights.transfer.transports.mooncake:MooncakeTransport",
+    "nixl": "p2pweights.transfer.transports.nixl:NixlTransport",
+}
+_PUBLISHERS = {
+    "mooncake": "p2pweights.transfer.transports.mooncake:MooncakePublisher",
+    "nixl": "p2pweights.transfer.transports.nixl:NixlPublisher",
+}
+
+__all__ = ["Publisher", "Transport", "Write", "create_publisher", "create_transport"]
+
+
+def _load(table: dict[str, str], name: str) -> Any:
+    if name not in table:
+        raise ConfigError(f"unknown transport {name!r}; known: {sorted(table)}")
+    module_name, _, attr = table[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"transport {name!r} needs its package: pip install 'p2pweights[{name}]' ({exc})"
+        ) from exc
+    return getattr(module, attr)
+
+
+def create_transport(config: Any) -> Transport:
+    """The trainer-side transport for ``config`` (a ``MooncakeConfig`` or ``NixlConfig``)."""
+    return _load(_TRANSPORTS, config.kind)(config)  # type: ignore[no-any-return]
+
+
+def create_publisher(kind: str, **options: Any) -> Publisher:
+    """The engine-side publisher for transport ``kind`` (used by the local engine)."""
+    return _load(_PUBLISHERS, kind)(**options)  # type: ignore[no-any-return]

@@ -1,0 +1,76 @@
+"""The one interface every transport implements, on both sides of a write.
+
+Trainer side, ``Transport``: register the staging buffers once, connect to the
+engine ranks it writes, write batches of (source address, destination address,
+length) and block until they finished or failed. Engine side, ``Publisher``:
+register an engine rank's weight memory and produce what that rank publishes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from p2pweights.engines.published import RankPublication
+
+
+@dataclass(frozen=True)
+class Write:
+    """Copy ``num_bytes`` from local ``src_address`` to remote ``dst_address``."""
+
+    src_address: int
+    dst_address: int
+    num_bytes: int
+
+
+class Transport(ABC):
+    """Moves bytes from this process's registered memory into engine ranks' memory."""
+
+    name: str
+
+    @abstractmethod
+    def register(self, buffer: torch.Tensor) -> None:
+        """Register ``buffer`` (contiguous, host or device) as a source of writes. Once per buffer."""
+
+    @abstractmethod
+    def connect(self, target: RankPublication) -> None:
+        """Make ``target`` writable (load its agent, open its session). Idempotent."""
+
+    @abstractmethod
+    def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
+        """Issue ``writes`` to ``target`` and return when all completed.
+
+        Raises ``TransferError`` if any failed or the batch is not done after
+        ``timeout_s``; a timed-out batch's resources are released before raising.
+        Safe to call from one thread per target concurrently.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Deregister memory and release every connection."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Publisher(ABC):
+    """Engine side: registers one rank's weight memory and describes it for writers."""
+
+    @abstractmethod
+    def register(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Register the memory holding ``tensors`` (adjacent storage merged into few regions)."""
+
+    @abstractmethod
+    def publication(self, tensors: dict[str, torch.Tensor]) -> Any:
+        """The JSON-able value sglang serves as ``remote_instance_transfer_engine_info``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Deregister and shut down."""

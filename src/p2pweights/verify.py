@@ -1,0 +1,66 @@
+"""Bit-exact verification: what an engine holds vs what sglang's own loader gives.
+
+The expected side builds a real CPU model of each engine rank with sglang's model
+class, fills it with sglang's own ``load_weights`` (and start-up postprocess) from
+the same HF tensors, and hashes it with sglang's own ``WeightChecker``; the engine
+side asks the engine's ``/weights_checker`` for the same checksums. Parameters and
+persistent buffers are both compared, so buffers the engine derives count too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from p2pweights.engines.client import EngineClient
+from p2pweights.replica.registry import config_path
+
+HfTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+def expected_checksums(
+    server_info: Mapping[str, Any], engine_rank: int, hf_tensors: HfTensors,
+    model_path: str | None = None,
+) -> dict[str, str]:
+    """sglang's per-tensor checksums for ``engine_rank`` loaded from ``hf_tensors()``."""
+    from sglang.srt.utils.weight_checker import WeightChecker
+
+    from p2pweights.replica import sglang_env
+
+    spec = sglang_env.RankSpec.from_server_info(server_info, engine_rank)
+    folder = config_path(server_info, model_path).parent
+    model = sglang_env.load_real_rank_model(
+        folder, spec, hf_tensors(), dtype=server_info.get("dtype", "auto"),
+        server_args_fields=server_info,
+    )
+    with sglang_env.rank_scope(spec):
+        info = WeightChecker(get_model=lambda: model).handle("checksum", role="target")
+    assert info is not None
+    return dict(info["checksums"])
+
+
+def engine_checksums(client: EngineClient) -> list[dict[str, str]]:
+    """The engine's own per-tensor checksums, one dict per rank in rank order."""
+    answer = client.weights_checker("checksum")
+    ranks = sorted(answer["ranks"], key=lambda r: r["parallelism_info"]["tp_rank"])
+    return [dict(r["checksums"]) for r in ranks]
+
+
+def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[str]:
+    """Names whose checksums differ or that only one side has (empty when bit-exact)."""
+    names = sorted(set(expected) | set(actual))
+    return [n for n in names if expected.get(n) != actual.get(n)]
+
+
+def verify_engine(
+    client: EngineClient, hf_tensors: HfTensors, model_path: str | None = None
+) -> dict[int, list[str]]:
+    """Engine rank -> mismatching tensor names (empty lists when every rank is bit-exact)."""
+    server_info = client.server_info()
+    actual = engine_checksums(client)
+    return {
+        rank: compare(expected_checksums(server_info, rank, hf_tensors, model_path), checksums)
+        for rank, checksums in enumerate(actual)
+    }
