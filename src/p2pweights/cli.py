@@ -11,8 +11,14 @@ def _engine(args: argparse.Namespace) -> int:
     from p2pweights.local_engine.serve import serve
 
     serve(
-        args.model, tp=args.tp, port=args.port, host=args.host, transport=args.transport,
-        weights=args.weights, seed=args.seed, dtype=args.dtype,
+        args.model,
+        tp=args.tp,
+        port=args.port,
+        host=args.host,
+        transport=args.transport,
+        weights=args.weights,
+        seed=args.seed,
+        dtype=args.dtype,
     )
     return 0
 
@@ -21,8 +27,11 @@ def _demo(args: argparse.Namespace) -> int:
     from p2pweights.demo import run_demo
 
     return run_demo(
-        model=args.model, transport=args.transport, engine_tps=args.engine_tp,
-        num_updates=args.updates, buffer_bytes=args.buffer,
+        model=args.model,
+        transport=args.transport,
+        engine_tps=args.engine_tp,
+        num_updates=args.updates,
+        buffer_bytes=args.buffer,
     )
 
 

@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -59,7 +66,7 @@ class NixlConfig(BaseModel):
     """The NIXL plugin; defaults to $SGLANG_REMOTE_INSTANCE_NIXL_BACKEND, else "UCX"."""
 
 
-TransportConfig = Annotated[Union[MooncakeConfig, NixlConfig], Field(discriminator="kind")]
+TransportConfig = Annotated[MooncakeConfig | NixlConfig, Field(discriminator="kind")]
 
 
 class SyncConfig(BaseModel):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, parse_bytes
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import LocalEngine
 from p2pweights.session import WeightSyncSession
@@ -45,12 +45,15 @@ def run_demo(
 
 
 def _run_updates(
-    folder: Path, engines: list[LocalEngine], transport: str, num_updates: int,
+    folder: Path,
+    engines: list[LocalEngine],
+    transport: str,
+    num_updates: int,
     buffer_bytes: int | str,
 ) -> int:
     config = SyncConfig(
         transport=MooncakeConfig(protocol="tcp") if transport == "mooncake" else NixlConfig(),
-        buffer_bytes=buffer_bytes,
+        buffer_bytes=parse_bytes(buffer_bytes),
         check_weight_update_equal=True,
     )
     rows = []
@@ -85,4 +88,6 @@ def _print_table(rows: list) -> None:
             for url, ranks in mismatches.items():
                 for rank, names in ranks.items():
                     if names:
-                        print(f"        {url} rank {rank}: {len(names)} tensor(s) differ: {names[:4]}")
+                        print(
+                            f"        {url} rank {rank}: {len(names)} tensor(s) differ: {names[:4]}"
+                        )

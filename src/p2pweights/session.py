@@ -15,6 +15,7 @@ session and the ``barrier`` the caller passes keeps the others' writes inside it
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -40,7 +41,7 @@ from p2pweights.plan.inputs import (
 from p2pweights.replica.registry import ReplicaHandle, replica_for
 from p2pweights.report import UpdateReport
 from p2pweights.transfer.buffers import StagingBuffers, aligned
-from p2pweights.transfer.pipeline import UpdatePipeline
+from p2pweights.transfer.pipeline import PipelineStats, UpdatePipeline
 from p2pweights.transfer.transports import Transport, create_transport
 from p2pweights.transfer.writers import EngineWriter
 
@@ -119,7 +120,10 @@ class WeightSyncSession:
         self._next_version = max(self._next_version, _next_numeric_version(self._engines))
         logger.info(
             "connected to %d engine(s); trainer rank %d writes %d engine rank(s) from %d replica(s)",
-            len(self._engines), self.config.trainer_rank, len(mine), len(self._targets),
+            len(self._engines),
+            self.config.trainer_rank,
+            len(mine),
+            len(self._targets),
         )
 
     def _my_targets(self) -> list[tuple[ConnectedEngine, int]]:
@@ -129,7 +133,9 @@ class WeightSyncSession:
             for rank in range(e.num_ranks)
         ]
         plan = assign_targets(self.config.num_trainer_ranks, targets)
-        return [(self._engines[t.engine_index], t.engine_rank) for t in plan[self.config.trainer_rank]]
+        return [
+            (self._engines[t.engine_index], t.engine_rank) for t in plan[self.config.trainer_rank]
+        ]
 
     def _replica(self, engine: ConnectedEngine, rank: int) -> ReplicaHandle:
         handle = replica_for(engine.server_info, rank, engine.endpoint.model_path)
@@ -191,7 +197,8 @@ class WeightSyncSession:
         specs = describe_inputs(tensors)
         if self._groups is None:
             self._groups = {
-                key: handle.groups(specs) for key, handle in self._replicas.items()
+                key: handle.groups(specs)
+                for key, handle in self._replicas.items()
                 if key in self._targets
             }
             self._inputs = specs
@@ -217,7 +224,7 @@ class WeightSyncSession:
         size = max(self.config.buffer_bytes, largest)
         self._buffers = StagingBuffers(size, self._staging_device, self._transport.register)
 
-    def _write_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
+    def _write_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> PipelineStats:
         assert self._groups is not None and self._buffers is not None
         pipeline = UpdatePipeline(self._buffers, self._writers, self.config.transfer_timeout_s)
         collector = GroupCollector(self._groups)
@@ -228,7 +235,7 @@ class WeightSyncSession:
                     handle = self._replicas[key]
                     pipeline.stage(
                         {p: handle.param_bytes(p) for p in group.param_names},
-                        lambda views, h=handle, i=inputs: h.load_into(i, views),
+                        functools.partial(handle.load_into, inputs),
                         self._targets[key],
                     )
             collector.raise_if_incomplete()

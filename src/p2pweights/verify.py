@@ -21,7 +21,9 @@ HfTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 def expected_checksums(
-    server_info: Mapping[str, Any], engine_rank: int, hf_tensors: HfTensors,
+    server_info: Mapping[str, Any],
+    engine_rank: int,
+    hf_tensors: HfTensors,
     model_path: str | None = None,
 ) -> dict[str, str]:
     """sglang's per-tensor checksums for ``engine_rank`` loaded from ``hf_tensors()``."""
@@ -32,7 +34,10 @@ def expected_checksums(
     spec = sglang_env.RankSpec.from_server_info(server_info, engine_rank)
     folder = config_path(server_info, model_path).parent
     model = sglang_env.load_real_rank_model(
-        folder, spec, hf_tensors(), dtype=server_info.get("dtype", "auto"),
+        folder,
+        spec,
+        hf_tensors(),
+        dtype=server_info.get("dtype", "auto"),
         server_args_fields=server_info,
     )
     with sglang_env.rank_scope(spec):

@@ -13,9 +13,7 @@ from p2pweights.plan.assignment import Target, assign_targets
 def _targets(engine_ranks: list[int]) -> list[Target]:
     """Engines of the given TP sizes; rank r of every engine of one TP size shares a layout."""
     return [
-        Target(e, r, layout_key=(tp, r))
-        for e, tp in enumerate(engine_ranks)
-        for r in range(tp)
+        Target(e, r, layout_key=(tp, r)) for e, tp in enumerate(engine_ranks) for r in range(tp)
     ]
 
 

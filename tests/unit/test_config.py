@@ -19,8 +19,14 @@ def test_defaults():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("1GiB", 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), (" 64 kib ", 65536),
-     (4096, 4096), ("2048", 2048)],
+    [
+        ("1GiB", 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        (" 64 kib ", 65536),
+        (4096, 4096),
+        ("2048", 2048),
+    ],
 )
 def test_sizes(text, expected):
     assert parse_bytes(text) == expected

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.plan.inputs import GroupCollector, InputSpec, ParamGroup, check_input, describe_inputs
+from p2pweights.plan.inputs import (
+    GroupCollector,
+    InputSpec,
+    ParamGroup,
+    check_input,
+    describe_inputs,
+)
 
 QKV = ParamGroup(frozenset({"q", "k", "v"}), ("qkv_proj",))
 TIED = ParamGroup(frozenset({"embed"}), ("embed_tokens", "lm_head"))

@@ -55,7 +55,9 @@ class CopyingTransport(Transport):
 
 
 def _engine(url: str, rank: int, params: dict[str, torch.Tensor]) -> RankPublication:
-    regions = {n: WeightRegion(t.data_ptr(), t.numel() * t.element_size()) for n, t in params.items()}
+    regions = {
+        n: WeightRegion(t.data_ptr(), t.numel() * t.element_size()) for n, t in params.items()
+    }
     return RankPublication(url, rank, "fake", regions, session_id="x")
 
 
@@ -72,6 +74,7 @@ def _params(seed: int) -> dict[str, torch.Tensor]:
 
 def _stage_all(pipeline, source, targets):
     for name, value in source.items():
+
         def load(views, value=value, name=name):
             views[name].copy_(value.view(torch.uint8))
 
@@ -99,7 +102,9 @@ def test_one_writer_thread_per_engine():
     transport = CopyingTransport()
     _, _, pipeline = _setup(transport, aligned(1000))
     source = _params(1)
-    sinks = {u: {n: torch.zeros_like(t) for n, t in source.items()} for u in ("http://a", "http://b")}
+    sinks = {
+        u: {n: torch.zeros_like(t) for n, t in source.items()} for u in ("http://a", "http://b")
+    }
     targets = [_engine(u, 0, sinks[u]) for u in sinks]
     _stage_all(pipeline, source, targets)
     pipeline.finish()
@@ -127,7 +132,9 @@ def test_late_write_fails_the_update():
     _KEEP_ALIVE.append((sink, pipeline))
     targets = [_engine("http://a", 0, sink)]
     _stage_all(pipeline, source, targets)
-    with pytest.raises(TransferError, match=r"still running after transfer_timeout_s=0.3.*http://a rank 0"):
+    with pytest.raises(
+        TransferError, match=r"still running after transfer_timeout_s=0.3.*http://a rank 0"
+    ):
         pipeline.finish()
 
 

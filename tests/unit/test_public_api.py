@@ -8,9 +8,20 @@ import sys
 import p2pweights
 
 PUBLIC = {
-    "ConfigError", "EngineEndpoint", "EngineError", "LayoutMismatchError", "MooncakeConfig",
-    "NixlConfig", "P2PWeightsError", "PlanError", "SyncConfig", "TransferError", "TransportError",
-    "UpdateReport", "WeightSyncSession", "__version__",
+    "ConfigError",
+    "EngineEndpoint",
+    "EngineError",
+    "LayoutMismatchError",
+    "MooncakeConfig",
+    "NixlConfig",
+    "P2PWeightsError",
+    "PlanError",
+    "SyncConfig",
+    "TransferError",
+    "TransportError",
+    "UpdateReport",
+    "WeightSyncSession",
+    "__version__",
 }
 
 

@@ -115,7 +115,8 @@ class EngineClient:
             if isinstance(body, dict):
                 error = body.get("error")
                 message = (
-                    error.get("message", message) if isinstance(error, dict)
+                    error.get("message", message)
+                    if isinstance(error, dict)
                     else body.get("message", message)
                 )
         except ValueError:

@@ -23,5 +23,7 @@ class EngineEndpoint:
         if not isinstance(engine, str) or not engine.startswith(("http://", "https://")):
             from p2pweights.errors import ConfigError
 
-            raise ConfigError(f"an engine is a URL such as 'http://127.0.0.1:30000', got {engine!r}")
+            raise ConfigError(
+                f"an engine is a URL such as 'http://127.0.0.1:30000', got {engine!r}"
+            )
         return cls(url=engine.rstrip("/"))

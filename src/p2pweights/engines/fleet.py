@@ -48,7 +48,10 @@ def num_engine_ranks(url: str, server_info: dict[str, Any]) -> int:
 
 
 def connect_engine(
-    index: int, endpoint: EngineEndpoint, transport_kind: str, timeout_s: float,
+    index: int,
+    endpoint: EngineEndpoint,
+    transport_kind: str,
+    timeout_s: float,
     api_key: str | None,
 ) -> ConnectedEngine:
     client = EngineClient(endpoint.url, timeout_s=timeout_s, api_key=endpoint.api_key or api_key)

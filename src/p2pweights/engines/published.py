@@ -43,6 +43,7 @@ class RankPublication:
     session_id: str | None = None  # mooncake: "host:rpc_port"
     agent_name: str | None = None  # nixl
     agent_metadata: bytes | None = field(default=None, repr=False)  # nixl
+    mem_type: str | None = None  # nixl: "VRAM" or "DRAM" when the publisher says
 
     @property
     def peer(self) -> str:
@@ -72,14 +73,21 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
         table = info["weights_info_dict"]
         if backend == "mooncake":
             return RankPublication(
-                engine_url, engine_rank, "mooncake", _regions(table),
+                engine_url,
+                engine_rank,
+                "mooncake",
+                _regions(table),
                 session_id=str(info["session_id"]),
             )
         if backend == "nixl":
             return RankPublication(
-                engine_url, engine_rank, "nixl", _regions(table),
+                engine_url,
+                engine_rank,
+                "nixl",
+                _regions(table),
                 agent_name=str(info["agent_name"]),
                 agent_metadata=base64.b64decode(info["agent_metadata"]),
+                mem_type=info.get("mem_type"),
             )
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineError(

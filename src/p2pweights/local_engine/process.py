@@ -53,7 +53,9 @@ class LocalEngine:
         self.startup_timeout_s = startup_timeout_s
         self._env = env
         self._process: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="p2pweights-engine-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(
+            prefix="p2pweights-engine-", suffix=".log", delete=False
+        )
 
     @property
     def url(self) -> str:
@@ -65,9 +67,22 @@ class LocalEngine:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "p2pweights.cli", "engine",
-            "--model", self.model, "--tp", str(self.tp), "--port", str(self.port),
-            "--host", self.host, "--transport", self.transport, "--dtype", self.dtype,
+            sys.executable,
+            "-m",
+            "p2pweights.cli",
+            "engine",
+            "--model",
+            self.model,
+            "--tp",
+            str(self.tp),
+            "--port",
+            str(self.port),
+            "--host",
+            self.host,
+            "--transport",
+            self.transport,
+            "--dtype",
+            self.dtype,
         ]
         if self.weights is not None:
             cmd += ["--weights", self.weights]
@@ -78,7 +93,10 @@ class LocalEngine:
     def start(self) -> LocalEngine:
         env = {**os.environ, **(self._env or {})}
         self._process = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,
         )
         return self

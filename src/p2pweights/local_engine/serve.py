@@ -80,7 +80,9 @@ def serve(
 
     ranks = [
         EngineRank(
-            server_info, sglang_env.RankSpec.from_server_info(server_info, r), hf_weights,
+            server_info,
+            sglang_env.RankSpec.from_server_info(server_info, r),
+            hf_weights,
             transport,
         )
         for r in range(tp)

@@ -36,7 +36,9 @@ def describe_inputs(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, In
     specs: dict[str, InputSpec] = {}
     for name, tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"HF tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            raise ConfigError(
+                f"HF tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor"
+            )
         if name in specs:
             raise ConfigError(f"HF tensor {name!r} was given twice in one update")
         specs[name] = InputSpec(tuple(tensor.shape), tensor.dtype)
@@ -110,7 +112,9 @@ class GroupCollector:
     def raise_if_incomplete(self) -> None:
         missing = self.missing()
         if missing:
-            lines = [f"{param} (needs {', '.join(names)})" for param, names in sorted(missing.items())]
+            lines = [
+                f"{param} (needs {', '.join(names)})" for param, names in sorted(missing.items())
+            ]
             raise ConfigError(
                 "the update ended before every input of these parameters arrived: "
                 + "; ".join(lines[:8])

@@ -35,9 +35,9 @@ def _load(table: dict[str, str], name: str) -> Any:
 
 def create_transport(config: Any) -> Transport:
     """The trainer-side transport for ``config`` (a ``MooncakeConfig`` or ``NixlConfig``)."""
-    return _load(_TRANSPORTS, config.kind)(config)  # type: ignore[no-any-return]
+    return _load(_TRANSPORTS, config.kind)(config)
 
 
 def create_publisher(kind: str, **options: Any) -> Publisher:
     """The engine-side publisher for transport ``kind`` (used by the local engine)."""
-    return _load(_PUBLISHERS, kind)(**options)  # type: ignore[no-any-return]
+    return _load(_PUBLISHERS, kind)(**options)

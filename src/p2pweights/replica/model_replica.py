@@ -1,0 +1,255 @@
+"""A replica of one engine rank's sglang model, without parameter storage.
+
+The replica is the rank's own sglang model built on the meta device and brought to
+the layout the engine loads updates into ("reload layout"): its start-up postprocess
+(``process_weights_after_loading``), then the restore every update session begins
+with (``restore_weights_before_loading``). Its parameters have the shapes, strides
+and dtypes of the engine's parameters but no memory.
+
+To produce bytes, ``load_into`` points the parameters of one group at slices of a
+staging buffer and runs the model's own ``load_weights``: whatever sharding, padding
+and fusing the engine's loader does, it does here into the staging memory, so the
+staged bytes are exactly what that rank's loader would write. The parameters are
+pointed back at meta storage afterwards, so a replica never holds the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2pweights.errors import ConfigError
+from p2pweights.replica import sglang_env
+from p2pweights.replica.sglang_env import RankSpec
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from p2pweights.plan.inputs import ParamGroup
+    from p2pweights.replica.probe import HfTensorSpec, LoaderMap
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParamLayout", "ModelReplica", "bytes_spanned"]
+
+_ENGINE_LOCAL_ARGS = frozenset(
+    {"model_path", "tokenizer_path", "host", "port", "nccl_port", "dist_init_addr", "base_gpu_id"}
+)
+"""``/server_info`` fields that describe the engine's host, not its bytes."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one sglang parameter lies in the engine's memory (reload layout)."""
+
+    name: str
+    """sglang's parameter name, as in ``model.named_parameters()`` and the published info."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    num_bytes: int
+    """Bytes from the first element to the end of the last one (``bytes_spanned``)."""
+
+
+def bytes_spanned(shape: Sequence[int], stride: Sequence[int], element_size: int) -> int:
+    """Bytes a tensor spans from its first element, holes included; 0 if it is empty."""
+    if any(size == 0 for size in shape):
+        return 0
+    last = sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+    return (last + 1) * element_size
+
+
+class ModelReplica:
+    """One engine rank's sglang model on meta, with its parameter layouts.
+
+    ``model_path`` is a local folder with the model's ``config.json`` (what sglang's
+    ``--model-path`` names); ``server_args_fields`` are the engine's other server args
+    (e.g. from ``/server_info``) that shape its bytes, such as quantization.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        spec: RankSpec,
+        dtype: str | torch.dtype = "auto",
+        server_args_fields: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.spec = spec
+        self._server_args = sglang_env.server_args_for(model_path, dtype, server_args_fields)
+        self._activate()
+        self.model_config = sglang_env.model_config_for()
+        self.model: nn.Module = sglang_env.build_model(
+            self.model_config, spec, torch.device("meta")
+        )
+        self._to_reload_layout()
+        self.layouts: dict[str, ParamLayout] = {
+            name: _layout_of(name, param) for name, param in self.model.named_parameters()
+        }
+        # (hf name, shape, dtype) -> the parameters it writes; filled by the probe.
+        self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], frozenset[str]] = {}
+        self._loader_maps: dict[tuple[HfTensorSpec, ...], LoaderMap] = {}
+
+    @classmethod
+    def from_server_info(
+        cls,
+        config_path: str | os.PathLike[str],
+        server_info: Mapping[str, Any],
+        spec: RankSpec,
+    ) -> ModelReplica:
+        """The replica of ``spec``'s rank of an engine whose ``/server_info`` is ``server_info``.
+
+        ``config_path`` is this trainer's copy of the model's config.json (or its
+        folder); the engine's own paths and addresses are dropped.
+        """
+        path = Path(config_path)
+        folder = path if path.is_dir() else path.parent
+        fields = {k: v for k, v in server_info.items() if k not in _ENGINE_LOCAL_ARGS}
+        return cls(folder, spec, fields.pop("dtype", "auto"), fields)
+
+    @property
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        """Alias of ``layouts`` (sglang parameter name -> layout)."""
+        return self.layouts
+
+    def probe(self, inputs: Mapping[str, Any]) -> list[ParamGroup]:
+        """Groups for HF name -> (shape, dtype) specs, as ``plan.inputs.ParamGroup``."""
+        from p2pweights.plan.inputs import ParamGroup
+        from p2pweights.replica.probe import HfTensorSpec
+
+        specs = [HfTensorSpec(name, tuple(s.shape), s.dtype) for name, s in inputs.items()]
+        return [
+            ParamGroup(hf_names=g.hf_names, param_names=g.param_names)
+            for g in self.loader_map(specs).groups
+        ]
+
+    def _activate(self) -> None:
+        """Re-publish this replica's server args if another replica published different ones."""
+        sglang_env.ensure_server_args(self._server_args)
+
+    def _to_reload_layout(self) -> None:
+        """Start-up postprocess, then the restore a session's begin runs, as the engine does.
+
+        The target device is "cpu" so sglang's ``device_loading_context`` leaves the
+        meta parameters where they are.
+        """
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        with sglang_env.rank_scope(self.spec):
+            DefaultModelLoader.postprocess_weights(self.model, torch.device("cpu"))
+        sglang_env.begin_update(self.model, self.spec, "cpu")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(layout.num_bytes for layout in self.layouts.values())
+
+    @contextlib.contextmanager
+    def loading_scope(self) -> Iterator[None]:
+        """Server args, parallel override and default dtype of this rank, for loader calls."""
+        from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+        self._activate()
+        with sglang_env.rank_scope(self.spec), set_default_torch_dtype(self.model_config.dtype):
+            yield
+
+    def loader_map(self, hf_specs: Iterable[HfTensorSpec]) -> LoaderMap:
+        """Which HF names feed which parameters, probed once per set of names (cached)."""
+        from p2pweights.replica.probe import probe_loader
+
+        key = tuple(hf_specs)
+        found = self._loader_maps.get(key)
+        if found is None:
+            found = probe_loader(self, key)
+            self._loader_maps[key] = found
+        return found
+
+    def load_into(
+        self,
+        hf_tensors: list[tuple[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Run this rank's loader on ``hf_tensors``, writing into ``destinations``.
+
+        ``destinations`` maps sglang parameter names to flat ``torch.uint8`` CPU tensors
+        of exactly ``layouts[name].num_bytes`` (slices of a staging buffer). Every
+        parameter the given HF tensors feed must have a destination; the inputs are
+        checked against the probe before any byte is written.
+        """
+        from p2pweights.replica.probe import HfTensorSpec, probe_loader
+
+        self._check_destinations(destinations)
+        specs = [HfTensorSpec.of(name, tensor) for name, tensor in hf_tensors]
+        fed = probe_loader(self, specs)  # cached per name; raises on a bad shape
+        missing = sorted(
+            {param for spec in specs for param in fed.params_of(spec.name)} - set(destinations)
+        )
+        if missing:
+            raise ConfigError(
+                f"the HF tensors given to load_into also feed {missing}, which have no "
+                "destination; load whole groups of LoaderMap.groups at a time"
+            )
+        params = dict(self.model.named_parameters())
+        with self.loading_scope(), _params_viewing(params, self.layouts, destinations):
+            self.model.load_weights(iter(hf_tensors))  # type: ignore[operator]
+
+    def _check_destinations(self, destinations: Mapping[str, torch.Tensor]) -> None:
+        for name, dest in destinations.items():
+            layout = self.layouts.get(name)
+            if layout is None:
+                raise ConfigError(f"{name!r} is not a parameter of this replica")
+            if (
+                dest.dtype != torch.uint8
+                or dest.dim() != 1
+                or not dest.is_contiguous()
+                or dest.numel() != layout.num_bytes
+            ):
+                raise ConfigError(
+                    f"the destination of {name!r} must be a flat contiguous uint8 tensor "
+                    f"of {layout.num_bytes} bytes, got {dest.dtype} {tuple(dest.shape)}"
+                )
+
+
+def _layout_of(name: str, param: torch.Tensor) -> ParamLayout:
+    shape, stride = tuple(param.shape), tuple(param.stride())
+    return ParamLayout(
+        name=name,
+        shape=shape,
+        stride=stride,
+        dtype=param.dtype,
+        num_bytes=bytes_spanned(shape, stride, param.element_size()),
+    )
+
+
+@contextlib.contextmanager
+def _params_viewing(
+    params: Mapping[str, torch.nn.Parameter],
+    layouts: Mapping[str, ParamLayout],
+    destinations: Mapping[str, torch.Tensor],
+) -> Iterator[None]:
+    """Let each named parameter view its destination memory, then point it back at meta.
+
+    ``torch.utils.swap_tensors`` swaps the tensor inside the same Python Parameter
+    object, so every reference the model and its loaders hold (weight_loader
+    attributes, tied modules, quant methods) sees the staging memory. The attribute
+    dict is copied onto the staging Parameter first so the swap keeps the loader
+    attributes (``weight_loader``, ``output_dim``, ...).
+    """
+    swapped: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+    try:
+        for name, dest in destinations.items():
+            layout, param = layouts[name], params[name]
+            view = torch.as_strided(dest.view(layout.dtype), layout.shape, layout.stride)
+            staged = torch.nn.Parameter(view, requires_grad=param.requires_grad)
+            staged.__dict__.update(param.__dict__)
+            torch.utils.swap_tensors(param, staged)
+            swapped.append((param, staged))
+        yield
+    finally:
+        for param, staged in reversed(swapped):
+            torch.utils.swap_tensors(param, staged)

@@ -1,0 +1,457 @@
+"""Everything that touches sglang's process-global state, in one place.
+
+A replica runs sglang's own model code inside the trainer process. That code reads
+its configuration from two process globals: the published ``ServerArgs`` (through
+``sglang.srt.runtime_context``) and the parallel context (``get_parallel()``), which
+says which rank of which group this process is. The trainer is none of those ranks,
+so this module
+
+* publishes the engine's server arguments once per distinct set (``ensure_server_args``),
+* states one engine rank's parallelism as a scoped override with stand-in group
+  objects (``rank_scope``), so construction and loaders shard for that rank,
+* builds a model the way sglang's ``DefaultModelLoader`` does (``build_model``), and
+* gives the reference: a real CPU model of the rank filled by sglang's own loader
+  and startup postprocess (``load_real_rank_model``), plus the begin/end update
+  steps sglang's ``WeightUpdater`` runs (``begin_update`` / ``end_update``).
+
+sglang is imported lazily: ``import p2pweights`` must not pull it in.
+
+The CPU-only trap. ``RotaryEmbedding.__init__`` picks a forward kernel while it is
+built; on a host that is neither CUDA nor sglang's CPU engine it imports
+``vllm._custom_ops.rotary_embedding``. ``SGLANG_USE_CPU_ENGINE=1`` would avoid that,
+but it also changes how loaders pad and shard, so replicas would no longer match a
+GPU server. Instead, on hosts without CUDA, ``_rope_without_forward_kernel`` marks
+the rotary module's platform flag as CPU for the duration of model construction:
+the rope then skips choosing a fallback kernel (``use_fallback_kernel = False``).
+That choice only decides which kernel ``forward`` calls; the rope holds no parameters
+(its ``cos_sin_cache`` is a non-persistent buffer, dtype chosen by a separate flag),
+and a replica never runs a forward pass, so no loader's bytes change. On a CUDA host
+nothing is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2pweights.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "RankSpec",
+    "FakeGroup",
+    "ensure_server_args",
+    "initialize_moe_config",
+    "rank_scope",
+    "build_model",
+    "load_real_rank_model",
+    "begin_update",
+    "end_update",
+    "model_config_for",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSpec:
+    """The parallelism of one engine rank, as sglang's parallel context states it.
+
+    Widths follow ``sglang.srt.runtime_context.derive_parallel_widths`` and ranks
+    follow ``derive_spawn_ranks`` / ``derive_attention_ranks``; they are recomputed
+    here (pure arithmetic) so planning code need not import sglang.
+    """
+
+    tp_size: int
+    """Tensor-parallel width of the engine (one PP stage)."""
+    tp_rank: int
+    """This rank's place in its TP group."""
+    pp_size: int = 1
+    pp_rank: int = 0
+    attn_tp_size: int = 1
+    """Attention TP width: ``tp_size // attn_dp_size // attn_cp_size``."""
+    attn_tp_rank: int = 0
+    attn_dp_size: int = 1
+    """Attention data-parallel groups inside the TP group (DP attention)."""
+    attn_dp_rank: int = 0
+    attn_cp_size: int = 1
+    attn_cp_rank: int = 0
+    moe_ep_size: int = 1
+    """Expert-parallel width (``ep_size``)."""
+    moe_ep_rank: int = 0
+    moe_tp_size: int = 1
+    """MoE TP width: ``tp_size // moe_ep_size // moe_dp_size``."""
+    moe_tp_rank: int = 0
+    moe_dp_size: int = 1
+    moe_dp_rank: int = 0
+    dcp_size: int = 1
+    """Decode context parallelism; its group is built only when wider than one."""
+    dcp_rank: int = 0
+    shared_experts_tp_size: int | None = None
+    """Shared-expert TP width (Kimi-style); None leaves sglang's default."""
+
+    @property
+    def world_rank(self) -> int:
+        """The engine-local world rank: ``tp_size * pp_rank + tp_rank``."""
+        return self.tp_size * self.pp_rank + self.tp_rank
+
+    @classmethod
+    def derive(
+        cls,
+        *,
+        tp_size: int,
+        engine_rank: int,
+        pp_size: int = 1,
+        ep_size: int = 1,
+        attn_dp_size: int = 1,
+        attn_cp_size: int = 1,
+        moe_dp_size: int = 1,
+        dcp_size: int = 1,
+        shared_experts_tp_size: int | None = None,
+    ) -> RankSpec:
+        """Derive every width and rank of engine rank ``engine_rank`` as sglang's launcher does.
+
+        ``engine_rank`` is the rank's world rank inside one engine,
+        ``tp_size * pp_rank + tp_rank`` (what sglang spawns it with).
+        """
+        for name, value in (
+            ("tp_size", tp_size),
+            ("pp_size", pp_size),
+            ("ep_size", ep_size),
+            ("attn_dp_size", attn_dp_size),
+            ("attn_cp_size", attn_cp_size),
+            ("moe_dp_size", moe_dp_size),
+            ("dcp_size", dcp_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= engine_rank < tp_size * pp_size:
+            raise ConfigError(
+                f"engine rank {engine_rank} is not a rank of an engine with "
+                f"tp_size {tp_size} x pp_size {pp_size}"
+            )
+        if tp_size % (attn_dp_size * attn_cp_size):
+            raise ConfigError(
+                f"tp_size {tp_size} is not divisible by attn_dp_size {attn_dp_size}"
+                f" x attn_cp_size {attn_cp_size}"
+            )
+        if tp_size % (ep_size * moe_dp_size):
+            raise ConfigError(
+                f"tp_size {tp_size} is not divisible by ep_size {ep_size}"
+                f" x moe_dp_size {moe_dp_size}"
+            )
+        tp_rank = engine_rank % tp_size
+        attn_tp_size = tp_size // attn_dp_size // attn_cp_size
+        attn_cp_rank = (tp_rank // attn_tp_size) % attn_cp_size
+        moe_group = tp_size // moe_dp_size
+        moe_tp_size = moe_group // ep_size
+        # MoE-DP aliases the attention-CP group when CP is wider (runtime_context.publish).
+        moe_dp_rank = attn_cp_rank if moe_dp_size < attn_cp_size else tp_rank // moe_group
+        return cls(
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=pp_size,
+            pp_rank=engine_rank // tp_size,
+            attn_tp_size=attn_tp_size,
+            attn_tp_rank=tp_rank % attn_tp_size,
+            attn_dp_size=attn_dp_size,
+            attn_dp_rank=tp_rank // (attn_tp_size * attn_cp_size),
+            attn_cp_size=attn_cp_size,
+            attn_cp_rank=attn_cp_rank,
+            moe_ep_size=ep_size,
+            moe_ep_rank=tp_rank % moe_group // moe_tp_size,
+            moe_tp_size=moe_tp_size,
+            moe_tp_rank=tp_rank % moe_tp_size,
+            moe_dp_size=moe_dp_size,
+            moe_dp_rank=moe_dp_rank,
+            dcp_size=dcp_size,
+            dcp_rank=tp_rank % dcp_size,
+            shared_experts_tp_size=shared_experts_tp_size,
+        )
+
+    @classmethod
+    def from_server_info(cls, server_info: Mapping[str, Any], engine_rank: int) -> RankSpec:
+        """The spec of ``engine_rank`` of an engine whose ``GET /server_info`` is ``server_info``.
+
+        Handles the deprecated spelling ``--dp-size N --enable-dp-attention``, which
+        sglang resolves to ``attn_dp_size = N, dp_size = 1``. Data-parallel replicas
+        (``dp_size`` without DP attention) are separate engines of identical layout,
+        so ``engine_rank`` counts ranks of one replica.
+        """
+
+        def field(name: str, default: int) -> int:
+            value = server_info.get(name)
+            return default if value is None else int(value)
+
+        attn_dp_size = field("attn_dp_size", 1)
+        if attn_dp_size == 1 and server_info.get("enable_dp_attention"):
+            attn_dp_size = field("dp_size", 1)
+        shared = server_info.get("shared_experts_tp_size")
+        return cls.derive(
+            tp_size=field("tp_size", 1),
+            engine_rank=engine_rank,
+            pp_size=field("pp_size", 1),
+            ep_size=field("ep_size", 1),
+            attn_dp_size=attn_dp_size,
+            attn_cp_size=field("attn_cp_size", 1),
+            moe_dp_size=field("moe_dp_size", 1),
+            dcp_size=field("dcp_size", 1),
+            shared_experts_tp_size=None if shared is None else int(shared),
+        )
+
+
+@dataclass(frozen=True)
+class FakeGroup:
+    """Stands in for sglang's ``GroupCoordinator`` during construction and loading.
+
+    Loaders only read the rank and width; no collective ever runs in a replica, so
+    the process-group handles are None.
+    """
+
+    rank_in_group: int
+    world_size: int
+    ranks: tuple[int, ...]
+    cpu_group: None = None
+    device_group: None = None
+
+    @classmethod
+    def of(cls, rank_in_group: int, world_size: int, first_rank: int = 0) -> FakeGroup:
+        return cls(rank_in_group, world_size, tuple(range(first_rank, first_rank + world_size)))
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+
+def parallel_fields(spec: RankSpec) -> dict[str, Any]:
+    """The keyword arguments of ``get_parallel().override`` that make this process ``spec``."""
+    fields: dict[str, Any] = {}
+    for name in ("tp", "pp", "attn_tp", "attn_cp", "moe_ep", "moe_tp", "moe_dp"):
+        size, rank = getattr(spec, f"{name}_size"), getattr(spec, f"{name}_rank")
+        fields[f"{name}_size"] = size
+        fields[f"{name}_rank"] = rank
+        fields[f"{name}_group"] = FakeGroup.of(rank, size)
+    fields["attn_dp_size"] = spec.attn_dp_size
+    fields["attn_dp_rank"] = spec.attn_dp_rank
+    # The data-parallel controller's replica index; None = no controller (one DP replica),
+    # which is what one engine process of a replica is. The weight checker reads it.
+    fields["dp_rank"] = None
+    dcp_enabled = spec.dcp_size > 1
+    fields["dcp_size"] = spec.dcp_size
+    fields["dcp_enabled"] = dcp_enabled
+    fields["attn_dcp_size"] = spec.dcp_size if dcp_enabled else 1
+    fields["dcp_rank"] = spec.dcp_rank
+    fields["attn_dcp_rank"] = spec.dcp_rank if dcp_enabled else 0
+    fields["dcp_group"] = FakeGroup.of(spec.dcp_rank, spec.dcp_size) if dcp_enabled else None
+    world_size = spec.tp_size * spec.pp_size
+    fields["world_group"] = FakeGroup.of(spec.world_rank, world_size)
+    fields["launch_world_rank"] = spec.world_rank
+    shared = spec.shared_experts_tp_size
+    fields["shared_experts_tp_size"] = shared
+    if shared is not None and shared > 1:
+        fields["shared_experts_tp_group"] = FakeGroup.of(spec.tp_rank % shared, shared)
+    else:
+        fields["shared_experts_tp_group"] = None
+    return fields
+
+
+_published_key: tuple[tuple[str, str], ...] | None = None
+
+
+def ensure_server_args(server_args_fields: Mapping[str, Any]) -> None:
+    """Publish ``ServerArgs(**fields)`` for this process unless the same fields already are.
+
+    ``server_args_fields`` is typically an engine's ``/server_info`` with ``model_path``
+    pointing at a local folder holding the model's ``config.json``. Keys that are not
+    ServerArgs fields (runtime state in ``/server_info``) are dropped. ``device``
+    defaults to ``"cuda"``, the engine's device: sglang resolves defaults from it,
+    and a replica never allocates on it.
+    """
+    global _published_key
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    known = {f.name for f in _server_args_fields(ServerArgs)}
+    fields = {k: v for k, v in server_args_fields.items() if k in known and v is not None}
+    if "model_path" not in fields:
+        raise ConfigError("server args need a model_path (a folder holding config.json)")
+    fields.setdefault("device", "cuda")
+    key = tuple(sorted((k, repr(v)) for k, v in fields.items()))
+    if key == _published_key:
+        return
+    try:
+        server_args = ServerArgs(**fields)
+        set_global_server_args_for_scheduler(server_args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"sglang rejected the server args {fields}: {exc}") from exc
+    _published_key = key
+    logger.debug("published sglang server args for %s", fields["model_path"])
+
+
+def _server_args_fields(server_args_cls: type) -> list[Any]:
+    """ServerArgs is a msgspec Struct in 0.5.23 and a dataclass in older releases."""
+    if dataclasses.is_dataclass(server_args_cls):
+        return list(dataclasses.fields(server_args_cls))
+    import msgspec
+
+    return list(msgspec.structs.fields(server_args_cls))
+
+
+def initialize_moe_config() -> None:
+    """Materialize sglang's MoE runtime flags; MoE models need them to be built."""
+    from sglang.srt.layers.moe import initialize_moe_config as _initialize
+
+    _initialize()
+
+
+def _current_server_args() -> Any:
+    from sglang.srt.runtime_context import get_server_args
+
+    return get_server_args()
+
+
+def model_config_for() -> Any:
+    """sglang's ``ModelConfig`` for the published server args."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig.from_server_args(_current_server_args())
+
+
+@contextlib.contextmanager
+def rank_scope(spec: RankSpec) -> Iterator[None]:
+    """Make sglang's parallel context read as ``spec`` inside the block (nestable)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        scope = get_parallel().override(**parallel_fields(spec))
+        scope.__enter__()
+    except ValueError as exc:
+        raise ConfigError(f"sglang rejected the parallel layout {spec}: {exc}") from exc
+    try:
+        yield
+    finally:
+        scope.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _rope_without_forward_kernel() -> Iterator[None]:
+    """The CPU-only trap fix described in the module docstring."""
+    from sglang.srt.layers.rotary_embedding import base
+    from sglang.srt.utils import is_cuda
+
+    if is_cuda() or os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        yield
+        return
+    saved = base._is_cpu
+    base._is_cpu = True
+    try:
+        yield
+    finally:
+        base._is_cpu = saved
+
+
+def build_model(
+    model_config: Any,
+    spec: RankSpec,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Construct the sglang model of ``spec``'s rank on ``device``, as DefaultModelLoader does.
+
+    The class comes from the HF config's ``architectures`` through sglang's model
+    registry; the quantization config and shared-expert override are resolved by
+    sglang's own helpers. ``torch.device("meta")`` builds a replica without storage.
+    The parameter dtype is ``dtype``, by default ``model_config.dtype`` (the
+    engine's resolved ``--dtype``).
+    """
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    architectures = getattr(model_config.hf_config, "architectures", None) or []
+    load_config = LoadConfig()
+    with rank_scope(spec), _rope_without_forward_kernel():
+        try:
+            quant_config = _get_quantization_config(model_config, load_config)
+        except ValueError as exc:
+            raise ConfigError(f"sglang cannot build architectures {architectures}: {exc}") from exc
+        default_dtype = model_config.dtype if dtype is None else dtype
+        with set_default_torch_dtype(default_dtype), torch.device(device):
+            model = _initialize_model(model_config, load_config, quant_config)
+    return model.eval()
+
+
+def load_real_rank_model(
+    model_path: str | os.PathLike[str],
+    spec: RankSpec,
+    hf_tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: str | torch.dtype = "auto",
+    server_args_fields: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """The reference: a real CPU model of ``spec``'s rank as the engine holds it after start-up.
+
+    Filled by sglang's own ``DefaultModelLoader.load_weights_and_postprocess``
+    (``model.load_weights`` then each quant method's ``process_weights_after_loading``),
+    exactly what the engine's loader runs at start-up.
+    """
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    ensure_server_args(server_args_for(model_path, dtype, server_args_fields))
+    model_config = model_config_for()
+    model = build_model(model_config, spec, "cpu")
+    with rank_scope(spec), set_default_torch_dtype(model_config.dtype):
+        DefaultModelLoader.load_weights_and_postprocess(
+            model, iter(hf_tensors), torch.device("cpu")
+        )
+    return model
+
+
+def server_args_for(
+    model_path: str | os.PathLike[str],
+    dtype: str | torch.dtype,
+    server_args_fields: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Merge a model folder and dtype into the engine's server args."""
+    fields = dict(server_args_fields or {})
+    fields["model_path"] = os.fspath(model_path)
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    fields.setdefault("dtype", dtype)
+    return fields
+
+
+def begin_update(model: nn.Module, spec: RankSpec, device: torch.device | str = "cpu") -> None:
+    """What sglang's ``begin_weight_update`` does: undo in-place repacking before loading."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    with rank_scope(spec):
+        DefaultModelLoader.restore_weights_before_loading(model, torch.device(device))
+
+
+def end_update(
+    model: nn.Module, spec: RankSpec, run_post_load: bool, device: torch.device | str = "cpu"
+) -> None:
+    """What sglang's ``end_weight_update`` does.
+
+    ``run_post_load`` is True when no ``load_weights`` ran in the session (direct
+    writes): the model's ``post_load_weights`` then recomputes derived weights.
+    """
+    from sglang.srt.model_loader.loader import DefaultModelLoader, post_load_weights
+
+    with rank_scope(spec):
+        if run_post_load:
+            post_load_weights(model)
+        DefaultModelLoader.postprocess_weights(model, torch.device(device))

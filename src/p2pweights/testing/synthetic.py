@@ -1,0 +1,139 @@
+"""Synthetic models: tiny real configs and deterministic checkpoint tensors.
+
+The configs in ``p2pweights/models/*.json`` are real HF configs of small sizes
+(``qwen3-tiny``: hidden 256, 8 heads, 2 kv heads, head dim 32, vocabulary 1000 so
+sglang pads it; ``-tied`` variants tie the embeddings; ``qwen3-demo`` is a few
+hundred MB in bf16). Tensors are generated per (seed, name), so a trainer and a
+checker produce identical values without exchanging them, in any order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MODEL_NAMES",
+    "model_config",
+    "write_model_dir",
+    "hf_checkpoint_names_and_shapes",
+    "synthetic_weights",
+    "save_safetensors",
+]
+
+MODEL_NAMES = ("qwen2-tiny", "qwen2-tiny-tied", "qwen3-tiny", "qwen3-tiny-tied", "qwen3-demo")
+
+ConfigLike = str | os.PathLike[str] | Mapping[str, Any]
+"""A shipped model name, a folder holding config.json, or the config as a dict."""
+
+
+def model_config(config: ConfigLike) -> dict[str, Any]:
+    """The HF config dict of a shipped name, a model folder, or a dict."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    text = os.fspath(config)
+    if text in MODEL_NAMES:
+        resource = resources.files("p2pweights").joinpath("models", f"{text}.json")
+        loaded: dict[str, Any] = json.loads(resource.read_text())
+        return loaded
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"{text!r} is neither a shipped model ({', '.join(MODEL_NAMES)}) nor a config file"
+        )
+    loaded = json.loads(path.read_text())
+    return loaded
+
+
+def write_model_dir(config: ConfigLike, directory: str | os.PathLike[str]) -> Path:
+    """Write ``config.json`` into ``directory`` (created) so sglang can use it as model_path."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model_config(config), indent=2) + "\n")
+    return folder
+
+
+def _hf_config(config: ConfigLike) -> Any:
+    from transformers import AutoConfig
+
+    values = model_config(config)
+    return AutoConfig.for_model(**values)
+
+
+def _config_dtype(values: Mapping[str, Any]) -> torch.dtype:
+    name = values.get("torch_dtype") or values.get("dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in the model config")
+    return dtype
+
+
+def hf_checkpoint_names_and_shapes(
+    config: ConfigLike,
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Checkpoint (safetensors) names, shapes and dtypes of ``config``'s HF model.
+
+    Built on the meta device with transformers. Tied parameters appear once (under
+    the first name, as ``save_pretrained`` writes them) and non-persistent buffers
+    such as rotary ``inv_freq`` are left out. Only for models whose in-memory names
+    are checkpoint names (dense models; transformers 5 fuses some MoE experts).
+    """
+    from transformers import AutoModelForCausalLM
+
+    values = model_config(config)
+    dtype = _config_dtype(values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(values), dtype=dtype)
+    entries = [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name in module._non_persistent_buffers_set or buffer is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            entries.append((full, tuple(buffer.shape), buffer.dtype))
+    return entries
+
+
+def _seed_of(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def synthetic_weights(
+    config: ConfigLike, seed: int, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Deterministic CPU tensors for every checkpoint name, values fixed by (seed, name).
+
+    Matrices and biases are N(0, 0.02) (sane activations); norm weights are
+    1 + N(0, 0.02). ``dtype`` defaults to the config's dtype.
+    """
+    for name, shape, native in hf_checkpoint_names_and_shapes(config):
+        generator = torch.Generator().manual_seed(_seed_of(seed, name))
+        values = torch.randn(shape, generator=generator, dtype=torch.float32) * 0.02
+        if "norm" in name and name.endswith(".weight"):
+            values += 1.0
+        yield name, values.to(native if dtype is None else dtype)
+
+
+def save_safetensors(
+    directory: str | os.PathLike[str],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    filename: str = "model.safetensors",
+) -> Path:
+    """Write ``tensors`` as one safetensors file in ``directory``; returns its path."""
+    from safetensors.torch import save_file
+
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / filename
+    save_file({name: tensor.contiguous() for name, tensor in tensors}, str(path))
+    return path

@@ -1,0 +1,238 @@
+"""Writes over the Mooncake transfer engine, and the engine-side publisher sglang's format expects.
+
+Both sides run one ``TransferEngine`` in peer-to-peer handshake mode
+(``"P2PHANDSHAKE"``: no metadata server; a peer is named by ``"host:rpc_port"``).
+
+Why writes go through ``transfer_submit_write`` / ``transfer_check_status`` rather
+than the batch calls: in Mooncake 0.3.x ``batch_transfer_sync_write`` and
+``get_batch_transfer_status`` both block in C++ (busy-waiting) until the batch
+finishes or Mooncake's own timeout passes, which is ``MC_TRANSFER_TIMEOUT``
+(default 30 s, at least 5 s) plus one nanosecond per byte; neither can honour a
+caller's ``timeout_s``. Submitting each write as a one-entry batch and polling its
+status without blocking gives every write its own verdict and a deadline we
+control. A write still in flight at the deadline cannot be cancelled: its batch
+descriptor is left to Mooncake (a small leak, on the failure path only).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from p2pweights.config import MooncakeConfig
+from p2pweights.engines.published import RankPublication
+from p2pweights.errors import ConfigError, TransferError, TransportError, where
+from p2pweights.transfer.transports.base import Publisher, Transport, Write
+from p2pweights.transfer.transports.regions import RegionIndex, merged_regions
+
+logger = logging.getLogger(__name__)
+
+# transfer_submit_write returns a batch id (a pointer) or -1 as an unsigned 64-bit value.
+_SUBMIT_FAILED = {0, -1, 2**64 - 1}
+# transfer_check_status results
+_DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
+_MAX_FAILURES_NAMED = 3
+
+
+def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise TransportError(
+            f"cannot import mooncake ({exc}); pip install mooncake-transfer-engine "
+            f"(or -non-cuda on CPU hosts) and the system packages libibverbs1 librdmacm1"
+        ) from exc
+    engine = TransferEngine()
+    ret = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+    if ret != 0:
+        raise TransportError(
+            f"Mooncake TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, "
+            f"{device_name!r}) returned {ret}; check the hostname is this host's address and, "
+            f"for protocol 'rdma', that the device exists"
+        )
+    return engine
+
+
+def _describe(index: int, write: Write, reason: str) -> str:
+    return (
+        f"write #{index} (src 0x{write.src_address:x} -> dst 0x{write.dst_address:x}, "
+        f"{write.num_bytes} bytes): {reason}"
+    )
+
+
+class MooncakeTransport(Transport):
+    """Trainer side: one ``TransferEngine`` per process, writing into engines' published memory."""
+
+    name = "mooncake"
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        self._config = config
+        self._engine = _new_engine(config.local_hostname, config.protocol, config.device_name)
+        self._lock = threading.Lock()
+        self._registered: list[tuple[int, int]] = []
+        self._local = RegionIndex([])
+        self._targets: dict[tuple[str, int, str], RegionIndex] = {}
+
+    @property
+    def session_id(self) -> str:
+        """This transport's own Mooncake session id (``host:rpc_port``)."""
+        return f"{self._config.local_hostname}:{self._engine.get_rpc_port()}"
+
+    def register(self, buffer: torch.Tensor) -> None:
+        if not buffer.is_contiguous():
+            raise ConfigError("a staging buffer must be contiguous to be registered")
+        address, num_bytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        with self._lock:
+            if self._local.covers(address, num_bytes):
+                return
+            ret = self._engine.register_memory(address, num_bytes)
+            if ret != 0:
+                raise TransportError(
+                    f"Mooncake register_memory(0x{address:x}, {num_bytes}) returned {ret}; "
+                    f"with RDMA, check the memlock limit (ulimit -l) and the device"
+                )
+            self._registered.append((address, num_bytes))
+            self._local = RegionIndex(self._registered)
+
+    def connect(self, target: RankPublication) -> None:
+        # Mooncake opens the peer's segment (its handshake) on the first write to it; the
+        # binding has no safe way to open one ahead, so a dead peer surfaces in write().
+        if target.backend != "mooncake" or not target.session_id:
+            raise TransportError(
+                f"{where(target.engine_url, target.engine_rank)} published backend "
+                f"{target.backend!r}, not a Mooncake session; use the matching transport"
+            )
+        key = (target.engine_url, target.engine_rank, target.peer)
+        if key not in self._targets:
+            index = RegionIndex([(r.address, r.num_bytes) for r in target.regions.values()])
+            with self._lock:
+                self._targets[key] = index
+
+    def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
+        self.connect(target)
+        self._check_bounds(target, writes)
+        deadline = time.monotonic() + timeout_s
+        session = target.peer
+        pending: dict[int, int] = {}  # batch id -> index into writes
+        failures: list[str] = []
+        for i, w in enumerate(writes):
+            batch_id = self._engine.transfer_submit_write(
+                session, w.src_address, w.dst_address, w.num_bytes
+            )
+            if batch_id in _SUBMIT_FAILED:
+                failures.append(_describe(i, w, "Mooncake refused to submit it"))
+                break  # the peer is unreachable; the rest would fail the same way
+            pending[batch_id] = i
+        delay = 20e-6
+        while pending:
+            for batch_id, i in list(pending.items()):
+                status = self._engine.transfer_check_status(batch_id)
+                if status == _PENDING:
+                    continue
+                del pending[batch_id]
+                if status == _FAILED:
+                    failures.append(_describe(i, writes[i], "failed"))
+                elif status == _TIMED_OUT:
+                    failures.append(_describe(i, writes[i], "timed out inside Mooncake"))
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        if failures or pending:
+            self._raise(target, writes, failures, pending, timeout_s)
+
+    def _check_bounds(self, target: RankPublication, writes: Sequence[Write]) -> None:
+        remote = self._targets[(target.engine_url, target.engine_rank, target.peer)]
+        for i, w in enumerate(writes):
+            if not self._local.covers(w.src_address, w.num_bytes):
+                raise TransferError(
+                    f"{where(target.engine_url, target.engine_rank)}: "
+                    f"{_describe(i, w, 'source is not in a registered buffer')}; "
+                    f"register the staging buffer first"
+                )
+            if not remote.covers(w.dst_address, w.num_bytes):
+                raise TransferError(
+                    f"{where(target.engine_url, target.engine_rank)}: "
+                    f"{_describe(i, w, 'destination leaves the published regions')}"
+                )
+
+    def _raise(
+        self,
+        target: RankPublication,
+        writes: Sequence[Write],
+        failures: list[str],
+        pending: dict[int, int],
+        timeout_s: float,
+    ) -> None:
+        late = [
+            _describe(i, writes[i], f"not done after {timeout_s:g} s") for i in pending.values()
+        ]
+        problems = failures + late
+        named = "; ".join(problems[:_MAX_FAILURES_NAMED])
+        more = len(problems) - _MAX_FAILURES_NAMED
+        raise TransferError(
+            f"{where(target.engine_url, target.engine_rank)} (Mooncake session "
+            f"{target.session_id}): {len(problems)} of {len(writes)} writes did not complete: "
+            f"{named}{f' (and {more} more)' if more > 0 else ''}; check that the engine is "
+            f"alive and re-fetch its published addresses if it restarted"
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            for address, _ in self._registered:
+                self._engine.unregister_memory(address)
+            self._registered.clear()
+            self._local = RegionIndex([])
+            self._targets.clear()
+
+
+class MooncakePublisher(Publisher):
+    """Engine side: registers one rank's weights and publishes them as sglang does."""
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        engine_rank: int = 0,
+    ) -> None:
+        self.engine_rank = engine_rank
+        self._engine = _new_engine(hostname, protocol, device_name)
+        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._registered: list[tuple[int, int]] = []
+        self._index = RegionIndex([])
+
+    def register(self, tensors: dict[str, torch.Tensor]) -> None:
+        for address, num_bytes in merged_regions(tensors.values()):
+            if self._index.covers(address, num_bytes):
+                continue
+            ret = self._engine.register_memory(address, num_bytes)
+            if ret != 0:
+                raise TransportError(
+                    f"Mooncake register_memory(0x{address:x}, {num_bytes}) returned {ret}"
+                )
+            self._registered.append((address, num_bytes))
+        self._index = RegionIndex(self._registered)
+
+    def publication(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
+        """``[session_id, {name: [data_ptr, numel, element_size]}]``, sglang's Mooncake form."""
+        table = {}
+        for name, tensor in tensors.items():
+            num_bytes = tensor.numel() * tensor.element_size()
+            if not self._index.covers(tensor.data_ptr(), num_bytes):
+                raise ConfigError(
+                    f"parameter {name!r} is not in registered memory; register it first"
+                )
+            table[name] = [tensor.data_ptr(), tensor.numel(), tensor.element_size()]
+        return [self.session_id, table]
+
+    def close(self) -> None:
+        for address, _ in self._registered:
+            self._engine.unregister_memory(address)
+        self._registered.clear()
+        self._index = RegionIndex([])

@@ -1,0 +1,339 @@
+"""Writes over NIXL, and the engine-side publisher in the form of sglang PR #35712.
+
+The engine is passive: it registers its weight blocks with its own agent and
+publishes that agent's metadata (taken after registration, so it lists them).
+The trainer loads the metadata (``add_remote_agent``) and issues one-sided WRITEs.
+
+Remote memory type. sglang's PR publishes VRAM regions with a ``gpu_id``; our
+publisher can also publish host memory, with ``"mem_type": "DRAM"`` and
+``gpu_id`` 0 (NIXL's device id for host memory). The transport does not trust a
+flag for this: on connect it asks NIXL which segment of the loaded metadata
+(VRAM or DRAM) holds the published regions (``check_remote_metadata``), trying
+first the type the publication suggests.
+
+Clean exit. The nixl-cu13 1.5.1 wheel bundles UCX whose EFA module links the
+system ``libefa``, which drags in a second copy of ``libibverbs`` and ``libnl``;
+at process exit (``_dl_fini``) the bundled ``libnl-route`` destructor then
+segfaults (``rtnl_tc_unregister``), whatever Python released before. Releasing
+the agent explicitly does not help. Unless the user set ``UCX_MODULES`` or the
+host has EFA devices, we set ``UCX_MODULES=^efa`` before the first UCX agent of
+the process, which keeps that module (and the second library copies) out.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from p2pweights.config import NixlConfig
+from p2pweights.engines.published import RankPublication
+from p2pweights.errors import ConfigError, TransferError, TransportError, where
+from p2pweights.transfer.transports.base import Publisher, Transport, Write
+from p2pweights.transfer.transports.regions import RegionIndex, merged_regions
+
+logger = logging.getLogger(__name__)
+
+_MEM_TYPES = ("DRAM", "VRAM")
+
+
+def _avoid_ucx_exit_crash(backend: str) -> None:
+    """Keep UCX's EFA module out unless asked for; see the module docstring."""
+    if backend != "UCX" or "UCX_MODULES" in os.environ:
+        return
+    drivers = glob.glob("/sys/class/infiniband/*/device/driver")
+    if any(os.path.basename(os.path.realpath(d)) == "efa" for d in drivers):
+        return
+    os.environ["UCX_MODULES"] = "^efa"
+    logger.debug("set UCX_MODULES=^efa (no EFA devices) to avoid a crash at process exit")
+
+
+def _new_agent(name: str, backend: str) -> Any:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    except ImportError as exc:
+        raise TransportError(f"cannot import nixl ({exc}); pip install 'nixl>=1.5'") from exc
+    _avoid_ucx_exit_crash(backend)
+    # Strict sync: write() may run in one thread per engine rank on the same agent.
+    config = nixl_agent_config(
+        backends=[backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    try:
+        agent = nixl_agent(name, config)
+    except Exception as exc:
+        raise TransportError(f"cannot create NIXL agent {name!r} ({exc!r})") from exc
+    if backend not in agent.backends:
+        raise TransportError(
+            f"NIXL backend {backend!r} is not available; plugins found: {agent.get_plugin_list()}"
+        )
+    return agent
+
+
+def _mem_type(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL memory type and device id of ``tensor`` (host memory is device 0)."""
+    if tensor.device.type == "cuda":
+        return "VRAM", tensor.device.index or 0
+    if tensor.device.type == "cpu":
+        return "DRAM", 0
+    raise ConfigError(f"NIXL cannot register {tensor.device.type} memory")
+
+
+class NixlTransport(Transport):
+    """Trainer side: one NIXL agent per process writing into engines' published memory."""
+
+    name = "nixl"
+
+    def __init__(self, config: NixlConfig) -> None:
+        self._backend = config.backend
+        self._agent = _new_agent(f"p2pweights_trainer_{uuid.uuid4().hex[:12]}", config.backend)
+        self._lock = threading.Lock()
+        self._registered: list[Any] = []  # nixlRegDList per buffer, for close()
+        self._local: dict[str, list[tuple[int, int]]] = {}  # mem type -> buffers
+        self._local_index: dict[str, RegionIndex] = {}
+        self._local_device: dict[int, int] = {}  # buffer address -> device id
+        self._remote: dict[str, _RemoteAgent] = {}  # agent name -> what we learnt
+
+    @property
+    def agent_name(self) -> str:
+        return str(self._agent.name)
+
+    def register(self, buffer: torch.Tensor) -> None:
+        if not buffer.is_contiguous():
+            raise ConfigError("a staging buffer must be contiguous to be registered")
+        mem_type, device = _mem_type(buffer)
+        address, num_bytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        with self._lock:
+            index = self._local_index.get(mem_type)
+            if index is not None and index.covers(address, num_bytes):
+                return
+            try:
+                descs = self._agent.register_memory([(address, num_bytes, device, "")], mem_type)
+            except Exception as exc:
+                raise TransportError(
+                    f"NIXL register_memory of a {num_bytes}-byte {mem_type} buffer failed ({exc!r})"
+                ) from exc
+            self._registered.append(descs)
+            self._local.setdefault(mem_type, []).append((address, num_bytes))
+            self._local_index[mem_type] = RegionIndex(self._local[mem_type])
+            self._local_device[address] = device
+
+    def connect(self, target: RankPublication) -> None:
+        if target.backend != "nixl" or not target.agent_name or not target.agent_metadata:
+            raise TransportError(
+                f"{where(target.engine_url, target.engine_rank)} published backend "
+                f"{target.backend!r} without a NIXL agent; use the matching transport"
+            )
+        with self._lock:
+            if target.agent_name in self._remote:
+                return
+            try:
+                loaded = self._agent.add_remote_agent(target.agent_metadata)
+            except Exception as exc:
+                raise TransportError(
+                    f"{where(target.engine_url, target.engine_rank)}: cannot load NIXL agent "
+                    f"{target.agent_name!r} ({exc!r}); re-fetch its publication"
+                ) from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != target.agent_name:
+                raise TransportError(
+                    f"{where(target.engine_url, target.engine_rank)}: metadata is for agent "
+                    f"{name!r}, the publication names {target.agent_name!r}"
+                )
+            self._remote[name] = self._learn_remote(target)
+
+    def _learn_remote(self, target: RankPublication) -> _RemoteAgent:
+        by_device: dict[int, list[tuple[int, int]]] = {}
+        for region in target.regions.values():
+            by_device.setdefault(region.gpu_id or 0, []).append((region.address, region.num_bytes))
+        indexes = {device: RegionIndex(regions) for device, regions in by_device.items()}
+        suggested = target.mem_type
+        if suggested not in _MEM_TYPES:
+            has_gpu = any(r.gpu_id is not None for r in target.regions.values())
+            suggested = "VRAM" if has_gpu else "DRAM"
+        for mem_type in (suggested, *(m for m in _MEM_TYPES if m != suggested)):
+            descs = self._agent.get_xfer_descs(
+                [(a, n, d) for d, index in indexes.items() for a, n in index.regions], mem_type
+            )
+            if descs is not None and self._agent.check_remote_metadata(target.agent_name, descs):
+                return _RemoteAgent(mem_type, indexes)
+        raise TransportError(
+            f"{where(target.engine_url, target.engine_rank)}: NIXL agent {target.agent_name!r} "
+            f"did not register the published regions (neither as VRAM nor DRAM); the "
+            f"publication must be taken after registration"
+        )
+
+    def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
+        if not writes:
+            return
+        self.connect(target)
+        remote = self._remote[target.peer]
+        local_mem, local_descs = self._local_descs(target, writes)
+        remote_descs = []
+        for i, w in enumerate(writes):
+            device = remote.device_of(w)
+            if device is None:
+                raise TransferError(
+                    f"{where(target.engine_url, target.engine_rank)}: write #{i} "
+                    f"(dst 0x{w.dst_address:x}, {w.num_bytes} bytes) leaves the published regions"
+                )
+            remote_descs.append((w.dst_address, w.num_bytes, device))
+        deadline = time.monotonic() + timeout_s
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local_descs, local_mem),
+                self._agent.get_xfer_descs(remote_descs, remote.mem_type),
+                target.peer,
+            )
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            raise self._error(target, writes, f"NIXL refused the transfer ({exc!r})") from exc
+        delay = 20e-6
+        try:
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(2 * delay, 1e-3)
+                state = self._agent.check_xfer_state(handle)
+        except Exception as exc:  # the bindings raise e.g. nixlRemoteDisconnectError
+            self._release(handle)
+            raise self._error(target, writes, f"NIXL reported {exc!r}") from exc
+        self._release(handle)
+        if state == "ERR":
+            raise self._error(target, writes, "NIXL reported ERR")
+        if state != "DONE":
+            raise self._error(target, writes, f"not done after {timeout_s:g} s (cancelled)")
+
+    def _local_descs(
+        self, target: RankPublication, writes: Sequence[Write]
+    ) -> tuple[str, list[tuple[int, int, int]]]:
+        descs = []
+        mem_types = set()
+        for i, w in enumerate(writes):
+            for mem_type, index in self._local_index.items():
+                region = index.find(w.src_address, w.num_bytes)
+                if region is not None:
+                    mem_types.add(mem_type)
+                    descs.append((w.src_address, w.num_bytes, self._local_device[region[0]]))
+                    break
+            else:
+                raise TransferError(
+                    f"{where(target.engine_url, target.engine_rank)}: write #{i} "
+                    f"(src 0x{w.src_address:x}, {w.num_bytes} bytes) is not in a registered "
+                    f"buffer; register the staging buffer first"
+                )
+        if len(mem_types) > 1:
+            raise TransferError("one write() must not mix host and device source buffers")
+        return mem_types.pop(), descs
+
+    def _release(self, handle: Any) -> None:
+        # Releasing an active transfer asks the backend to cancel it; if it cannot, NIXL
+        # keeps the handle and retries at agent destruction.
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            logger.warning("could not release a NIXL transfer handle (%r); NIXL keeps it", exc)
+
+    def _error(
+        self, target: RankPublication, writes: Sequence[Write], reason: str
+    ) -> TransferError:
+        total = sum(w.num_bytes for w in writes)
+        return TransferError(
+            f"{where(target.engine_url, target.engine_rank)} (NIXL agent {target.agent_name}): "
+            f"a batch of {len(writes)} writes ({total} bytes, first dst "
+            f"0x{writes[0].dst_address:x}) failed: {reason}; check that the engine is alive and "
+            f"re-fetch its publication if it restarted"
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            for name in self._remote:
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception as exc:
+                    logger.debug("remove_remote_agent(%s) failed: %r", name, exc)
+            self._remote.clear()
+            for descs in self._registered:
+                self._agent.deregister_memory(descs)
+            self._registered.clear()
+            self._local.clear()
+            self._local_index.clear()
+            self._local_device.clear()
+
+
+class _RemoteAgent:
+    """What a loaded remote agent exposes: its memory type and regions per device."""
+
+    def __init__(self, mem_type: str, indexes: dict[int, RegionIndex]) -> None:
+        self.mem_type = mem_type
+        self._indexes = indexes
+
+    def device_of(self, write: Write) -> int | None:
+        for device, index in self._indexes.items():
+            if index.covers(write.dst_address, write.num_bytes):
+                return device
+        return None
+
+
+class NixlPublisher(Publisher):
+    """Engine side: its own agent ``nixl_weight_tp{rank}_<uuid>``, like sglang PR #35712."""
+
+    def __init__(self, backend: str = "UCX", engine_rank: int = 0) -> None:
+        self._agent = _new_agent(f"nixl_weight_tp{engine_rank}_{uuid.uuid4().hex}", backend)
+        self._registered: list[Any] = []
+        self._index = RegionIndex([])
+        self._mem_type = "DRAM"
+        self._device = 0
+
+    @property
+    def agent_name(self) -> str:
+        return str(self._agent.name)
+
+    def register(self, tensors: dict[str, torch.Tensor]) -> None:
+        if not tensors:
+            return
+        self._mem_type, self._device = _mem_type(next(iter(tensors.values())))
+        regions = [r for r in merged_regions(tensors.values()) if not self._index.covers(*r)]
+        if not regions:
+            return
+        try:
+            descs = self._agent.register_memory(
+                [(a, n, self._device, "") for a, n in regions], self._mem_type
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"NIXL register_memory of {len(regions)} regions failed ({exc!r})"
+            ) from exc
+        self._registered.append(descs)
+        self._index = RegionIndex([*self._index.regions, *regions])
+
+    def publication(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """sglang PR #35712's form plus ``"mem_type"``; ``gpu_id`` is 0 for host memory."""
+        table = {}
+        for name, tensor in tensors.items():
+            num_bytes = tensor.numel() * tensor.element_size()
+            if not self._index.covers(tensor.data_ptr(), num_bytes):
+                raise ConfigError(
+                    f"parameter {name!r} is not in registered memory; register it first"
+                )
+            table[name] = [tensor.data_ptr(), tensor.numel(), tensor.element_size(), self._device]
+        return {
+            "backend": "nixl",
+            "agent_name": self.agent_name,
+            "agent_metadata": base64.b64encode(self._agent.get_agent_metadata()).decode("ascii"),
+            "weights_info_dict": table,
+            "mem_type": self._mem_type,
+        }
+
+    def close(self) -> None:
+        for descs in self._registered:
+            self._agent.deregister_memory(descs)
+        self._registered.clear()
+        self._index = RegionIndex([])
