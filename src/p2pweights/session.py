@@ -119,7 +119,7 @@ class WeightSyncSession:
         }
         self._next_version = max(self._next_version, _next_numeric_version(self._engines))
         logger.info(
-            "connected to %d engine(s); trainer rank %d writes %d engine rank(s) from %d replica(s)",
+            "connected to %d engine(s); trainer rank %d writes %d engine rank(s), %d replica(s)",
             len(self._engines),
             self.config.trainer_rank,
             len(mine),
@@ -193,7 +193,7 @@ class WeightSyncSession:
         return report
 
     def _prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Check the whole input; on the first update also probe the loaders and size the buffers."""
+        """Check the whole input; on the first update also probe the loaders."""
         specs = describe_inputs(tensors)
         if self._groups is None:
             self._groups = {
@@ -241,7 +241,7 @@ class WeightSyncSession:
             collector.raise_if_incomplete()
             return pipeline.finish()
         except BaseException:
-            # Writes may still read the buffers: never refill them; the next update takes fresh ones.
+            # Writes may still read the buffers: never refill them; take fresh ones next time.
             self._buffers = None
             raise
 

@@ -16,7 +16,7 @@ from p2pweights.plan.inputs import (
 
 QKV = ParamGroup(frozenset({"q", "k", "v"}), ("qkv_proj",))
 TIED = ParamGroup(frozenset({"embed"}), ("embed_tokens", "lm_head"))
-O = ParamGroup(frozenset({"o"}), ("o_proj",))
+OPROJ = ParamGroup(frozenset({"o"}), ("o_proj",))
 
 
 def _t(n: int = 4) -> torch.Tensor:
@@ -24,7 +24,7 @@ def _t(n: int = 4) -> torch.Tensor:
 
 
 def test_group_released_when_complete_with_all_inputs():
-    collector = GroupCollector({"r0": [QKV, TIED, O]})
+    collector = GroupCollector({"r0": [QKV, TIED, OPROJ]})
     assert collector.add("q", _t()) == []
     assert collector.add("embed", _t())[0][1] == TIED
     assert collector.add("k", _t()) == []
@@ -45,7 +45,7 @@ def test_tensor_held_until_every_replica_loaded_it():
 
 
 def test_unused_names_are_dropped_and_duplicates_refused():
-    collector = GroupCollector({"r0": [O]})
+    collector = GroupCollector({"r0": [OPROJ]})
     assert collector.add("rotary.inv_freq", _t()) == []
     assert "rotary.inv_freq" not in collector._held
     collector.add("o", _t())
@@ -61,7 +61,7 @@ def test_inputs_checked_against_the_first_update():
         check_input("w", torch.zeros(3, 2), known)
     with pytest.raises(ConfigError, match="not part of the first update"):
         check_input("x", torch.zeros(1), known)
-    with pytest.raises(ConfigError, match="not a torch.Tensor"):
+    with pytest.raises(ConfigError, match=r"not a torch\.Tensor"):
         describe_inputs([("w", [1, 2])])
     with pytest.raises(ConfigError, match="twice"):
         describe_inputs([("w", torch.zeros(1)), ("w", torch.zeros(1))])

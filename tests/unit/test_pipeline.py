@@ -84,7 +84,7 @@ def _stage_all(pipeline, source, targets):
 def test_bytes_land_bit_exact_across_flushes_and_targets():
     transport = CopyingTransport(delay_s=0.01)
     # a buffer holding about two parameters forces many flushes and buffer reuse
-    buffers, _, pipeline = _setup(transport, 2 * aligned(600))
+    _, _, pipeline = _setup(transport, 2 * aligned(600))
     source = _params(0)
     engines = [{n: torch.zeros_like(t) for n, t in source.items()} for _ in range(2)]
     targets = [_engine("http://a", 0, engines[0]), _engine("http://b", 0, engines[1])]
@@ -116,7 +116,7 @@ def test_failed_write_fails_the_update_naming_engine_rank_and_parameter():
     _, _, pipeline = _setup(CopyingTransport(fail_on="http://b"), 1 << 20)
     source = _params(2)
     sinks = [{n: torch.zeros_like(t) for n, t in source.items()} for _ in range(2)]
-    targets = [_engine(u, 3, sink) for u, sink in zip(("http://a", "http://b"), sinks)]
+    targets = [_engine(u, 3, sink) for u, sink in zip(("http://a", "http://b"), sinks, strict=True)]
     _stage_all(pipeline, source, targets)
     with pytest.raises(TransferError, match=r"engine http://b rank 3 parameters p0, p1"):
         pipeline.finish()

@@ -51,7 +51,7 @@ class EngineClient:
         self._json("POST", "/pause_generation", json={"mode": mode})
 
     def flush_cache(self) -> None:
-        """Flush the radix cache; sglang refuses while requests still run, so retry until timeout."""
+        """Flush the radix cache; sglang refuses while requests run, so retry until timeout."""
         deadline = time.monotonic() + self._timeout_s
         while True:
             response = self._send("GET", "/flush_cache")

@@ -14,7 +14,7 @@ class EngineEndpoint:
     api_key: str | None = None
     """Overrides ``SyncConfig.api_key`` for this engine."""
     model_path: str | None = None
-    """Where this trainer reads the engine's HF config.json (defaults to the engine's model_path)."""
+    """This trainer's copy of the engine's HF config.json (default: the engine's model_path)."""
 
     @classmethod
     def of(cls, engine: str | EngineEndpoint) -> EngineEndpoint:

@@ -37,7 +37,7 @@ class ConnectedEngine:
 
 
 def num_engine_ranks(url: str, server_info: dict[str, Any]) -> int:
-    """Ranks that hold weights: the TP ranks; pipeline stages cannot be told apart (sglang #37216)."""
+    """The TP ranks; pipeline stages cannot be told apart (sglang #37216)."""
     pp_size = int(server_info.get("pp_size") or 1)
     if pp_size > 1:
         raise EngineError(

@@ -53,7 +53,7 @@ class LocalEngine:
         self.startup_timeout_s = startup_timeout_s
         self._env = env
         self._process: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the engine)
             prefix="p2pweights-engine-", suffix=".log", delete=False
         )
 

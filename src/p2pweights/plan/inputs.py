@@ -32,7 +32,7 @@ class ParamGroup:
 
 
 def describe_inputs(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, InputSpec]:
-    """Name -> shape and dtype; rejects duplicate names and non-tensors before anything is written."""
+    """Name -> shape and dtype; rejects duplicate names and non-tensors up front."""
     specs: dict[str, InputSpec] = {}
     for name, tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
@@ -57,7 +57,8 @@ def check_input(name: str, tensor: torch.Tensor, known: Mapping[str, InputSpec])
         )
     if tuple(tensor.shape) != spec.shape:
         raise ConfigError(
-            f"HF tensor {name!r} has shape {tuple(tensor.shape)}, the first update sent {spec.shape}"
+            f"HF tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the first update sent {spec.shape}"
         )
 
 

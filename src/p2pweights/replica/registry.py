@@ -117,7 +117,8 @@ class ReplicaHandle:
                 raise LayoutMismatchError(
                     f"{where} parameter {name!r}: engine published {region.num_bytes} bytes, the "
                     f"replica lays out {layout.num_bytes} ({tuple(layout.shape)}, {layout.dtype}); "
-                    f"the trainer's sglang build, model config or server args differ from the engine's"
+                    f"the trainer's sglang build, model config or server args differ from the "
+                    f"engine's"
                 )
         extra = sorted(set(pub.regions) - set(layouts))
         if extra:

@@ -23,7 +23,7 @@ def aligned(num_bytes: int) -> int:
 
 
 def allocate_staging(num_bytes: int, device: torch.device) -> torch.Tensor:
-    """A flat uint8 buffer of ``num_bytes`` on ``device``; pinned if it is host memory and CUDA exists."""
+    """A flat uint8 buffer on ``device``; page-locked host memory when CUDA exists."""
     if device.type == "cpu":
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     return torch.empty(num_bytes, dtype=torch.uint8, device=device)

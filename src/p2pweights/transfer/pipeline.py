@@ -132,7 +132,7 @@ class UpdatePipeline:
         if not pending:
             return
         started = time.perf_counter()
-        done, not_done = wait([future for future, _ in pending], timeout=self._timeout_s)
+        _, not_done = wait([future for future, _ in pending], timeout=self._timeout_s)
         self.stats.wait_s += time.perf_counter() - started
         if not_done:
             late = [batch.describe() for future, batch in pending if future in not_done]

@@ -34,7 +34,7 @@ class Transport(ABC):
 
     @abstractmethod
     def register(self, buffer: torch.Tensor) -> None:
-        """Register ``buffer`` (contiguous, host or device) as a source of writes. Once per buffer."""
+        """Register ``buffer`` (contiguous, host or device) as a write source, once."""
 
     @abstractmethod
     def connect(self, target: RankPublication) -> None:
