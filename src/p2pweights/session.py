@@ -15,7 +15,6 @@ session and the ``barrier`` the caller passes keeps the others' writes inside it
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -226,18 +225,20 @@ class WeightSyncSession:
 
     def _write_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> PipelineStats:
         assert self._groups is not None and self._buffers is not None
-        pipeline = UpdatePipeline(self._buffers, self._writers, self.config.transfer_timeout_s)
+        pipeline = UpdatePipeline(
+            self._buffers,
+            self._writers,
+            self.config.transfer_timeout_s,
+            lambda key, inputs, views: self._replicas[key].load_into(inputs, views),
+        )
         collector = GroupCollector(self._groups)
         try:
             for name, tensor in tensors:
                 check_input(name, tensor, self._inputs)
                 for key, group, inputs in collector.add(name, tensor):
                     handle = self._replicas[key]
-                    pipeline.stage(
-                        {p: handle.param_bytes(p) for p in group.param_names},
-                        functools.partial(handle.load_into, inputs),
-                        self._targets[key],
-                    )
+                    sizes = {p: handle.param_bytes(p) for p in group.param_names}
+                    pipeline.stage(key, sizes, inputs, self._targets[key])
             collector.raise_if_incomplete()
             return pipeline.finish()
         except BaseException:

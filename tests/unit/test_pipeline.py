@@ -61,10 +61,22 @@ def _engine(url: str, rank: int, params: dict[str, torch.Tensor]) -> RankPublica
     return RankPublication(url, rank, "fake", regions, session_id="x")
 
 
-def _setup(transport, buffer_bytes, urls=("http://a", "http://b"), timeout_s=5.0):
+def _copy_load(loads):
+    """A replica stand-in: each input is one parameter's bytes; records every call."""
+
+    def load(key, inputs, views):
+        loads.append((key, [name for name, _ in inputs]))
+        for name, value in inputs:
+            views[name].copy_(value.view(torch.uint8))
+
+    return load
+
+
+def _setup(transport, buffer_bytes, urls=("http://a", "http://b"), timeout_s=5.0, loads=None):
     buffers = StagingBuffers(buffer_bytes, torch.device("cpu"), transport.register)
     writers = {u: EngineWriter(u, transport, timeout_s) for u in urls}
-    return buffers, writers, UpdatePipeline(buffers, writers, timeout_s)
+    load = _copy_load([] if loads is None else loads)
+    return buffers, writers, UpdatePipeline(buffers, writers, timeout_s, load)
 
 
 def _params(seed: int) -> dict[str, torch.Tensor]:
@@ -72,19 +84,17 @@ def _params(seed: int) -> dict[str, torch.Tensor]:
     return {f"p{i}": torch.randn(300 + 17 * i, generator=g).to(torch.bfloat16) for i in range(12)}
 
 
-def _stage_all(pipeline, source, targets):
+def _stage_all(pipeline, source, targets, key="replica"):
     for name, value in source.items():
-
-        def load(views, value=value, name=name):
-            views[name].copy_(value.view(torch.uint8))
-
-        pipeline.stage({name: value.numel() * value.element_size()}, load, targets)
+        sizes = {name: value.numel() * value.element_size()}
+        pipeline.stage(key, sizes, [(name, value)], targets)
 
 
 def test_bytes_land_bit_exact_across_flushes_and_targets():
     transport = CopyingTransport(delay_s=0.01)
+    loads: list = []
     # a buffer holding about two parameters forces many flushes and buffer reuse
-    _, _, pipeline = _setup(transport, 2 * aligned(600))
+    _, _, pipeline = _setup(transport, 2 * aligned(600), loads=loads)
     source = _params(0)
     engines = [{n: torch.zeros_like(t) for n, t in source.items()} for _ in range(2)]
     targets = [_engine("http://a", 0, engines[0]), _engine("http://b", 0, engines[1])]
@@ -94,6 +104,9 @@ def test_bytes_land_bit_exact_across_flushes_and_targets():
         for name, value in source.items():
             assert torch.equal(engine[name].view(torch.uint8), value.view(torch.uint8)), name
     assert stats.num_flushes > 2
+    # each group loaded once for both targets, in one call per flushed buffer
+    assert sorted(n for _, names in loads for n in names) == sorted(source)
+    assert len(loads) == stats.num_flushes
     assert stats.bytes_written == 2 * sum(t.numel() * 2 for t in source.values())
     assert len(transport.registered) == 2  # both buffers registered once
 
@@ -143,15 +156,15 @@ def test_refuses_to_write_outside_published_region():
     small = {"p0": torch.zeros(10, dtype=torch.bfloat16)}
     target = _engine("http://a", 1, small)
     with pytest.raises(TransferError, match=r"http://a rank 1 parameter 'p0'.*outside"):
-        pipeline.stage({"p0": 40}, lambda views: None, [target])
+        pipeline.stage("r", {"p0": 40}, [], [target])
     with pytest.raises(TransferError, match=r"parameter 'zz' was not published"):
-        pipeline.stage({"zz": 20}, lambda views: None, [target])
+        pipeline.stage("r", {"zz": 20}, [], [target])
 
 
 def test_group_larger_than_buffer_is_refused():
     _, _, pipeline = _setup(CopyingTransport(), ALIGNMENT_BYTES * 4)
     with pytest.raises(TransferError, match="raise buffer_bytes"):
-        pipeline.stage({"big": ALIGNMENT_BYTES * 5}, lambda views: None, [])
+        pipeline.stage("r", {"big": ALIGNMENT_BYTES * 5}, [], [])
 
 
 def test_write_batches_name_their_parameters():

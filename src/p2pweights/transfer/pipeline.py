@@ -1,8 +1,9 @@
 """The data path of one update: stage parameter groups, stream them to engine ranks.
 
-``UpdatePipeline.stage`` asks a replica to load one parameter group's bytes into
-the current staging buffer and queues a write of each parameter to every engine
-rank that needs those bytes. When the buffer is full it is flushed: its batches
+``UpdatePipeline.stage`` reserves one parameter group's bytes in the current
+staging buffer and queues a write of each parameter to every engine rank that
+needs those bytes. When the buffer is full it is flushed: the replicas load the
+staged groups' bytes (sglang's own loaders, one call per replica), its batches
 go to the engines' writer threads and filling continues in the other buffer,
 which is reused only once every write reading it has returned. ``finish`` flushes
 the rest and waits; any failed, refused or late write fails the update.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
@@ -24,8 +25,10 @@ from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers, aligned
 from p2pweights.transfer.transports.base import Write
 from p2pweights.transfer.writers import EngineWriter, WriteBatch
 
-LoadFn = Callable[[Mapping[str, torch.Tensor]], None]
-"""Fills the given destination views (param name -> flat uint8 view) with one group's bytes."""
+HfInput = tuple[str, torch.Tensor]
+LoadFn = Callable[[Hashable, list[HfInput], dict[str, torch.Tensor]], None]
+"""``load(replica_key, hf_inputs, views)`` fills the views (param name -> flat uint8 view)
+with the bytes replica ``replica_key``'s loaders make of ``hf_inputs``."""
 
 
 @dataclass
@@ -43,28 +46,41 @@ class PipelineStats:
 
 
 class UpdatePipeline:
-    """Stages groups into two buffers and hands full buffers to per-engine writers."""
+    """Stages groups into two buffers and hands full buffers to per-engine writers.
+
+    Groups are loaded in batches: everything one replica stages into a buffer is
+    loaded by a single ``load`` call just before the buffer is flushed, so the
+    loaders' per-call overhead is paid once per buffer, not once per group.
+    """
 
     def __init__(
         self,
         buffers: StagingBuffers,
         writers: Mapping[str, EngineWriter],
         timeout_s: float,
+        load: LoadFn,
     ):
         self._buffers = buffers
         self._writers = writers
         self._timeout_s = timeout_s
+        self._load = load
+        self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
         self._batches: dict[tuple[str, int], WriteBatch] = {}
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
         self.stats = PipelineStats()
 
     def stage(
         self,
+        key: Hashable,
         sizes: Mapping[str, int],
-        load: LoadFn,
+        inputs: Sequence[HfInput],
         targets: Sequence[RankPublication],
     ) -> None:
-        """Load one group (``sizes``: param name -> bytes) once and queue it for every target."""
+        """Reserve one group of replica ``key`` (param name -> bytes) and queue it for every target.
+
+        Its bytes are loaded from ``inputs`` once, at the next flush, whatever the
+        number of targets.
+        """
         total = sum(aligned(n) for n in sizes.values())
         if total > self._buffers.capacity_bytes:
             raise TransferError(
@@ -74,19 +90,14 @@ class UpdatePipeline:
         buffer = self._buffers.current
         if buffer.capacity_bytes - buffer.used_bytes < total:
             buffer = self._flush()
-        views: dict[str, torch.Tensor] = {}
-        offsets: dict[str, int] = {}
+        staged_inputs, staged_views = self._staged.setdefault(key, ([], {}))
+        staged_inputs.extend(inputs)
         for name, num_bytes in sizes.items():
             offset = buffer.reserve(num_bytes)
             assert offset is not None  # the whole group was checked to fit
-            offsets[name] = offset
-            views[name] = buffer.view(offset, num_bytes)
-        started = time.perf_counter()
-        load(views)
-        self.stats.load_s += time.perf_counter() - started
-        for target in targets:
-            for name, num_bytes in sizes.items():
-                self._queue(target, name, buffer.address + offsets[name], num_bytes)
+            staged_views[name] = buffer.view(offset, num_bytes)
+            for target in targets:
+                self._queue(target, name, buffer.address + offset, num_bytes)
 
     def _queue(self, target: RankPublication, param: str, src: int, num_bytes: int) -> None:
         """Queue one parameter's write, checked against the region the engine published."""
@@ -106,7 +117,12 @@ class UpdatePipeline:
         batch.add(Write(src, region.address, num_bytes), param)
 
     def _flush(self) -> StagingBuffer:
-        """Send the current buffer's batches; return the other buffer once its writes returned."""
+        """Load and send the current buffer; return the other buffer once its writes returned."""
+        started = time.perf_counter()
+        for key, (inputs, views) in self._staged.items():
+            self._load(key, inputs, views)
+        self._staged = {}
+        self.stats.load_s += time.perf_counter() - started
         index = self._buffers.buffers.index(self._buffers.current)
         for key, batch in self._batches.items():
             future = self._writers[batch.target.engine_url].submit(batch)
@@ -121,7 +137,7 @@ class UpdatePipeline:
 
     def finish(self) -> PipelineStats:
         """Flush what is staged and wait for every write; raise if any failed or is late."""
-        if self._batches:
+        if self._batches or self._staged:
             self._flush()
         for index in (0, 1):
             self._wait(self._pending[index])

@@ -1,0 +1,128 @@
+"""An sglang general plugin: released sglang servers publish their weights over NIXL.
+
+Enable it on the engine host with ``pip install 'p2pweights[nixl]'`` and
+``SGLANG_PLUGINS=p2pweights_nixl`` (the entry point ``p2pweights_nixl`` in group
+``sglang.srt.plugins``); ``SGLANG_REMOTE_INSTANCE_NIXL_BACKEND`` picks the NIXL
+backend (default UCX). See docs/nixl-plugin.md.
+
+sglang (0.5.21 - 0.5.23) runs ``load_plugins()`` early in every process it starts
+(launcher, schedulers, detokenizer) and then applies the hooks plugins registered.
+This plugin registers three, each where sglang's Mooncake publishing lives:
+
+1. REPLACE ``EngineInfoBootstrapServer`` with ``NixlAwareBootstrapServer``: the same
+   server, which also stores a rank's NIXL dict and answers it at
+   ``/remote_instance_transfer_engine_info?rank=R`` in the shape of sglang PR #35712.
+2. BEFORE ``Engine._launch_scheduler_processes`` (launcher process, after the server
+   args are resolved, before any rank starts): start that server on the head node.
+   sglang starts it only under ``--remote-instance-weight-loader-start-seed-via-transfer-engine``;
+   with the plugin that flag is not needed (nor Mooncake). If it is given anyway,
+   sglang's own start-up runs the replaced server and the plugin leaves it alone.
+3. AFTER ``ModelRunner.initialize`` (each TP rank's scheduler process): the model is
+   loaded, ``process_weights_after_loading`` and every post-load transform have run,
+   so the parameter addresses are final. Register the weights with a NIXL agent and
+   PUT the publication to the bootstrap server, keyed by TP rank as sglang keys
+   Mooncake info. With the Mooncake flag also set, this PUT comes after sglang's and
+   replaces it. Draft models (speculative decoding) are not published: they would
+   overwrite the target model's entry for the same TP rank.
+
+Importing this package imports neither sglang nor NIXL; ``register()`` imports
+sglang's hook registry, and the hooks import the rest when they run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from p2pweights.config import NixlConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HOOK_TARGETS", "register"]
+
+BOOTSTRAP_SERVER_TARGET = (
+    "sglang.srt.entrypoints.engine_info_bootstrap_server.EngineInfoBootstrapServer"
+)
+LAUNCH_TARGET = "sglang.srt.entrypoints.engine.Engine._launch_scheduler_processes"
+RUNNER_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
+HOOK_TARGETS = (BOOTSTRAP_SERVER_TARGET, LAUNCH_TARGET, RUNNER_TARGET)
+"""What the plugin hooks in sglang, in registration order."""
+
+# Alive for the life of the process: each publisher owns a NIXL agent whose
+# registrations writers use; dropping it would deregister the weights.
+_publishers: list[Any] = []
+_bootstrap_server: Any = None
+
+
+def register() -> None:
+    """The entry point sglang's ``load_plugins()`` calls in each process."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
+
+    HookRegistry.register(BOOTSTRAP_SERVER_TARGET, NixlAwareBootstrapServer, HookType.REPLACE)
+    HookRegistry.register(LAUNCH_TARGET, start_bootstrap_server, HookType.BEFORE)
+    HookRegistry.register(RUNNER_TARGET, publish_after_initialize, HookType.AFTER)
+
+
+def start_bootstrap_server(*_args: Any, **_kwargs: Any) -> None:
+    """BEFORE hook of ``Engine._launch_scheduler_processes``: serve the ranks' info."""
+    global _bootstrap_server
+    from sglang.srt.runtime_context import get_model, get_parallel, get_serving
+
+    from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
+
+    if _bootstrap_server is not None or get_parallel().node_rank != 0:
+        return
+    if get_model().remote_instance_weight_loader_start_seed_via_transfer_engine:
+        logger.warning(
+            "p2pweights_nixl: --remote-instance-weight-loader-start-seed-via-transfer-engine is "
+            "also set; sglang serves the bootstrap server and registers the weights with "
+            "Mooncake too, but each rank's NIXL publication replaces its Mooncake one"
+        )
+        return
+    _bootstrap_server = NixlAwareBootstrapServer(
+        host=get_serving().host, port=get_model().engine_info_bootstrap_port
+    )
+
+
+def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: Any) -> None:
+    """AFTER hook of ``ModelRunner.initialize``: register and publish this rank's weights."""
+    from p2pweights.sglang_plugin.publish import publish_model, put_publication
+
+    if getattr(runner, "is_draft_worker", False):
+        logger.info("p2pweights_nixl: not publishing the draft model's weights")
+        return
+    engine_rank = _tp_rank(runner)
+    backend = NixlConfig().backend
+    publisher, info = publish_model(runner.model, engine_rank, backend)
+    _publishers.append(publisher)
+    put_publication(_bootstrap_url(), engine_rank, info)
+    logger.info(
+        "p2pweights_nixl: tp rank %d published %d parameters (%s) through NIXL agent %s (%s)",
+        engine_rank,
+        len(info["weights_info_dict"]),
+        info["mem_type"],
+        info["agent_name"],
+        backend,
+    )
+
+
+def _tp_rank(runner: Any) -> int:
+    """The TP rank sglang keys this runner's transfer info by."""
+    transporter = getattr(runner, "remote_instance_weight_transporter", None)
+    if transporter is not None:
+        return int(transporter.tp_rank)
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_rank)
+
+
+def _bootstrap_url() -> str:
+    """Where ranks reach the bootstrap server, derived as sglang derives it for Mooncake."""
+    from sglang.srt.runtime_context import get_model, get_parallel
+    from sglang.srt.utils.network import NetworkAddress
+
+    dist_init_addr = get_parallel().dist_init_addr
+    host = NetworkAddress.parse(dist_init_addr).resolved().host if dist_init_addr else "127.0.0.1"
+    return str(NetworkAddress(host, get_model().engine_info_bootstrap_port).to_url())

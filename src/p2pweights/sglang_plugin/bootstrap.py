@@ -1,0 +1,129 @@
+"""sglang's engine info bootstrap server, able to hold NIXL publications too.
+
+Released sglang (0.5.21 - 0.5.23) collects each TP rank's transfer-engine info in
+``EngineInfoBootstrapServer`` (``entrypoints/engine_info_bootstrap_server.py``): ranks
+PUT ``{"tp_rank", "transfer_engine_info": {"session_id", "weights_info_dict"}}`` and
+the HTTP server's ``/remote_instance_transfer_engine_info?rank=R`` route proxies
+``GET /get_transfer_engine_info?rank=R`` and returns its JSON as is. That server
+stores a ``(session_id, weights_info_dict)`` pair and answers it as a list, so it
+cannot hold the dict sglang PR #35712 publishes for NIXL.
+
+``NixlAwareBootstrapServer`` is a drop-in replacement (same constructor, attributes,
+routes and ``close``): a Mooncake PUT is stored and answered exactly as before; a
+PUT whose info says ``"backend": "nixl"`` is stored as the dict and answered as
+``{"rank": R, "remote_instance_transfer_engine_info": {"backend": "nixl", ...}}``.
+This module imports no sglang; the plugin installs the class in sglang's place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import Body, FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 10.0
+
+
+def _entry(info: dict[str, Any]) -> tuple[Any, Any] | dict[str, Any]:
+    """What to store for one rank's PUT body ``transfer_engine_info``."""
+    backend = info.get("backend", "mooncake")
+    if backend == "mooncake":
+        # sglang's own form, answered as [session_id, weights_info_dict] like before.
+        return (info["session_id"], info["weights_info_dict"])
+    if backend == "nixl":
+        for key in ("agent_name", "agent_metadata", "weights_info_dict"):
+            if key not in info:
+                raise KeyError(key)
+        return dict(info)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+class NixlAwareBootstrapServer:
+    """Per-rank transfer info over HTTP, for Mooncake (sglang's form) and NIXL (PR #35712's)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        # {tp_rank: (session_id, weights_info_dict)} for Mooncake, {tp_rank: info} for NIXL
+        self.transfer_engine_info: dict[int, tuple[Any, Any] | dict[str, Any]] = {}
+        self.lock = threading.Lock()
+        self._server = uvicorn.Server(
+            uvicorn.Config(self._app(), host=host, port=port, log_level="warning")
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, name="p2pweights-engine-info-bootstrap", daemon=True
+        )
+        self._thread.start()
+        self._wait_started()
+        logger.info("engine info bootstrap server (Mooncake and NIXL) serves on %s:%d", host, port)
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        def health() -> PlainTextResponse:
+            return PlainTextResponse("OK")
+
+        @app.put("/register_transfer_engine_info")
+        def register_transfer_engine_info(data: dict[str, Any] = Body(...)) -> PlainTextResponse:
+            try:
+                tp_rank = int(data["tp_rank"])
+                entry = _entry(data["transfer_engine_info"])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                logger.error("refused a transfer engine info registration: %r", exc)
+                raise HTTPException(status_code=400, detail=repr(exc)) from exc
+            with self.lock:
+                self.transfer_engine_info[tp_rank] = entry
+            backend = entry.get("backend") if isinstance(entry, dict) else "mooncake"
+            logger.info("registered %s transfer info for tp_rank=%d", backend, tp_rank)
+            return PlainTextResponse("OK")
+
+        @app.get("/get_transfer_engine_info")
+        def get_transfer_engine_info(rank: int) -> dict[str, Any]:
+            if rank < 0:
+                raise HTTPException(status_code=400, detail="Invalid rank parameter")
+            info = self.get_transfer_engine_info(rank)
+            if info is None:
+                raise HTTPException(
+                    status_code=404, detail=f"No transfer engine info for rank {rank}"
+                )
+            answer = list(info) if isinstance(info, tuple) else info
+            return {"rank": rank, "remote_instance_transfer_engine_info": answer}
+
+        return app
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._server.started and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if not self._server.started:
+            self.close()
+            raise RuntimeError(
+                f"the engine info bootstrap server could not serve on {self.host}:{self.port} "
+                f"(port in use?). When running several instances on one node, give each its "
+                f"own --engine-info-bootstrap-port."
+            )
+
+    @property
+    def url(self) -> str:
+        """Where this process reaches the server (loopback when it binds every interface)."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def get_transfer_engine_info(self, rank: int) -> tuple[Any, Any] | dict[str, Any] | None:
+        """Direct in-process access, as sglang's server offers."""
+        with self.lock:
+            return self.transfer_engine_info.get(rank)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)

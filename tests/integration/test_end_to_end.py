@@ -1,0 +1,86 @@
+"""The whole path, real parts: trainer session -> real Mooncake / NIXL -> local engines in their
+own processes, each rank a model built by sglang's model class. After every update each engine
+rank must be bit-exact (sglang's WeightChecker checksums, parameters and persistent buffers)
+with sglang's own ``load_weights`` of the same HF tensors into a real model of that rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
+from p2pweights.engines.client import EngineClient
+from p2pweights.testing import save_safetensors, synthetic_weights
+from p2pweights.verify import verify_engine
+
+pytestmark = pytest.mark.integration
+
+TRANSPORTS = {
+    "mooncake": MooncakeConfig(protocol="tcp"),
+    "nixl": NixlConfig(backend="UCX"),
+}
+
+# (model, engine TP sizes). Every case has kv heads (2) fewer than some TP, a vocabulary
+# (1000) that sglang pads, tied or untied embeddings; together TP 1, 2 and 4 for both families.
+MATRIX = [
+    ("qwen3-tiny", [1, 2, 4]),
+    ("qwen2-tiny-tied", [1, 2, 4]),
+    ("qwen3-tiny-tied", [2]),
+    ("qwen2-tiny", [4]),
+]
+
+
+def _weights(folder, seed):
+    return list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
+
+
+def _assert_bit_exact(engines, folder, seed):
+    for engine in engines:
+        client = EngineClient(engine.url)
+        mismatches = verify_engine(client, lambda: _weights(folder, seed))
+        client.close()
+        assert mismatches == {r: [] for r in range(engine.tp)}, f"{engine.url}: {mismatches}"
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize(("model", "tps"), MATRIX, ids=[m for m, _ in MATRIX])
+def test_updates_are_bit_exact_at_every_rank(model, tps, transport, model_dir, start_engines):
+    folder = model_dir(model)
+    engines = start_engines(folder, tps, transport=transport, seed=0)
+    config = SyncConfig(transport=TRANSPORTS[transport], buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([e.url for e in engines])
+        for step, seed in enumerate([11, 12]):
+            report = session.update(_weights(folder, seed))
+            assert report.version == str(step + 1)
+            assert set(report.bytes_by_target) == {(e.url, r) for e in engines for r in range(e.tp)}
+            _assert_bit_exact(engines, folder, seed)
+            for engine in engines:
+                assert EngineClient(engine.url).weight_version() == report.version
+
+
+def test_streamed_iterator_and_safetensors_engine(model_dir, start_engines, tmp_path):
+    """An engine started from a safetensors folder; later updates streamed from a generator."""
+    folder = model_dir("qwen3-tiny")
+    save_safetensors(tmp_path, _weights(folder, 5))
+    (engine,) = start_engines(folder, [2], weights=tmp_path, seed=None)
+    _assert_bit_exact([engine], folder, 5)
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        session.update(iter(_weights(folder, 6)))
+        _assert_bit_exact([engine], folder, 6)
+        session.update(synthetic_weights(folder, seed=7, dtype=torch.bfloat16))  # a generator
+        _assert_bit_exact([engine], folder, 7)
+
+
+def test_check_weight_update_equal_passes_on_the_start_weights(model_dir, start_engines):
+    folder = model_dir("qwen3-tiny")
+    (engine,) = start_engines(folder, [2], seed=3)
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), check_weight_update_equal=True)
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        report = session.update(_weights(folder, 3))  # the weights the engine started with
+        assert "verify" in report.stage_seconds
+        _assert_bit_exact([engine], folder, 3)
