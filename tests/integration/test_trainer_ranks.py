@@ -1,0 +1,67 @@
+"""Two trainer processes share the engine ranks: each target has exactly one writer.
+
+Both trainer ranks hold the same HF weights (as after a Megatron all-gather). The
+plan gives each one engine rank of a TP 2 engine; trainer rank 0 drives the
+engine's update session and the barrier keeps rank 1's writes inside it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from p2pweights.engines.client import EngineClient
+from p2pweights.testing import synthetic_weights
+from p2pweights.verify import verify_engine
+
+pytestmark = pytest.mark.integration
+
+
+def _trainer(rank: int, url: str, folder: str, barrier, results) -> None:
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+
+    config = SyncConfig(
+        transport=MooncakeConfig(protocol="tcp"),
+        buffer_bytes="1MiB",
+        trainer_rank=rank,
+        num_trainer_ranks=2,
+    )
+    with WeightSyncSession(config, barrier=lambda: barrier.wait(timeout=120)) as session:
+        session.connect([url])
+        for seed in (21, 22):
+            weights = list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
+            report = session.update(weights)
+            results.put((rank, seed, report.version, sorted(report.bytes_by_target)))
+
+
+def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
+    folder = model_dir("qwen3-tiny")
+    (engine,) = start_engines(folder, [2], seed=0)
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    trainers = [
+        ctx.Process(target=_trainer, args=(r, engine.url, str(folder), barrier, results))
+        for r in range(2)
+    ]
+    for p in trainers:
+        p.start()
+    for p in trainers:
+        p.join(timeout=300)
+    assert [p.exitcode for p in trainers] == [0, 0]
+    reports = sorted(results.get(timeout=5) for _ in range(4))
+    # each trainer rank wrote exactly one engine rank, the two together both ranks, every update
+    written = {seed: [] for seed in (21, 22)}
+    for _rank, seed, version, targets in reports:
+        assert len(targets) == 1
+        written[seed] += targets
+        assert version == {21: "1", 22: "2"}[seed]
+    for targets in written.values():
+        assert sorted(targets) == [(engine.url, 0), (engine.url, 1)]
+    client = EngineClient(engine.url)
+    assert client.weight_version() == "2"
+    mismatches = verify_engine(
+        client, lambda: list(synthetic_weights(folder, seed=22, dtype=torch.bfloat16))
+    )
+    assert mismatches == {0: [], 1: []}
