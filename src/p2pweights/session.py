@@ -10,7 +10,9 @@ One update, as sglang expects it::
     -> update_weight_version -> end_weight_update -> continue_generation
 
 With several sending trainer ranks, trainer rank 0 drives the engines' update
-session and the ``barrier`` the caller passes keeps the others' writes inside it.
+session; after each step (open, write, close) all ranks ``agree`` on whether every
+one of them succeeded, so the others write only inside the open session and all
+ranks fail together.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
 from p2pweights.config import SyncConfig
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.fleet import ConnectedEngine, connect_engine
+from p2pweights.engines.fleet import ConnectedEngine, Fleet
 from p2pweights.engines.published import RankPublication
-from p2pweights.errors import ConfigError, EngineError, P2PWeightsError
+from p2pweights.errors import ConfigError, TransferError
 from p2pweights.plan.assignment import Target, assign_targets
 from p2pweights.plan.inputs import (
     GroupCollector,
@@ -39,7 +41,7 @@ from p2pweights.plan.inputs import (
 )
 from p2pweights.replica.registry import ReplicaHandle, replica_for
 from p2pweights.report import UpdateReport
-from p2pweights.transfer.buffers import StagingBuffers, aligned
+from p2pweights.transfer.buffers import StagingBuffers
 from p2pweights.transfer.pipeline import PipelineStats, UpdatePipeline
 from p2pweights.transfer.transports import Transport, create_transport
 from p2pweights.transfer.writers import EngineWriter
@@ -57,27 +59,39 @@ class WeightSyncSession:
         self,
         config: SyncConfig | None = None,
         *,
-        barrier: Callable[[], None] | None = None,
+        agree: Callable[[bool], bool] | None = None,
         staging_device: torch.device | str = "cpu",
     ):
+        """``agree(ok)`` must return whether every sending trainer rank passed ``True``
+        (an all-reduce of the flags, e.g. ``p2pweights.adapters.torch_agree()``); it is
+        required with ``num_trainer_ranks > 1``. ``staging_device`` places the staging
+        buffers ("cpu": pinned host memory; "cuda:N" where the transport reads GPU memory).
+        """
         self.config = config or SyncConfig()
-        if self.config.num_trainer_ranks > 1 and barrier is None:
+        if self.config.num_trainer_ranks > 1 and agree is None:
             raise ConfigError(
-                "with num_trainer_ranks > 1 pass barrier= (e.g. torch.distributed.barrier) so "
-                "every trainer rank writes inside the update session trainer rank 0 opens"
+                "with num_trainer_ranks > 1 pass agree= (e.g. p2pweights.adapters.torch_agree()) "
+                "so all trainer ranks write inside the session rank 0 opens and fail together"
             )
-        self._barrier = barrier or (lambda: None)
+        self._agree = agree or (lambda ok: ok)
         self._staging_device = torch.device(staging_device)
         self._transport: Transport | None = None
-        self._engines: list[ConnectedEngine] = []
+        self._fleet = Fleet([])
         self._replicas: dict[Hashable, ReplicaHandle] = {}
         self._targets: dict[Hashable, list[RankPublication]] = {}
         self._writers: dict[str, EngineWriter] = {}
         self._buffers: StagingBuffers | None = None
+        self._unfinished: list[Future[None]] = []
         self._groups: dict[Hashable, list[ParamGroup]] | None = None
         self._inputs: dict[str, InputSpec] = {}
         self._next_version = 1
+        self._session_open = False  # engines paused inside begin/end (after a failed update)
+        self._snapshot_taken = False
         self._checked = False
+
+    @property
+    def _leader(self) -> bool:
+        return self.config.trainer_rank == 0
 
     # -- connect -------------------------------------------------------------------------------
 
@@ -85,61 +99,64 @@ class WeightSyncSession:
         """Read every engine's layout and published weights; prepare this rank's targets.
 
         Refuses, before any byte moves, engines published for another transport and
-        engines whose published parameter sizes differ from the replica's.
+        engines whose published parameter sizes differ from the replica's. Engines are
+        ordered by URL, so every trainer rank plans the same way whatever order it lists
+        them in. A failed connect leaves the session unconnected.
         """
         if not engines:
             raise ConfigError("connect() needs at least one engine URL")
-        endpoints = [EngineEndpoint.of(e) for e in engines]
+        endpoints = sorted((EngineEndpoint.of(e) for e in engines), key=lambda e: e.url)
         if len({e.url for e in endpoints}) != len(endpoints):
             raise ConfigError("each engine may be listed once")
-        self._close_engines()
-        self._groups = None  # re-derived from the (process-cached) probes at the next update
-        kind = self.config.transport.kind
-        self._engines = self._parallel(
-            lambda pair: connect_engine(
-                pair[0], pair[1], kind, self.config.http_timeout_s, self.config.api_key
-            ),
-            list(enumerate(endpoints)),
+        self._disconnect()
+        fleet = Fleet.connect(
+            endpoints, self.config.transport.kind, self.config.http_timeout_s, self.config.api_key
         )
-        if self._transport is None:
-            self._transport = create_transport(self.config.transport)
-        mine = self._my_targets()
-        self._targets = {}
-        for engine, rank in mine:
-            handle = self._replica(engine, rank)
-            pub = engine.publications[rank]
-            handle.check_published(pub)
-            self._targets.setdefault(handle.key, []).append(pub)
-            self._transport.connect(pub)
+        try:
+            if self._transport is None:
+                self._transport = create_transport(self.config.transport)
+            targets = self._plan(fleet)
+        except BaseException:
+            fleet.close()
+            raise
+        self._fleet, self._targets = fleet, targets
         self._writers = {
-            e.url: EngineWriter(e.url, self._transport, self.config.transfer_timeout_s)
-            for e in self._engines
-            if any(pub.engine_url == e.url for pubs in self._targets.values() for pub in pubs)
+            url: EngineWriter(url, self._transport, self.config.transfer_timeout_s)
+            for url in sorted({pub.engine_url for pubs in targets.values() for pub in pubs})
         }
-        self._next_version = max(self._next_version, _next_numeric_version(self._engines))
+        self._next_version = max(self._next_version, fleet.next_numeric_version())
         logger.info(
             "connected to %d engine(s); trainer rank %d writes %d engine rank(s), %d replica(s)",
-            len(self._engines),
+            len(fleet.engines),
             self.config.trainer_rank,
-            len(mine),
-            len(self._targets),
+            sum(len(pubs) for pubs in targets.values()),
+            len(targets),
         )
 
-    def _my_targets(self) -> list[tuple[ConnectedEngine, int]]:
-        targets = [
-            Target(e.index, rank, layout_key=self._replica(e, rank).key)
-            for e in self._engines
+    def _plan(self, fleet: Fleet) -> dict[Hashable, list[RankPublication]]:
+        """This trainer rank's targets by replica, each checked and connected."""
+        assert self._transport is not None
+        handles = {
+            (e.index, rank): self._replica(e, rank)
+            for e in fleet.engines
             for rank in range(e.num_ranks)
-        ]
-        plan = assign_targets(self.config.num_trainer_ranks, targets)
-        return [
-            (self._engines[t.engine_index], t.engine_rank) for t in plan[self.config.trainer_rank]
-        ]
+        }
+        plan = assign_targets(
+            self.config.num_trainer_ranks,
+            [Target(i, rank, layout_key=h.key) for (i, rank), h in handles.items()],
+        )
+        targets: dict[Hashable, list[RankPublication]] = {}
+        for target in plan[self.config.trainer_rank]:
+            handle = handles[(target.engine_index, target.engine_rank)]
+            pub = fleet.engines[target.engine_index].publications[target.engine_rank]
+            handle.check_published(pub)
+            self._transport.connect(pub)
+            targets.setdefault(handle.key, []).append(pub)
+        return targets
 
     def _replica(self, engine: ConnectedEngine, rank: int) -> ReplicaHandle:
         handle = replica_for(engine.server_info, rank, engine.endpoint.model_path)
-        self._replicas.setdefault(handle.key, handle)
-        return self._replicas[handle.key]
+        return self._replicas.setdefault(handle.key, handle)
 
     # -- update --------------------------------------------------------------------------------
 
@@ -150,37 +167,27 @@ class WeightSyncSession:
         was refused or is still running after ``transfer_timeout_s``. A Mapping or a
         sequence is checked whole before any byte is written; an iterator is checked
         tensor by tensor (the first update always reads it whole to probe the loaders).
+        Tensors must stay unchanged until ``update`` returns: bytes are loaded from
+        them when their staging buffer is flushed, not when they are yielded.
+        After a failed update the engines stay paused in their update session; the
+        next ``update`` rewrites every weight and then resumes them.
         """
-        if not self._engines:
+        if not self._fleet.engines:
             raise ConfigError("call connect(engines) before update()")
         started = time.perf_counter()
         stages: dict[str, float] = {}
+        self._settle_failed_writes()
         tensors = _pairs(named_tensors)
         if self._groups is None or not isinstance(tensors, Iterator):
             tensors = list(tensors)
             with _timed(stages, "probe" if self._groups is None else "check_inputs"):
                 self._prepare(tensors)
-        if self._buffers is None:
-            self._allocate_buffers()
         version = version or str(self._next_version)
-        leader = self.config.trainer_rank == 0
         with _timed(stages, "control_plane"):
-            if leader:
-                self._open_update()
-            self._barrier()
-        stats = self._write_all(tensors)
-        with _timed(stages, "control_plane"):
-            self._barrier()
-            if leader:
-                self._close_update(version)
-        if leader and self.config.check_weight_update_equal and not self._checked:
-            with _timed(stages, "verify"):
-                self._each_engine(lambda e: e.client.weights_checker("compare"))
-                self._checked = True
-        with _timed(stages, "control_plane"):
-            if leader:
-                self._each_engine(lambda e: e.client.continue_generation())
-        self._next_version = _numeric_successor(version, self._next_version)
+            self._step("open", self._open_update)
+        stats = self._step("write", lambda: self._write_all(tensors))
+        self._next_version = _next_version_after(version, self._next_version)
+        self._step("close", lambda: self._close_update(version, stages))
         stages["load"], stages["wait"] = stats.load_s, stats.wait_s
         report = UpdateReport(
             version=version,
@@ -191,16 +198,31 @@ class WeightSyncSession:
         logger.info("p2pweights update %s", report.summary())
         return report
 
+    def _step(self, name: str, action: Callable[[], T]) -> T:
+        """Run ``action``; every trainer rank learns whether all of them succeeded."""
+        error: BaseException | None = None
+        try:
+            result = action()
+        except BaseException as exc:
+            error = exc
+        if not self._agree(error is None):
+            if error is not None:
+                raise error
+            raise TransferError(
+                f"trainer rank {self.config.trainer_rank}: another trainer rank failed the "
+                f"'{name}' step of this update (its error names the engine)"
+            )
+        return result
+
     def _prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Check the whole input; on the first update also probe the loaders."""
         specs = describe_inputs(tensors)
         if self._groups is None:
             self._groups = {
-                key: handle.groups(specs)
-                for key, handle in self._replicas.items()
-                if key in self._targets
+                key: self._replicas[key].groups(specs) for key in sorted(self._targets, key=str)
             }
             self._inputs = specs
+            self._ensure_buffers()
         for name, tensor in tensors:
             check_input(name, tensor, self._inputs)
         missing = sorted(set(self._inputs) - set(specs))
@@ -210,21 +232,27 @@ class WeightSyncSession:
                 f"{', '.join(missing[:8])}"
             )
 
-    def _allocate_buffers(self) -> None:
+    def _ensure_buffers(self) -> None:
+        """Staging buffers that hold the largest group of any of this rank's replicas."""
         assert self._groups is not None and self._transport is not None
+        if not self._targets:
+            return  # an idle trainer rank stages nothing
         largest = max(
             (
-                sum(aligned(self._replicas[key].param_bytes(p)) for p in group.param_names)
+                self._replicas[key].group_bytes(group)
                 for key, groups in self._groups.items()
                 for group in groups
             ),
             default=0,
         )
         size = max(self.config.buffer_bytes, largest)
-        self._buffers = StagingBuffers(size, self._staging_device, self._transport.register)
+        if self._buffers is None or self._buffers.capacity_bytes < size:
+            self._buffers = StagingBuffers(size, self._staging_device, self._transport.register)
 
     def _write_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> PipelineStats:
-        assert self._groups is not None and self._buffers is not None
+        assert self._groups is not None
+        if self._buffers is None:
+            return PipelineStats()  # an idle trainer rank writes nothing
         pipeline = UpdatePipeline(
             self._buffers,
             self._writers,
@@ -236,56 +264,61 @@ class WeightSyncSession:
             for name, tensor in tensors:
                 check_input(name, tensor, self._inputs)
                 for key, group, inputs in collector.add(name, tensor):
-                    handle = self._replicas[key]
-                    sizes = {p: handle.param_bytes(p) for p in group.param_names}
+                    sizes = self._replicas[key].group_sizes(group)
                     pipeline.stage(key, sizes, inputs, self._targets[key])
             collector.raise_if_incomplete()
             return pipeline.finish()
         except BaseException:
-            # Writes may still read the buffers: never refill them; take fresh ones next time.
-            self._buffers = None
+            # Running writes may still read the buffers: keep them until those return.
+            self._unfinished = pipeline.abort()
             raise
 
+    def _settle_failed_writes(self) -> None:
+        """Before reusing the buffers, let the writes of a failed update return."""
+        if not self._unfinished:
+            return
+        _, running = wait(self._unfinished, timeout=self.config.transfer_timeout_s)
+        if running:
+            raise TransferError(
+                f"{len(running)} write(s) of the last, failed update are still running after "
+                f"transfer_timeout_s={self.config.transfer_timeout_s}; an engine is stuck. "
+                f"close() this session and connect a new one"
+            )
+        self._unfinished = []
+
     def _open_update(self) -> None:
-        mode = self.config.pause_mode
-        self._each_engine(lambda e: e.client.pause_generation(mode))
+        if not self._leader or self._session_open:
+            return  # after a failed update the engines are still paused and open
+        check = self.config.check_weight_update_equal and not self._snapshot_taken
+        self._fleet.open_update(self.config.pause_mode, snapshot=check)
+        self._snapshot_taken = self._snapshot_taken or check
+        self._session_open = True
+
+    def _close_update(self, version: str, stages: dict[str, float]) -> None:
+        if not self._leader:
+            return
+        with _timed(stages, "control_plane"):
+            self._fleet.close_update(version)
         if self.config.check_weight_update_equal and not self._checked:
-            self._each_engine(lambda e: e.client.weights_checker("snapshot"))
-            self._each_engine(lambda e: e.client.weights_checker("reset_tensors"))
-        if mode != "in_place":
-            self._each_engine(lambda e: e.client.flush_cache())
-        self._each_engine(lambda e: e.client.begin_weight_update("all"))
+            with _timed(stages, "verify"):
+                self._fleet.compare()
+            self._checked = True
+        with _timed(stages, "control_plane"):
+            self._fleet.resume()
+        self._session_open = False
 
-    def _close_update(self, version: str) -> None:
-        self._each_engine(lambda e: e.client.update_weight_version(version))
-        self._each_engine(lambda e: e.client.end_weight_update())
+    # -- teardown ------------------------------------------------------------------------------
 
-    # -- helpers -------------------------------------------------------------------------------
-
-    def _each_engine(self, call: Callable[[ConnectedEngine], object]) -> None:
-        self._parallel(call, self._engines)
-
-    def _parallel(self, call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
-        """Run ``call`` on every item concurrently; raise the first error after all finished."""
-        if len(items) <= 1:
-            return [call(item) for item in items]
-        with ThreadPoolExecutor(min(len(items), 16)) as pool:
-            futures = [pool.submit(call, item) for item in items]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise errors[0]  # type: ignore[misc]
-        return [f.result() for f in futures]
-
-    def _close_engines(self) -> None:
+    def _disconnect(self) -> None:
         for writer in self._writers.values():
             writer.close()
-        for engine in self._engines:
-            engine.client.close()
-        self._writers, self._engines = {}, []
+        self._fleet.close()
+        self._writers, self._targets, self._groups = {}, {}, None
+        self._session_open = self._snapshot_taken = self._checked = False
 
     def close(self) -> None:
         """Release connections, writer threads and the transport (and its registrations)."""
-        self._close_engines()
+        self._disconnect()
         self._buffers = None
         if self._transport is not None:
             self._transport.close()
@@ -315,22 +348,12 @@ def _timed(stages: dict[str, float], name: str) -> Iterator[None]:
         stages[name] = stages.get(name, 0.0) + time.perf_counter() - started
 
 
-def _next_numeric_version(engines: Sequence[ConnectedEngine]) -> int:
-    """One past the largest numeric weight version the engines report (1 if none is numeric)."""
-    versions = []
-    for engine in engines:
-        try:
-            versions.append(int(engine.client.weight_version()))
-        except (ValueError, EngineError):
-            continue
-    return max(versions, default=0) + 1
-
-
-def _numeric_successor(version: str, current: int) -> int:
+def _next_version_after(version: str, current: int) -> int:
+    """Auto-versions continue past a numeric version, and never go backwards."""
     try:
-        return int(version) + 1
+        return max(current, int(version) + 1)
     except ValueError:
-        return current + 1
+        return current  # a named version ("step-9") uses up no number
 
 
-__all__ = ["P2PWeightsError", "WeightSyncSession"]
+__all__ = ["WeightSyncSession"]

@@ -26,6 +26,7 @@ from p2pweights import (
 )
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
+from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
 
@@ -95,23 +96,25 @@ def test_layout_mismatch_refused_at_connect(engine, model_dir):
         session.connect([EngineEndpoint(engine.url, model_path=str(other))])
 
 
-def _stop_engine_during_writes(sig):
-    """A barrier that, once the update session is open, sends ``sig`` to the engine."""
+def _signal_once_open(pid, sig):
+    """An ``agree`` hook (called after each update step) that sends ``sig`` to the engine
+    once the update session is open, i.e. just before the writes start."""
+    calls = []
 
-    def barrier(state={"calls": 0}):  # noqa: B006 (per-test closure state)
-        state["calls"] += 1
-        if state["calls"] == 1:
-            os.killpg(barrier.engine_pid, sig)
+    def agree(ok):
+        calls.append(ok)
+        if len(calls) == 1:
+            os.killpg(pid, sig)
+        return ok
 
-    return barrier
+    return agree
 
 
 def test_dead_engine_fails_the_update_naming_url_rank_and_parameter(model_dir, start_engines):
     folder = model_dir("qwen3-tiny")
     (victim,) = start_engines(folder, [2], seed=0)
-    barrier = _stop_engine_during_writes(signal.SIGKILL)
-    barrier.engine_pid = victim._process.pid
-    with WeightSyncSession(_config(transfer_timeout_s=10), barrier=barrier) as session:
+    agree = _signal_once_open(victim._process.pid, signal.SIGKILL)
+    with WeightSyncSession(_config(transfer_timeout_s=10), agree=agree) as session:
         session.connect([victim.url])
         with pytest.raises(
             TransferError, match=rf"engine {victim.url} rank [01] parameters model\."
@@ -119,16 +122,22 @@ def test_dead_engine_fails_the_update_naming_url_rank_and_parameter(model_dir, s
             session.update(_weights(folder, 1))
 
 
-def test_hung_engine_fails_the_update_after_the_timeout(model_dir, start_engines):
+def test_hung_engine_fails_the_update_then_a_retry_succeeds(model_dir, start_engines):
     folder = model_dir("qwen3-tiny")
     (victim,) = start_engines(folder, [1], seed=0)
-    barrier = _stop_engine_during_writes(signal.SIGSTOP)
-    barrier.engine_pid = victim._process.pid
+    agree = _signal_once_open(victim._process.pid, signal.SIGSTOP)
     try:
-        with WeightSyncSession(_config(transfer_timeout_s=2), barrier=barrier) as session:
+        with WeightSyncSession(_config(transfer_timeout_s=2), agree=agree) as session:
             session.connect([victim.url])
             with pytest.raises(TransferError, match=rf"{victim.url} rank 0 parameters"):
                 session.update(_weights(folder, 1))
+            os.killpg(victim._process.pid, signal.SIGCONT)
+            # The engine is still paused inside its update session; the retry waits for
+            # the failed update's writes, rewrites every weight, closes and resumes.
+            report = session.update(_weights(folder, 2))
+            assert EngineClient(victim.url).weight_version() == report.version
+            mismatches = verify_engine(EngineClient(victim.url), lambda: _weights(folder, 2))
+            assert mismatches == {0: []}
     finally:
         os.killpg(victim._process.pid, signal.SIGCONT)
 

@@ -2,7 +2,8 @@
 
 Both trainer ranks hold the same HF weights (as after a Megatron all-gather). The
 plan gives each one engine rank of a TP 2 engine; trainer rank 0 drives the
-engine's update session and the barrier keeps rank 1's writes inside it.
+engine's update session and ``agree`` (an all-reduce of ok flags, here over a
+multiprocessing barrier) keeps rank 1's writes inside it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,18 @@ from p2pweights.verify import verify_engine
 pytestmark = pytest.mark.integration
 
 
-def _trainer(rank: int, url: str, folder: str, barrier, results) -> None:
+def _agree_over(barrier, flags, rank):
+    def agree(ok: bool) -> bool:
+        flags[rank] = int(ok)
+        barrier.wait(timeout=120)
+        everyone = all(flags)
+        barrier.wait(timeout=120)  # nobody overwrites a flag before all have read them
+        return everyone
+
+    return agree
+
+
+def _trainer(rank: int, url: str, folder: str, barrier, flags, results) -> None:
     from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
 
     config = SyncConfig(
@@ -28,7 +40,8 @@ def _trainer(rank: int, url: str, folder: str, barrier, results) -> None:
         trainer_rank=rank,
         num_trainer_ranks=2,
     )
-    with WeightSyncSession(config, barrier=lambda: barrier.wait(timeout=120)) as session:
+    agree = _agree_over(barrier, flags, rank)
+    with WeightSyncSession(config, agree=agree) as session:
         session.connect([url])
         for seed in (21, 22):
             weights = list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
@@ -40,9 +53,9 @@ def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
     folder = model_dir("qwen3-tiny")
     (engine,) = start_engines(folder, [2], seed=0)
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(2), ctx.Queue()
+    barrier, flags, results = ctx.Barrier(2), ctx.Array("i", 2), ctx.Queue()
     trainers = [
-        ctx.Process(target=_trainer, args=(r, engine.url, str(folder), barrier, results))
+        ctx.Process(target=_trainer, args=(r, engine.url, str(folder), barrier, flags, results))
         for r in range(2)
     ]
     for p in trainers:

@@ -56,7 +56,9 @@ def test_unused_names_are_dropped_and_duplicates_refused():
 def test_inputs_checked_against_the_first_update():
     known = describe_inputs([("w", torch.zeros(2, 3))])
     assert known == {"w": InputSpec((2, 3), torch.float32)}
-    check_input("w", torch.ones(2, 3, dtype=torch.bfloat16), known)
+    check_input("w", torch.ones(2, 3), known)
+    with pytest.raises(ConfigError, match=r"torch\.bfloat16, the first update sent torch\.float32"):
+        check_input("w", torch.ones(2, 3, dtype=torch.bfloat16), known)
     with pytest.raises(ConfigError, match=r"shape \(3, 2\), the first update sent \(2, 3\)"):
         check_input("w", torch.zeros(3, 2), known)
     with pytest.raises(ConfigError, match="not part of the first update"):

@@ -16,6 +16,10 @@ class EngineEndpoint:
     model_path: str | None = None
     """This trainer's copy of the engine's HF config.json (default: the engine's model_path)."""
 
+    def __post_init__(self) -> None:
+        # One spelling per engine: writers, publications and clients are keyed by it.
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
     @classmethod
     def of(cls, engine: str | EngineEndpoint) -> EngineEndpoint:
         if isinstance(engine, EngineEndpoint):

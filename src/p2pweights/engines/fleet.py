@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import EngineError
+
+T = TypeVar("T")
 
 _PUBLISH_FLAGS = {
     "mooncake": "start sglang with --remote-instance-weight-loader-start-seed-via-transfer-engine",
@@ -77,3 +81,88 @@ def connect_engine(
 
 def _config_name(backend: str) -> str:
     return {"mooncake": "MooncakeConfig", "nixl": "NixlConfig"}.get(backend, backend)
+
+
+def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+    """``call`` on every item at once; after all finished, raise naming every failure."""
+    if len(items) <= 1:
+        return [call(item) for item in items]
+    with ThreadPoolExecutor(min(len(items), 16)) as pool:
+        futures = [pool.submit(call, item) for item in items]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if len(errors) == 1:
+        raise errors[0]  # type: ignore[misc]
+    if errors:
+        raise EngineError("; ".join(str(e) for e in errors)) from errors[0]
+    return [f.result() for f in futures]
+
+
+class Fleet:
+    """The connected engines, driven together through their update session."""
+
+    def __init__(self, engines: list[ConnectedEngine]):
+        self.engines = engines
+
+    @classmethod
+    def connect(
+        cls,
+        endpoints: Sequence[EngineEndpoint],
+        transport_kind: str,
+        timeout_s: float,
+        api_key: str | None,
+    ) -> Fleet:
+        """Connect every engine; if any fails, close the ones that did and raise."""
+        connected: list[ConnectedEngine | None] = [None] * len(endpoints)
+
+        def one(index: int) -> None:
+            connected[index] = connect_engine(
+                index, endpoints[index], transport_kind, timeout_s, api_key
+            )
+
+        try:
+            concurrently(one, range(len(endpoints)))
+        except BaseException:
+            for engine in connected:
+                if engine is not None:
+                    engine.client.close()
+            raise
+        return cls([e for e in connected if e is not None])
+
+    def each(self, call: Callable[[ConnectedEngine], object]) -> None:
+        concurrently(call, self.engines)
+
+    def open_update(self, pause_mode: str, snapshot: bool) -> None:
+        """Pause, optionally snapshot + reset for the weight check, flush, begin."""
+        self.each(lambda e: e.client.pause_generation(pause_mode))
+        if snapshot:
+            self.each(lambda e: e.client.weights_checker("snapshot"))
+            self.each(lambda e: e.client.weights_checker("reset_tensors"))
+        if pause_mode != "in_place":
+            self.each(lambda e: e.client.flush_cache())
+        self.each(lambda e: e.client.begin_weight_update("all"))
+
+    def close_update(self, version: str) -> None:
+        self.each(lambda e: e.client.update_weight_version(version))
+        self.each(lambda e: e.client.end_weight_update())
+
+    def compare(self) -> None:
+        """The engines' own weight check of this update against their snapshot."""
+        self.each(lambda e: e.client.weights_checker("compare"))
+
+    def resume(self) -> None:
+        self.each(lambda e: e.client.continue_generation())
+
+    def next_numeric_version(self) -> int:
+        """One past the largest numeric weight version the engines report (1 if none is)."""
+        versions = []
+        for engine in self.engines:
+            try:
+                versions.append(int(engine.client.weight_version()))
+            except (ValueError, EngineError):
+                continue
+        return max(versions, default=0) + 1
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.client.close()
+        self.engines = []

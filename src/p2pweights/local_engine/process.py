@@ -49,7 +49,7 @@ class LocalEngine:
         self.weights = None if weights is None else str(weights)
         self.dtype = dtype
         self.host = host
-        self.port = port or free_port(host)
+        self.port = port if port is not None else free_port(host)
         self.startup_timeout_s = startup_timeout_s
         self._env = env
         self._process: subprocess.Popen[bytes] | None = None
@@ -102,7 +102,8 @@ class LocalEngine:
         return self
 
     def wait_ready(self) -> LocalEngine:
-        assert self._process is not None, "call start() first"
+        if self._process is None:
+            raise EngineError(f"local engine {self.url}: call start() before wait_ready()")
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -127,6 +128,7 @@ class LocalEngine:
 
     def stop(self) -> None:
         process, self._process = self._process, None
+        self._log.close()  # the file stays for log_tail() and post-mortems
         if process is None or process.poll() is not None:
             return
         process.terminate()
@@ -137,7 +139,12 @@ class LocalEngine:
             process.wait(timeout=15)
 
     def __enter__(self) -> LocalEngine:
-        return self.start().wait_ready()
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:  # e.g. Ctrl-C while it starts: never leave the process behind
+            self.stop()
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()

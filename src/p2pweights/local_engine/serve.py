@@ -76,7 +76,7 @@ def serve(
     def hf_weights() -> Iterator[tuple[str, torch.Tensor]]:
         if weights is not None:
             return read_safetensors(weights)
-        return synthetic_weights(folder, seed=seed or 0, dtype=torch_dtype)
+        return synthetic_weights(folder, seed=seed if seed is not None else 0, dtype=torch_dtype)
 
     ranks = [
         EngineRank(

@@ -55,6 +55,10 @@ def check_input(name: str, tensor: torch.Tensor, known: Mapping[str, InputSpec])
             f"HF tensor {name!r} was not part of the first update; the HF-name-to-parameter "
             f"mapping is probed once, so every update must send the same names"
         )
+    if tensor.dtype != spec.dtype:
+        raise ConfigError(
+            f"HF tensor {name!r} is {tensor.dtype}, the first update sent {spec.dtype}"
+        )
     if tuple(tensor.shape) != spec.shape:
         raise ConfigError(
             f"HF tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -21,6 +21,7 @@ import torch
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, LayoutMismatchError
 from p2pweights.plan.inputs import InputSpec, ParamGroup
+from p2pweights.transfer.buffers import staged_bytes
 
 LAYOUT_SERVER_ARGS = (
     "dtype",
@@ -85,7 +86,6 @@ class ReplicaHandle:
     server_info: dict[str, Any]
     spec: Any
     _replica: Any = field(default=None, repr=False)
-    _groups: dict[frozenset[str], list[ParamGroup]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -101,6 +101,14 @@ class ReplicaHandle:
 
     def param_bytes(self, name: str) -> int:
         return int(self.replica.param_layouts[name].num_bytes)
+
+    def group_sizes(self, group: ParamGroup) -> dict[str, int]:
+        """Parameter name -> bytes, for the parameters of ``group``."""
+        return {name: self.param_bytes(name) for name in group.param_names}
+
+    def group_bytes(self, group: ParamGroup) -> int:
+        """Staging bytes ``group`` takes, alignment included."""
+        return staged_bytes(self.group_sizes(group).values())
 
     def check_published(self, pub: RankPublication) -> None:
         """Refuse an engine rank whose published parameters differ from this replica's."""
@@ -127,15 +135,22 @@ class ReplicaHandle:
             )
 
     def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
-        """Parameter groups for this set of HF inputs (probed once per set, then cached)."""
-        names = frozenset(inputs)
-        with self._lock:
-            cached = self._groups.get(names)
-        if cached is None:
-            cached = self.replica.probe(inputs)
-            with self._lock:
-                self._groups[names] = cached
-        return cached
+        """Parameter groups for these HF inputs (the replica caches the probe).
+
+        Raises ``ConfigError`` if some parameter of this layout is fed by none of the
+        inputs: it would keep stale bytes while the update reports success.
+        """
+        from p2pweights.replica.probe import HfTensorSpec
+
+        specs = [HfTensorSpec(name, s.shape, s.dtype) for name, s in inputs.items()]
+        loader_map = self.replica.loader_map(specs)
+        if loader_map.unfed_params:
+            unfed = loader_map.unfed_params
+            raise ConfigError(
+                f"no HF tensor of this update feeds {len(unfed)} parameter(s) of the engine "
+                f"layout ({self.spec}): {', '.join(unfed[:8])}; send every checkpoint tensor"
+            )
+        return [ParamGroup(g.hf_names, g.param_names) for g in loader_map.groups]
 
     def load_into(
         self, inputs: Sequence[tuple[str, torch.Tensor]], views: Mapping[str, torch.Tensor]

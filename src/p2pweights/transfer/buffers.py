@@ -9,8 +9,7 @@ it has returned.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -20,6 +19,11 @@ ALIGNMENT_BYTES = 256
 
 def aligned(num_bytes: int) -> int:
     return -(-num_bytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+
+
+def staged_bytes(sizes: Iterable[int]) -> int:
+    """Buffer bytes a group of parameters of these sizes takes, alignment included."""
+    return sum(aligned(n) for n in sizes)
 
 
 def allocate_staging(num_bytes: int, device: torch.device) -> torch.Tensor:
@@ -35,7 +39,6 @@ class StagingBuffer:
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
         self.used_bytes = 0
-        self.in_flight: list[Future[None]] = []
 
     @property
     def capacity_bytes(self) -> int:
@@ -80,8 +83,13 @@ class StagingBuffers:
         return self.buffers[self._current]
 
     @property
-    def other(self) -> StagingBuffer:
-        return self.buffers[1 - self._current]
+    def current_index(self) -> int:
+        return self._current
+
+    def reset(self) -> None:
+        """Forget what was staged (the caller made sure no write still reads it)."""
+        for buffer in self.buffers:
+            buffer.used_bytes = 0
 
     def swap(self) -> StagingBuffer:
         """Make the other buffer current and return it (its old writes are not yet waited for)."""

@@ -21,7 +21,7 @@ import torch
 
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError
-from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers, aligned
+from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers, staged_bytes
 from p2pweights.transfer.transports.base import Write
 from p2pweights.transfer.writers import EngineWriter, WriteBatch
 
@@ -64,6 +64,7 @@ class UpdatePipeline:
         self._writers = writers
         self._timeout_s = timeout_s
         self._load = load
+        buffers.reset()
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
         self._batches: dict[tuple[str, int], WriteBatch] = {}
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
@@ -81,7 +82,7 @@ class UpdatePipeline:
         Its bytes are loaded from ``inputs`` once, at the next flush, whatever the
         number of targets.
         """
-        total = sum(aligned(n) for n in sizes.values())
+        total = staged_bytes(sizes.values())
         if total > self._buffers.capacity_bytes:
             raise TransferError(
                 f"a parameter group of {total} bytes does not fit a {self._buffers.capacity_bytes}"
@@ -122,8 +123,11 @@ class UpdatePipeline:
         for key, (inputs, views) in self._staged.items():
             self._load(key, inputs, views)
         self._staged = {}
+        if self._buffers.current.tensor.is_cuda:
+            # Loaders copy asynchronously on the GPU; writers must read finished bytes.
+            torch.cuda.current_stream(self._buffers.current.tensor.device).synchronize()
         self.stats.load_s += time.perf_counter() - started
-        index = self._buffers.buffers.index(self._buffers.current)
+        index = self._buffers.current_index
         for key, batch in self._batches.items():
             future = self._writers[batch.target.engine_url].submit(batch)
             self._pending[index].append((future, batch))
@@ -143,6 +147,20 @@ class UpdatePipeline:
             self._wait(self._pending[index])
         self._buffers.current.used_bytes = 0
         return self.stats
+
+    def abort(self) -> list[Future[None]]:
+        """After a failure: cancel queued writes; return those already running.
+
+        Running writes cannot be cancelled (transports finish or time them out), so
+        the caller must keep the staging buffers alive until they have returned.
+        """
+        running = []
+        for pending in self._pending.values():
+            for future, _ in pending:
+                if not future.cancel() and not future.done():
+                    running.append(future)
+            pending.clear()
+        return running
 
     def _wait(self, pending: list[tuple[Future[None], WriteBatch]]) -> None:
         if not pending:

@@ -6,7 +6,6 @@ length) triples plus the parameter each write carries, so a failure names it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -63,9 +62,6 @@ class EngineWriter:
             raise TransferError(f"write to {batch.describe()} failed: {exc!r}") from exc
 
     def close(self) -> None:
-        # Do not wait: a write stuck in a dead engine must not hold the trainer.
-        self._thread.shutdown(wait=False, cancel_futures=True)
-
-
-def describe_pending(pending: Sequence[tuple[Future[None], WriteBatch]]) -> str:
-    return "; ".join(batch.describe() for future, batch in pending if not future.done())
+        """Cancel queued batches and wait for the running one; transports bound it by
+        ``timeout_s``, so memory is never deregistered under a running write."""
+        self._thread.shutdown(wait=True, cancel_futures=True)
