@@ -114,3 +114,36 @@ def test_parallel_fields_groups_match_widths() -> None:
     assert fields["tp_group"].is_last_rank is False
     assert fields["moe_ep_group"].is_last_rank is True
     assert fields["dcp_group"] is None
+
+
+@pytest.mark.parametrize(
+    ("arg", "value"),
+    [
+        ("ep_num_redundant_experts", 32),
+        ("init_expert_location", "/placements/layout.pt"),
+        ("enable_eplb", True),
+        ("elastic_ep_backend", "mooncake"),
+        ("enable_elastic_expert_backup", True),
+        ("dwdp_size", 2),
+        ("kt_weight_path", "/models/kt"),
+    ],
+)
+def test_unreproducible_expert_placement_names_the_server_arg(arg: str, value: object) -> None:
+    from p2pweights.replica.sglang_env import check_reproducible_layout
+
+    with pytest.raises(ConfigError, match=arg):
+        check_reproducible_layout({"tp_size": 8, "ep_size": 8, arg: value})
+
+
+def test_default_expert_placement_is_accepted() -> None:
+    from p2pweights.replica.sglang_env import check_reproducible_layout
+
+    check_reproducible_layout(
+        {
+            "ep_num_redundant_experts": 0,
+            "init_expert_location": "trivial",
+            "enable_eplb": False,
+            "elastic_ep_backend": None,
+            "dwdp_size": 1,
+        }
+    )

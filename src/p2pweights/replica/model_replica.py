@@ -141,21 +141,45 @@ class ModelReplica:
         """
         from sglang.srt.model_loader.loader import DefaultModelLoader
 
-        with sglang_env.rank_scope(self.spec):
-            DefaultModelLoader.postprocess_weights(self.model, torch.device("cpu"))
-        sglang_env.begin_update(self.model, self.spec, "cpu")
+        try:
+            with sglang_env.rank_scope(self.spec):
+                DefaultModelLoader.postprocess_weights(self.model, torch.device("cpu"))
+            sglang_env.begin_update(self.model, self.spec, "cpu")
+        except RuntimeError as exc:
+            # e.g. fp8 block quantization: its postprocess reads scale values, which
+            # meta tensors do not have. Module-by-module materialization is not built yet.
+            quantization = getattr(self.model_config, "quantization", None)
+            raise ConfigError(
+                f"the start-up postprocess of engine rank {self.spec.world_rank} "
+                f"(server arg quantization={quantization!r}) cannot run on a meta replica: "
+                f"{exc}; p2pweights does not yet reproduce this engine's reload layout"
+            ) from exc
 
     @property
     def total_bytes(self) -> int:
         return sum(layout.num_bytes for layout in self.layouts.values())
 
     @contextlib.contextmanager
-    def loading_scope(self) -> Iterator[None]:
-        """Server args, parallel override and default dtype of this rank, for loader calls."""
+    def loading_scope(
+        self, destinations: Mapping[str, torch.Tensor] | None = None
+    ) -> Iterator[None]:
+        """Server args, parallel override and default dtype of this rank, for loader calls.
+
+        With ``destinations``, the named parameters view them meanwhile
+        (``_params_viewing``). Tensors a loader derives into module attributes are
+        undone on exit, before the parameters are pointed back at meta
+        (``_derived_tensors_kept``), so probing and staging leave the replica as it was.
+        """
         from sglang.srt.model_loader.utils import set_default_torch_dtype
 
         self._activate()
-        with sglang_env.rank_scope(self.spec), set_default_torch_dtype(self.model_config.dtype):
+        params = dict(self.model.named_parameters()) if destinations else {}
+        with (
+            sglang_env.rank_scope(self.spec),
+            set_default_torch_dtype(self.model_config.dtype),
+            _params_viewing(params, self.layouts, destinations or {}),
+            _derived_tensors_kept(self.model),
+        ):
             yield
 
     def loader_map(self, hf_specs: Iterable[HfTensorSpec]) -> LoaderMap:
@@ -194,8 +218,7 @@ class ModelReplica:
                 f"the HF tensors given to load_into also feed {missing}, which have no "
                 "destination; load whole groups of LoaderMap.groups at a time"
             )
-        params = dict(self.model.named_parameters())
-        with self.loading_scope(), _params_viewing(params, self.layouts, destinations):
+        with self.loading_scope(destinations):
             self.model.load_weights(iter(hf_tensors))  # type: ignore[operator]
 
     def _check_destinations(self, destinations: Mapping[str, torch.Tensor]) -> None:
@@ -253,3 +276,35 @@ def _params_viewing(
     finally:
         for param, staged in reversed(swapped):
             torch.utils.swap_tensors(param, staged)
+
+
+@contextlib.contextmanager
+def _derived_tensors_kept(model: nn.Module) -> Iterator[None]:
+    """Undo what ``load_weights`` derives into plain module attributes.
+
+    Some loaders end with ``post_load_weights``, which derives tensors from the
+    loaded parameters into attributes (DeepSeek MLA's ``w_kc`` / ``w_vc``). Run on
+    staging views, those would alias the staging buffer (and, as views, pin the
+    parameter so the next ``swap_tensors`` fails). The engine recomputes them at
+    ``end_weight_update``; the replica keeps its own (meta) values.
+    """
+    saved = [
+        (module, name, value)
+        for module in model.modules()
+        for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+    ]
+    before = {(id(module), name) for module, name, _ in saved}
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        for module in model.modules():
+            for name, value in list(vars(module).items()):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not isinstance(value, torch.nn.Parameter)
+                    and (id(module), name) not in before
+                ):
+                    setattr(module, name, None)

@@ -26,6 +26,7 @@ Results are cached per (name, shape, dtype) on the replica.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,8 @@ from p2pweights.errors import ConfigError
 
 if TYPE_CHECKING:
     from p2pweights.replica.model_replica import ModelReplica
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HfTensorSpec", "LoaderGroup", "LoaderMap", "probe_loader"]
 
@@ -89,22 +92,74 @@ class LoaderMap:
 
 
 def probe_loader(replica: ModelReplica, hf_specs: Sequence[HfTensorSpec]) -> LoaderMap:
-    """Probe ``replica``'s loader for ``hf_specs`` (cached per spec on the replica)."""
+    """Probe ``replica``'s loader for ``hf_specs`` (cached per spec on the replica).
+
+    Names not yet cached are probed together in one ``load_weights`` call with
+    provenance tracking (``_probe_batch``), as the engine's loader sees them: some
+    loaders hold a tensor until its partner arrives in the same call (DeepSeek
+    fuses ``q_a_proj`` with ``kv_a_proj_with_mqa``), so a name alone may write
+    nothing. If the batch fails or leaves a write it cannot attribute, each name
+    is probed alone (``_probe_one``), which also names the HF tensor at fault.
+    Names that fed nothing are not cached: they may only have lacked a partner.
+    """
     seen: set[str] = set()
     for spec in hf_specs:
         if spec.name in seen:
             raise ConfigError(f"HF tensor {spec.name!r} is given twice")
         seen.add(spec.name)
     feeds: dict[str, frozenset[str]] = {}
+    todo: list[HfTensorSpec] = []
     for spec in hf_specs:
-        key = (spec.name, spec.shape, spec.dtype)
-        found = replica.probe_cache.get(key)
+        found = replica.probe_cache.get((spec.name, spec.shape, spec.dtype))
         if found is None:
-            found = _probe_one(replica, spec)
-            replica.probe_cache[key] = found
-        feeds[spec.name] = found
+            todo.append(spec)
+        else:
+            feeds[spec.name] = found
+    if todo:
+        probed = _probe_batch(replica, todo)
+        if probed is None:
+            probed = {spec.name: _probe_one(replica, spec) for spec in todo}
+        for spec in todo:
+            feeds[spec.name] = probed[spec.name]
+            if probed[spec.name]:
+                replica.probe_cache[(spec.name, spec.shape, spec.dtype)] = probed[spec.name]
     order = list(replica.layouts)
-    return _group(feeds, order)
+    return _group({spec.name: feeds[spec.name] for spec in hf_specs}, order)
+
+
+def _probe_batch(
+    replica: ModelReplica, specs: Sequence[HfTensorSpec]
+) -> dict[str, frozenset[str]] | None:
+    """All ``specs`` through one ``load_weights`` call; None when a name-by-name probe must decide.
+
+    Each placeholder's storage is tagged with its HF name; the watcher carries
+    tags from inputs to outputs of every aten op (a tensor the loader caches or
+    concatenates keeps its sources) and records, for each parameter write, the
+    tags of what is written. Returns None if the call raised, replaced a
+    parameter, or wrote a parameter no tagged input reached.
+    """
+    params = dict(replica.model.named_parameters())
+    before = {name: _identity(param) for name, param in params.items()}
+    tracer = _ProvenanceWatcher(params)
+    inputs = []
+    for spec in specs:
+        placeholder = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+        tracer.tag(placeholder, spec.name)
+        inputs.append((spec.name, placeholder))
+    try:
+        with replica.loading_scope(), tracer:
+            replica.model.load_weights(iter(inputs))  # type: ignore[operator]
+    except Exception:  # the name-by-name probe reports it, naming the HF tensor
+        logger.debug("batch probe failed; probing name by name", exc_info=True)
+        return None
+    finally:
+        tracer.release()
+    if any(before[name] != _identity(param) for name, param in replica.model.named_parameters()):
+        return None
+    if tracer.unattributed - {p for fed in tracer.fed.values() for p in fed}:
+        logger.debug("batch probe: unattributed writes to %s", sorted(tracer.unattributed))
+        return None
+    return {spec.name: frozenset(tracer.fed.get(spec.name, ())) for spec in specs}
 
 
 def _probe_one(replica: ModelReplica, spec: HfTensorSpec) -> frozenset[str]:
@@ -187,6 +242,112 @@ class _WriteWatcher(TorchDispatchMode):
                     f"copies {list(source.shape)} into a slice of shape {list(target.shape)}"
                 )
         self.written.update(hit)
+
+
+_NO_DATA_FLOW = ("empty", "zeros", "ones", "full", "new_", "_like", "rand", "arange")
+"""aten op names whose output takes only shape/dtype from its inputs, not values."""
+
+
+class _ProvenanceWatcher(TorchDispatchMode):
+    """Tracks which HF inputs each value derives from, and which parameters they write.
+
+    Tags live on storages (a view shares its base's storage), keyed by the
+    storage's ``_cdata``; every tagged storage is kept alive until ``release`` so
+    an address is never reused for another tensor during the call.
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.fed: dict[str, set[str]] = {}
+        """HF name -> parameters written with values derived from it."""
+        self.unattributed: set[str] = set()
+        """Parameters written with values no tagged input reached."""
+        self._tags: dict[int, frozenset[str]] = {}
+        self._alive: list[Any] = []
+        self._params: dict[int, list[tuple[int, int, str]]] = {}
+        for name, param in params.items():
+            start = int(param.storage_offset())
+            end = start + _elements_spanned(param)
+            self._params.setdefault(param.untyped_storage()._cdata, []).append((start, end, name))
+
+    def tag(self, tensor: torch.Tensor, hf_name: str) -> None:
+        self._add(tensor, frozenset((hf_name,)))
+
+    def release(self) -> None:
+        self._tags.clear()
+        self._alive.clear()
+
+    def _add(self, tensor: torch.Tensor, tags: frozenset[str]) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        old = self._tags.get(key)
+        if old is None:
+            self._alive.append(storage)
+            self._tags[key] = tags
+        elif not tags <= old:
+            self._tags[key] = old | tags
+
+    def _tags_of(self, values: Iterable[Any]) -> frozenset[str]:
+        found: frozenset[str] = frozenset()
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                tags = self._tags.get(value.untyped_storage()._cdata)
+                if tags:
+                    found = found | tags
+            elif isinstance(value, (list, tuple)):
+                found = found | self._tags_of(value)
+        return found
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        targets: list[torch.Tensor] = []
+        sources: list[Any] = []
+        for index, argument in enumerate(func._schema.arguments):
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                if isinstance(value, torch.Tensor):
+                    targets.append(value)
+            else:
+                sources.append(value)
+        out = func(*args, **kwargs)
+        if any(word in func.__name__ for word in _NO_DATA_FLOW):
+            return out
+        tags = self._tags_of(sources)
+        for target in targets:
+            source = args[1] if func is torch.ops.aten.copy_.default else None
+            if isinstance(source, torch.Tensor) and source.numel() != target.numel():
+                raise ConfigError(
+                    f"HF tensor(s) {sorted(tags)} would be broadcast: the loader copies "
+                    f"{list(args[1].shape)} into a slice of shape {list(target.shape)}"
+                )
+            # A write without tagged sources (fill_, zero_) continues the target's own data.
+            written = tags or self._tags_of([target])
+            self._record(target, written)
+            if written:
+                self._add(target, written)
+        if tags:
+            for value in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(value, torch.Tensor):
+                    self._add(value, tags)
+        return out
+
+    def _record(self, target: torch.Tensor, tags: frozenset[str]) -> None:
+        candidates = self._params.get(target.untyped_storage()._cdata)
+        if not candidates:
+            return
+        start = target.storage_offset()
+        end = start + _elements_spanned(target)
+        hit = [name for first, last, name in candidates if first < end and start < last]
+        if not tags:
+            self.unattributed.update(hit)
+        for hf_name in tags:
+            self.fed.setdefault(hf_name, set()).update(hit)
 
 
 def _elements_spanned(tensor: torch.Tensor) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -52,6 +53,7 @@ __all__ = [
     "RankSpec",
     "FakeGroup",
     "ensure_server_args",
+    "check_reproducible_layout",
     "initialize_moe_config",
     "rank_scope",
     "build_model",
@@ -283,11 +285,12 @@ def ensure_server_args(server_args_fields: Mapping[str, Any]) -> None:
     global _published_key
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    known = {f.name for f in _server_args_fields(ServerArgs)}
+    known = _server_args_names(ServerArgs)
     fields = {k: v for k, v in server_args_fields.items() if k in known and v is not None}
     if "model_path" not in fields:
         raise ConfigError("server args need a model_path (a folder holding config.json)")
     fields.setdefault("device", "cuda")
+    check_reproducible_layout(fields)
     key = tuple(sorted((k, repr(v)) for k, v in fields.items()))
     if key == _published_key:
         return
@@ -296,8 +299,49 @@ def ensure_server_args(server_args_fields: Mapping[str, Any]) -> None:
         set_global_server_args_for_scheduler(server_args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"sglang rejected the server args {fields}: {exc}") from exc
+    # MoE layers read the runtime MoE flags (runner / a2a backend) while they are
+    # built; sglang's scheduler seeds them right after publishing, and so do we.
+    # Cheap, and harmless for dense models.
+    initialize_moe_config()
     _published_key = key
     logger.debug("published sglang server args for %s", fields["model_path"])
+
+
+@functools.cache
+def _server_args_names(server_args_cls: type) -> frozenset[str]:
+    """Cached: msgspec resolves ServerArgs' ~550 annotations on every call (~10 ms)."""
+    return frozenset(f.name for f in _server_args_fields(server_args_cls))
+
+
+_UNREPRODUCIBLE: tuple[tuple[str, Any, str], ...] = (
+    ("ep_num_redundant_experts", 0, "redundant expert slots"),
+    ("init_expert_location", "trivial", "a non-default initial expert placement"),
+    ("enable_eplb", False, "expert placement rebalanced at run time (EPLB)"),
+    ("elastic_ep_backend", None, "elastic expert parallelism"),
+    ("enable_elastic_expert_backup", False, "elastic expert backup"),
+    ("dwdp_size", 1, "DWDP"),
+    ("kt_weight_path", None, "KTransformers CPU experts"),
+)
+"""(server arg, the only value a replica reproduces, what another value means)."""
+
+
+def check_reproducible_layout(server_args_fields: Mapping[str, Any]) -> None:
+    """Refuse engines whose expert placement a replica cannot reproduce.
+
+    A replica lays experts out as sglang's default placement does (global expert
+    ``e`` on EP rank ``e // experts_per_rank``, one slot each). Redundant slots,
+    EPLB, a custom initial placement, elastic EP, DWDP and KTransformers all move
+    experts at start-up or at run time, so the replica's bytes would be wrong.
+    """
+    for name, reproducible, meaning in _UNREPRODUCIBLE:
+        value = server_args_fields.get(name)
+        if value is None or value == reproducible:
+            continue
+        raise ConfigError(
+            f"server arg {name}={value!r} ({meaning}) places experts in a way a p2pweights "
+            f"replica cannot reproduce; start the engine with {name}={reproducible!r} or use "
+            "the broadcast weight update"
+        )
 
 
 def _server_args_fields(server_args_cls: type) -> list[Any]:
@@ -346,20 +390,29 @@ def rank_scope(spec: RankSpec) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _rope_without_forward_kernel() -> Iterator[None]:
-    """The CPU-only trap fix described in the module docstring."""
-    from sglang.srt.layers.rotary_embedding import base
+def _rope_without_forward_kernel(device: torch.device | str) -> Iterator[None]:
+    """The CPU-only trap fix described in the module docstring.
+
+    Also: DeepSeek's yarn rope (``DeepseekScalingRotaryEmbedding``) asks sglang's
+    ``get_device()`` for the accelerator to build its non-persistent
+    ``cos_sin_cache`` on, which raises on a host without one. During construction
+    it gets the device the model is built on ("meta" for a replica, so the cache,
+    2 GB at DeepSeek-V3's 163840 x 40 positions, costs nothing).
+    """
+    from sglang.srt.layers.rotary_embedding import base, rope_variant
     from sglang.srt.utils import is_cuda
 
     if is_cuda() or os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         yield
         return
-    saved = base._is_cpu
+    saved_is_cpu, saved_get_device = base._is_cpu, rope_variant.get_device
     base._is_cpu = True
+    rope_variant.get_device = lambda device_id=None: str(torch.device(device))
     try:
         yield
     finally:
-        base._is_cpu = saved
+        base._is_cpu = saved_is_cpu
+        rope_variant.get_device = saved_get_device
 
 
 def build_model(
@@ -382,7 +435,7 @@ def build_model(
 
     architectures = getattr(model_config.hf_config, "architectures", None) or []
     load_config = LoadConfig()
-    with rank_scope(spec), _rope_without_forward_kernel():
+    with rank_scope(spec), _rope_without_forward_kernel(device):
         try:
             quant_config = _get_quantization_config(model_config, load_config)
         except ValueError as exc:
