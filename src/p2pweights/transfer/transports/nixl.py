@@ -93,6 +93,7 @@ class NixlTransport(Transport):
 
     def __init__(self, config: NixlConfig) -> None:
         self._backend = config.backend
+        _ensure_cuda_context()
         self._agent = _new_agent(f"p2pweights_trainer_{uuid.uuid4().hex[:12]}", config.backend)
         self._lock = threading.Lock()
         self._registered: list[Any] = []  # nixlRegDList per buffer, for close()
@@ -282,10 +283,20 @@ class _RemoteAgent:
         return None
 
 
+def _ensure_cuda_context() -> None:
+    """UCX picks its transports when the agent starts: without a CUDA context then, it
+    leaves out its GPU transports (cuda_ipc, cuda_copy), and GPU-to-GPU writes crawl
+    over the host. Trainers usually have one already; make sure on CUDA hosts."""
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.empty(1, device=torch.device("cuda", torch.cuda.current_device()))
+
+
 class NixlPublisher(Publisher):
     """Engine side: its own agent ``nixl_weight_tp{rank}_<uuid>``, like sglang PR #35712."""
 
     def __init__(self, backend: str = "UCX", engine_rank: int = 0) -> None:
+        _ensure_cuda_context()
         self._agent = _new_agent(f"nixl_weight_tp{engine_rank}_{uuid.uuid4().hex}", backend)
         self._registered: list[Any] = []
         self._index = RegionIndex([])
