@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -19,6 +20,7 @@ def _engine(args: argparse.Namespace) -> int:
         weights=args.weights,
         seed=args.seed,
         dtype=args.dtype,
+        server_args=json.loads(args.server_args),
     )
     return 0
 
@@ -50,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--weights", help="a folder of *.safetensors with HF checkpoint names")
     source.add_argument("--seed", type=int, default=0, help="deterministic random HF weights")
     engine.add_argument("--dtype", default="bfloat16")
+    engine.add_argument(
+        "--server-args",
+        default="{}",
+        help='more sglang ServerArgs as JSON, e.g. \'{"ep_size": 2, "enable_dp_attention": true}\'',
+    )
     engine.set_defaults(run=_engine)
 
     demo = commands.add_parser("demo", help="two local engines, three verified updates")

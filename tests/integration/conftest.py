@@ -31,9 +31,14 @@ class _Engines:
         self.started: list[LocalEngine] = []
 
     def __call__(
-        self, folder: Path, tps: list[int], transport: str = "mooncake", **kwargs
+        self, folder: Path, tps: list, transport: str = "mooncake", **kwargs
     ) -> list[LocalEngine]:
-        engines = [LocalEngine(folder, tp=tp, transport=transport, **kwargs) for tp in tps]
+        """``tps``: TP sizes, or (TP size, extra sglang server args) pairs."""
+        layouts = [tp if isinstance(tp, tuple) else (tp, {}) for tp in tps]
+        engines = [
+            LocalEngine(folder, tp=tp, transport=transport, server_args=extra, **kwargs)
+            for tp, extra in layouts
+        ]
         self.started.extend(engines)
         for engine in engines:
             engine.start()

@@ -60,6 +60,30 @@ def test_updates_are_bit_exact_at_every_rank(model, tps, transport, model_dir, s
                 assert EngineClient(engine.url).weight_version() == report.version
 
 
+# MoE and MLA families through the whole path (the replica-level matrix of every layout is
+# in test_replica_families.py): expert parallelism, shared experts, first-k dense layers,
+# MLA (derived w_kc / w_vc recomputed by the engine at end_weight_update), the MTP layer.
+MOE_MATRIX = [
+    ("qwen3-moe-tiny", [(2, {"ep_size": 2}), 1], "mooncake"),
+    ("deepseek-v3-tiny", [(2, {"ep_size": 2})], "mooncake"),
+    ("glm4-moe-tiny", [(2, {"ep_size": 2})], "nixl"),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "layouts", "transport"), MOE_MATRIX, ids=[m for m, *_ in MOE_MATRIX]
+)
+def test_moe_and_mla_updates_are_bit_exact(model, layouts, transport, model_dir, start_engines):
+    folder = model_dir(model)
+    engines = start_engines(folder, layouts, transport=transport, seed=0)
+    config = SyncConfig(transport=TRANSPORTS[transport], buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([e.url for e in engines])
+        for seed in (31, 32):
+            session.update(_weights(folder, seed))
+            _assert_bit_exact(engines, folder, seed)
+
+
 def test_streamed_iterator_and_safetensors_engine(model_dir, start_engines, tmp_path):
     """An engine started from a safetensors folder; later updates streamed from a generator."""
     folder = model_dir("qwen3-tiny")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -41,6 +42,7 @@ class LocalEngine:
         port: int | None = None,
         startup_timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
+        server_args: dict[str, object] | None = None,
     ):
         self.model = str(model)
         self.tp = tp
@@ -52,6 +54,7 @@ class LocalEngine:
         self.port = port if port is not None else free_port(host)
         self.startup_timeout_s = startup_timeout_s
         self._env = env
+        self.server_args = dict(server_args or {})
         self._process: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the engine)
             prefix="p2pweights-engine-", suffix=".log", delete=False
@@ -84,6 +87,8 @@ class LocalEngine:
             "--dtype",
             self.dtype,
         ]
+        if self.server_args:
+            cmd += ["--server-args", json.dumps(self.server_args)]
         if self.weights is not None:
             cmd += ["--weights", self.weights]
         elif self.seed is not None:

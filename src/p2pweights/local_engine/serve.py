@@ -64,13 +64,21 @@ def serve(
     weights: str | None = None,
     seed: int | None = 0,
     dtype: str = "bfloat16",
+    server_args: dict[str, Any] | None = None,
 ) -> None:
     import uvicorn
 
     folder = model_folder(model)
     torch_dtype = getattr(torch, dtype)
     server_info = resolved_server_info(
-        {"model_path": str(folder), "tp_size": tp, "dtype": dtype, "host": host, "port": port}
+        {
+            **(server_args or {}),
+            "model_path": str(folder),
+            "tp_size": tp,
+            "dtype": dtype,
+            "host": host,
+            "port": port,
+        }
     )
 
     def hf_weights() -> Iterator[tuple[str, torch.Tensor]]:
