@@ -37,6 +37,12 @@ LAYOUT_SERVER_ARGS = (
     "moe_a2a_backend",
     "disable_shared_experts_fusion",
     "ep_num_redundant_experts",
+    "moe_dp_size",
+    "attn_cp_size",
+    "shared_experts_tp_size",
+    "enable_shared_experts_attn_tp",
+    "speculative_moe_runner_backend",
+    "speculative_moe_a2a_backend",
 )
 """Server arguments that change which bytes a rank holds or how they are laid out."""
 
