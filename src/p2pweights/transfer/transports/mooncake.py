@@ -28,7 +28,7 @@ from p2pweights.config import MooncakeConfig
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, TransferError, TransportError, where
 from p2pweights.transfer.transports.base import Publisher, Transport, Write
-from p2pweights.transfer.transports.regions import RegionIndex, merged_regions
+from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
 logger = logging.getLogger(__name__)
 
@@ -221,15 +221,7 @@ class MooncakePublisher(Publisher):
 
     def publication(self, tensors: dict[str, torch.Tensor]) -> list[Any]:
         """``[session_id, {name: [data_ptr, numel, element_size]}]``, sglang's Mooncake form."""
-        table = {}
-        for name, tensor in tensors.items():
-            num_bytes = tensor.numel() * tensor.element_size()
-            if not self._index.covers(tensor.data_ptr(), num_bytes):
-                raise ConfigError(
-                    f"parameter {name!r} is not in registered memory; register it first"
-                )
-            table[name] = [tensor.data_ptr(), tensor.numel(), tensor.element_size()]
-        return [self.session_id, table]
+        return [self.session_id, weights_info(tensors, self._index)]
 
     def close(self) -> None:
         for address, _ in self._registered:

@@ -38,7 +38,7 @@ from p2pweights.config import NixlConfig
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, TransferError, TransportError, where
 from p2pweights.transfer.transports.base import Publisher, Transport, Write
-from p2pweights.transfer.transports.regions import RegionIndex, merged_regions
+from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
 logger = logging.getLogger(__name__)
 
@@ -327,14 +327,7 @@ class NixlPublisher(Publisher):
 
     def publication(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """sglang PR #35712's form plus ``"mem_type"``; ``gpu_id`` is 0 for host memory."""
-        table = {}
-        for name, tensor in tensors.items():
-            num_bytes = tensor.numel() * tensor.element_size()
-            if not self._index.covers(tensor.data_ptr(), num_bytes):
-                raise ConfigError(
-                    f"parameter {name!r} is not in registered memory; register it first"
-                )
-            table[name] = [tensor.data_ptr(), tensor.numel(), tensor.element_size(), self._device]
+        table = weights_info(tensors, self._index, self._device)
         return {
             "backend": "nixl",
             "agent_name": self.agent_name,

@@ -79,3 +79,20 @@ class RegionIndex:
 
     def covers(self, address: int, num_bytes: int) -> bool:
         return self.find(address, num_bytes) is not None
+
+
+def weights_info(
+    tensors: dict[str, torch.Tensor], registered: RegionIndex, *extra: int
+) -> dict[str, list[int]]:
+    """sglang's ``weights_info_dict``: ``{name: [data_ptr, numel, element_size, *extra]}``.
+
+    Refuses a tensor outside ``registered`` memory: writers would be pointed at bytes
+    the transport cannot reach.
+    """
+    table = {}
+    for name, tensor in tensors.items():
+        num_bytes = tensor.numel() * tensor.element_size()
+        if not registered.covers(tensor.data_ptr(), num_bytes):
+            raise ConfigError(f"parameter {name!r} is not in registered memory; register it first")
+        table[name] = [tensor.data_ptr(), tensor.numel(), tensor.element_size(), *extra]
+    return table
