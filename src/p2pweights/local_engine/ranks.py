@@ -3,6 +3,16 @@
 Each rank holds the model sglang's own model class builds for that rank, filled
 through sglang's own ``load_weights`` and start-up postprocess, its weights
 registered with a transport publisher, and sglang's own ``WeightChecker``.
+
+After loading, every parameter is moved into one contiguous byte arena (256-byte
+aligned slices; each ``Parameter`` keeps its identity and attributes, only its
+``.data`` points at the slice), as a GPU server's caching allocator keeps weights in
+a few large segments: a rank's weights are then one registered region.
+
+For the broadcast baseline of ``benchmarks/update_vs_ceiling.py`` a rank can also
+hold a *broadcast area*: a registered receive buffer sized for the full HF tensor
+set, applied with sglang's own ``model.load_weights`` (what an NCCL broadcast update
+runs at the engine, with the broadcast replaced by writes over the same transport).
 """
 
 from __future__ import annotations
@@ -13,8 +23,36 @@ from typing import Any
 
 import torch
 
+from p2pweights.errors import ConfigError
 from p2pweights.replica import sglang_env
+from p2pweights.transfer.buffers import aligned
 from p2pweights.transfer.transports import Publisher, create_publisher
+
+BROADCAST_AREA = "__p2pweights_broadcast_area__"
+"""The name the broadcast area is published under (never a parameter name)."""
+
+BroadcastManifest = list[tuple[str, list[int], str, int]]
+"""(HF name, shape, torch dtype name, byte offset in the broadcast area) per tensor."""
+
+
+def move_into_arena(model: torch.nn.Module) -> torch.Tensor:
+    """Copy every parameter of ``model`` into one flat uint8 arena; point ``.data`` at it.
+
+    Slices start at multiples of 256 bytes. Values are copied bit for bit and each
+    ``Parameter`` object (with sglang's loader attributes) stays the same, so
+    sglang's loaders, postprocess and weight checker see the same model. Returns
+    the arena (the parameters' only storage from now on).
+    """
+    params = [p for _, p in model.named_parameters()]  # shared parameters listed once
+    arena = torch.empty(sum(aligned(p.nbytes) for p in params), dtype=torch.uint8)
+    offset = 0
+    for param in params:
+        num_bytes = param.nbytes
+        view = arena[offset : offset + num_bytes].view(param.dtype).view(param.shape)
+        view.copy_(param.data)
+        param.data = view
+        offset += aligned(num_bytes)
+    return arena
 
 
 @contextlib.contextmanager
@@ -56,11 +94,13 @@ class EngineRank:
             dtype=server_info["dtype"],
             server_args_fields=server_info,
         )
+        self.arena = move_into_arena(self.model)
         with sglang_env.rank_scope(spec):
             self.checker = WeightChecker(get_model=lambda: self.model)
         self.params = {name: p.data for name, p in self.model.named_parameters()}
         self.publisher: Publisher = create_publisher(transport, engine_rank=spec.tp_rank)
         self.publisher.register(self.params)
+        self.broadcast_area: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -74,9 +114,37 @@ class EngineRank:
         sglang_env.begin_update(self.model, self.spec)
 
     @torch.no_grad()
-    def end_update(self) -> None:
-        # Bytes arrived by writes, not load_weights: run post_load_weights as sglang does then.
-        sglang_env.end_update(self.model, self.spec, run_post_load=True)
+    def end_update(self, run_post_load: bool = True) -> None:
+        # Bytes that arrived by writes, not load_weights, need post_load_weights (as in sglang).
+        sglang_env.end_update(self.model, self.spec, run_post_load=run_post_load)
+
+    def publish_broadcast_area(self, num_bytes: int) -> Any:
+        """Allocate (once) and register the broadcast area; its publication, as for weights."""
+        if self.broadcast_area is None:
+            self.broadcast_area = torch.empty(num_bytes, dtype=torch.uint8)
+            self.publisher.register({BROADCAST_AREA: self.broadcast_area})
+        elif self.broadcast_area.numel() != num_bytes:
+            raise ConfigError(
+                f"rank {self.rank} already has a {self.broadcast_area.numel()}-byte broadcast "
+                f"area; restart the engine for one of {num_bytes} bytes"
+            )
+        return self.publisher.publication({BROADCAST_AREA: self.broadcast_area})
+
+    @torch.no_grad()
+    def apply_broadcast(self, manifest: BroadcastManifest) -> None:
+        """sglang's own ``load_weights`` from views of the broadcast area (inside begin/end)."""
+        area = self.broadcast_area
+        if area is None:
+            raise ConfigError("no broadcast area; POST /p2pweights/broadcast_area first")
+        views = []
+        for name, shape, dtype_name, offset in manifest:
+            dtype = getattr(torch, dtype_name)
+            num_bytes = dtype.itemsize * int(torch.Size(shape).numel())
+            if offset < 0 or offset + num_bytes > area.numel():
+                raise ConfigError(f"{name!r} at offset {offset} leaves the broadcast area")
+            views.append((name, area[offset : offset + num_bytes].view(dtype).view(shape)))
+        with sglang_env.rank_scope(self.spec):
+            self.model.load_weights(iter(views))  # type: ignore[operator]
 
     def check(self, action: str, **options: Any) -> dict[str, Any] | None:
         with sglang_env.rank_scope(self.spec), torch.no_grad(), _chunks_stay_on_host():

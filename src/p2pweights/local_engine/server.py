@@ -3,6 +3,12 @@
 No generation happens here; pause and continue only flip state. Everything a
 weight-sync library reads or triggers (server args, published weights, the
 update session, the weight checker) is served as sglang 0.5.23 serves it.
+
+Two benchmark routes, not sglang's, serve the broadcast baseline of
+``benchmarks/update_vs_ceiling.py``: ``POST /p2pweights/broadcast_area`` allocates
+and publishes each rank's receive area for the full HF tensor set, and ``POST
+/p2pweights/apply_broadcast`` runs each rank's sglang ``load_weights`` from it
+inside an open update session (what an NCCL broadcast update runs at the engine).
 """
 
 from __future__ import annotations
@@ -10,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from typing import Any
 
 from fastapi import Body, FastAPI, Query
 from fastapi.responses import JSONResponse
 
+from p2pweights.errors import ConfigError
 from p2pweights.local_engine.ranks import EngineRank
 
 logger = logging.getLogger(__name__)
@@ -27,7 +35,12 @@ def _error(status: int, message: str) -> JSONResponse:
 def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
     """The FastAPI app serving ``ranks`` (ordered by TP rank) of one engine."""
     app = FastAPI(title="p2pweights local engine")
-    state: dict[str, Any] = {"weight_version": "default", "paused": False, "updating": False}
+    state: dict[str, Any] = {
+        "weight_version": "default",
+        "paused": False,
+        "updating": False,
+        "loaded_in_session": False,  # load_weights ran in this update session (broadcast route)
+    }
     lock = threading.Lock()  # update-session routes run one at a time, as in sglang's scheduler
 
     @app.get("/health")
@@ -80,6 +93,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             for rank in ranks:
                 rank.begin_update()
             state["updating"] = True
+            state["loaded_in_session"] = False
         return {"success": True, "message": "begin_weight_update done"}
 
     @app.post("/end_weight_update")
@@ -88,9 +102,41 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             if not state["updating"]:
                 return {"success": False, "message": "no weight update in progress"}
             for rank in ranks:
-                rank.end_update()
+                rank.end_update(run_post_load=not state["loaded_in_session"])
             state["updating"] = False
         return {"success": True, "message": "end_weight_update done"}
+
+    @app.post("/p2pweights/broadcast_area")
+    def broadcast_area(body: dict[str, Any] = Body(...)) -> Any:
+        """Benchmark route: ``{"num_bytes": N}`` -> each rank's publication of its area."""
+        try:
+            with lock:
+                published = [rank.publish_broadcast_area(int(body["num_bytes"])) for rank in ranks]
+        except (ConfigError, KeyError, ValueError) as exc:
+            return _error(400, f"broadcast_area: {exc}")
+        return {
+            "ranks": [
+                {"rank": rank.rank, "remote_instance_transfer_engine_info": info}
+                for rank, info in zip(ranks, published, strict=True)
+            ]
+        }
+
+    @app.post("/p2pweights/apply_broadcast")
+    def apply_broadcast(body: dict[str, Any] = Body(...)) -> Any:
+        """Benchmark route: ``{"tensors": [[name, shape, dtype, offset], ...]}``, load each rank."""
+        rank_seconds = []
+        with lock:
+            if not state["updating"]:
+                return _error(400, "apply_broadcast needs an open update (begin_weight_update)")
+            try:
+                for rank in ranks:
+                    started = time.perf_counter()
+                    rank.apply_broadcast(body["tensors"])
+                    rank_seconds.append(time.perf_counter() - started)
+            except (ConfigError, KeyError, ValueError) as exc:
+                return _error(400, f"apply_broadcast: {exc}")
+            state["loaded_in_session"] = True
+        return {"success": True, "rank_seconds": rank_seconds}
 
     @app.post("/update_weight_version")
     def update_version(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
