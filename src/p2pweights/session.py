@@ -261,8 +261,10 @@ class WeightSyncSession:
         )
         collector = GroupCollector(self._groups)
         try:
+            streamed = isinstance(tensors, Iterator)  # a list was checked whole in _prepare
             for name, tensor in tensors:
-                check_input(name, tensor, self._inputs)
+                if streamed:
+                    check_input(name, tensor, self._inputs)
                 for key, group, inputs in collector.add(name, tensor):
                     sizes = self._replicas[key].group_sizes(group)
                     pipeline.stage(key, sizes, inputs, self._targets[key])

@@ -30,4 +30,4 @@ class EngineEndpoint:
             raise ConfigError(
                 f"an engine is a URL such as 'http://127.0.0.1:30000', got {engine!r}"
             )
-        return cls(url=engine.rstrip("/"))
+        return cls(url=engine)

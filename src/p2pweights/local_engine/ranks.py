@@ -25,7 +25,7 @@ import torch
 
 from p2pweights.errors import ConfigError
 from p2pweights.replica import sglang_env
-from p2pweights.transfer.buffers import aligned
+from p2pweights.transfer.buffers import aligned, staged_bytes
 from p2pweights.transfer.transports import Publisher, create_publisher
 
 BROADCAST_AREA = "__p2pweights_broadcast_area__"
@@ -44,7 +44,7 @@ def move_into_arena(model: torch.nn.Module) -> torch.Tensor:
     the arena (the parameters' only storage from now on).
     """
     params = [p for _, p in model.named_parameters()]  # shared parameters listed once
-    arena = torch.empty(sum(aligned(p.nbytes) for p in params), dtype=torch.uint8)
+    arena = torch.empty(staged_bytes(p.nbytes for p in params), dtype=torch.uint8)
     offset = 0
     for param in params:
         num_bytes = param.nbytes

@@ -194,6 +194,32 @@ def _identity(param: torch.Tensor) -> tuple[int, tuple[int, ...], int]:
     return (int(param.untyped_storage()._cdata), tuple(param.shape), int(param.storage_offset()))
 
 
+class _ParamIndex:
+    """Which parameters a tensor's elements overlap, by storage and element range.
+
+    Meta tensors have no addresses; a view shares its base's storage object, so the
+    storage identity plus the element range tells which parameter a write lands in.
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        # storage id -> [(first element, end element, name)]
+        self._by_storage: dict[int, list[tuple[int, int, str]]] = {}
+        for name, param in params.items():
+            start = int(param.storage_offset())
+            end = start + _elements_spanned(param)
+            self._by_storage.setdefault(param.untyped_storage()._cdata, []).append(
+                (start, end, name)
+            )
+
+    def hit(self, target: torch.Tensor) -> list[str]:
+        candidates = self._by_storage.get(target.untyped_storage()._cdata)
+        if not candidates:
+            return []
+        start = target.storage_offset()
+        end = start + _elements_spanned(target)
+        return [name for first, last, name in candidates if first < end and start < last]
+
+
 class _WriteWatcher(TorchDispatchMode):
     """Records which parameters aten ops write into (see the module docstring)."""
 
@@ -201,13 +227,7 @@ class _WriteWatcher(TorchDispatchMode):
         super().__init__()
         self.hf_name = hf_name
         self.written: set[str] = set()
-        # storage id -> [(first element, end element, name)]
-        self._by_storage: dict[int, list[tuple[int, int, str]]] = {}
-        for name, param in params.items():
-            start = int(param.storage_offset())
-            end = start + _elements_spanned(param)
-            key = param.untyped_storage()._cdata
-            self._by_storage.setdefault(key, []).append((start, end, name))
+        self._index = _ParamIndex(params)
 
     def __torch_dispatch__(
         self,
@@ -226,12 +246,7 @@ class _WriteWatcher(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, func: Any, target: torch.Tensor, args: tuple[Any, ...]) -> None:
-        candidates = self._by_storage.get(target.untyped_storage()._cdata)
-        if not candidates:
-            return
-        start = target.storage_offset()
-        end = start + _elements_spanned(target)
-        hit = [name for first, last, name in candidates if first < end and start < last]
+        hit = self._index.hit(target)
         if not hit:
             return
         if func is torch.ops.aten.copy_.default and isinstance(args[1], torch.Tensor):
@@ -264,11 +279,7 @@ class _ProvenanceWatcher(TorchDispatchMode):
         """Parameters written with values no tagged input reached."""
         self._tags: dict[int, frozenset[str]] = {}
         self._alive: list[Any] = []
-        self._params: dict[int, list[tuple[int, int, str]]] = {}
-        for name, param in params.items():
-            start = int(param.storage_offset())
-            end = start + _elements_spanned(param)
-            self._params.setdefault(param.untyped_storage()._cdata, []).append((start, end, name))
+        self._index = _ParamIndex(params)
 
     def tag(self, tensor: torch.Tensor, hf_name: str) -> None:
         self._add(tensor, frozenset((hf_name,)))
@@ -338,12 +349,7 @@ class _ProvenanceWatcher(TorchDispatchMode):
         return out
 
     def _record(self, target: torch.Tensor, tags: frozenset[str]) -> None:
-        candidates = self._params.get(target.untyped_storage()._cdata)
-        if not candidates:
-            return
-        start = target.storage_offset()
-        end = start + _elements_spanned(target)
-        hit = [name for first, last, name in candidates if first < end and start < last]
+        hit = self._index.hit(target)
         if not tags:
             self.unattributed.update(hit)
         for hf_name in tags:
