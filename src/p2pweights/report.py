@@ -13,7 +13,8 @@ class UpdateReport:
     bytes_by_target: dict[tuple[str, int], int]
     """(engine URL, engine rank) -> bytes this trainer rank wrote there."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    """control_plane, probe (first update only), load (into buffers), wait (on writes), verify."""
+    """control_plane, probe (first update only), convert (e.g. fp8 quantization, when an
+    engine needs it), load (into buffers), wait (on writes), verify."""
     seconds: float = 0.0
 
     @property

@@ -27,13 +27,14 @@ from typing import TypeVar
 import torch
 
 from p2pweights.config import SyncConfig
+from p2pweights.convert.checkpoint_format import CheckpointFormat, unify
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, Fleet
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, TransferError
 from p2pweights.plan.assignment import Target, assign_targets
 from p2pweights.plan.inputs import (
-    GroupCollector,
+    ConvertingCollector,
     InputSpec,
     ParamGroup,
     check_input,
@@ -83,6 +84,7 @@ class WeightSyncSession:
         self._buffers: StagingBuffers | None = None
         self._unfinished: list[Future[None]] = []
         self._groups: dict[Hashable, list[ParamGroup]] | None = None
+        self._formats: dict[Hashable, CheckpointFormat] = {}
         self._inputs: dict[str, InputSpec] = {}
         self._next_version = 1
         self._session_open = False  # engines paused inside begin/end (after a failed update)
@@ -185,7 +187,7 @@ class WeightSyncSession:
         version = version or str(self._next_version)
         with _timed(stages, "control_plane"):
             self._step("open", self._open_update)
-        stats = self._step("write", lambda: self._write_all(tensors))
+        stats = self._step("write", lambda: self._write_all(tensors, stages))
         self._next_version = _next_version_after(version, self._next_version)
         self._step("close", lambda: self._close_update(version, stages))
         stages["load"], stages["wait"] = stats.load_s, stats.wait_s
@@ -218,8 +220,13 @@ class WeightSyncSession:
         """Check the whole input; on the first update also probe the loaders."""
         specs = describe_inputs(tensors)
         if self._groups is None:
+            keys = sorted(self._targets, key=str)
+            self._formats = unify(
+                {key: self._replicas[key].checkpoint_format(specs) for key in keys}
+            )
             self._groups = {
-                key: self._replicas[key].groups(specs) for key in sorted(self._targets, key=str)
+                key: self._replicas[key].groups(self._formats[key].engine_specs(specs))
+                for key in keys
             }
             self._inputs = specs
             self._ensure_buffers()
@@ -249,7 +256,9 @@ class WeightSyncSession:
         if self._buffers is None or self._buffers.capacity_bytes < size:
             self._buffers = StagingBuffers(size, self._staging_device, self._transport.register)
 
-    def _write_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> PipelineStats:
+    def _write_all(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], stages: dict[str, float]
+    ) -> PipelineStats:
         assert self._groups is not None
         if self._buffers is None:
             return PipelineStats()  # an idle trainer rank writes nothing
@@ -259,7 +268,7 @@ class WeightSyncSession:
             self.config.transfer_timeout_s,
             lambda key, inputs, views: self._replicas[key].load_into(inputs, views),
         )
-        collector = GroupCollector(self._groups)
+        collector = ConvertingCollector(self._groups, self._formats)
         try:
             streamed = isinstance(tensors, Iterator)  # a list was checked whole in _prepare
             for name, tensor in tensors:
@@ -274,6 +283,9 @@ class WeightSyncSession:
             # Running writes may still read the buffers: keep them until those return.
             self._unfinished = pipeline.abort()
             raise
+        finally:
+            if collector.convert_s:
+                stages["convert"] = collector.convert_s
 
     def _settle_failed_writes(self) -> None:
         """Before reusing the buffers, let the writes of a failed update return."""

@@ -26,17 +26,22 @@ def expected_checksums(
     hf_tensors: HfTensors,
     model_path: str | None = None,
 ) -> dict[str, str]:
-    """sglang's per-tensor checksums for ``engine_rank`` loaded from ``hf_tensors()``."""
+    """sglang's per-tensor checksums for ``engine_rank`` loaded from ``hf_tensors()``.
+
+    ``hf_tensors`` are in the trainer's format; for an fp8 engine they are quantized
+    into its checkpoint format first, as the engine's checkpoint would hold them.
+    """
     from sglang.srt.utils.weight_checker import WeightChecker
 
     from p2pweights.replica import sglang_env
+    from p2pweights.testing.engine_checkpoint import engine_checkpoint
 
     spec = sglang_env.RankSpec.from_server_info(server_info, engine_rank)
     folder = config_path(server_info, model_path).parent
     model = sglang_env.load_real_rank_model(
         folder,
         spec,
-        hf_tensors(),
+        engine_checkpoint(folder, hf_tensors()),
         dtype=server_info.get("dtype", "auto"),
         server_args_fields=server_info,
     )

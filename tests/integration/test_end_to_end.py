@@ -108,3 +108,30 @@ def test_check_weight_update_equal_passes_on_the_start_weights(model_dir, start_
         report = session.update(_weights(folder, 3))  # the weights the engine started with
         assert "verify" in report.stage_seconds
         _assert_bit_exact([engine], folder, 3)
+
+
+@pytest.mark.parametrize(
+    ("block", "layouts"),
+    [([128, 128], [(2, {"ep_size": 2})]), ([64, 64], [(4, {"ep_size": 2}), 1])],
+    ids=["block128-tp2ep2", "block64-tp4ep2+tp1"],
+)
+def test_fp8_engines_get_sender_quantized_bytes(block, layouts, start_engines, tmp_path):
+    """bf16 from the trainer; fp8 block-quantized engines receive the checkpoint's bytes.
+
+    The session quantizes each weight the engines hold in fp8 (weight + scale_inv, the
+    engine's block size) before the replica's loaders run; each rank must then equal
+    sglang's own loader fed with that fp8 checkpoint, derived MLA weights included.
+    """
+    from p2pweights.testing import model_config, write_model_dir
+
+    config = model_config("deepseek-v3-fp8-tiny")
+    config["quantization_config"]["weight_block_size"] = block
+    folder = write_model_dir(config, tmp_path / "fp8")
+    engines = start_engines(folder, layouts, transport="mooncake", seed=0)
+    sync = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB")
+    with WeightSyncSession(sync) as session:
+        session.connect([e.url for e in engines])
+        for seed in (41, 42):
+            report = session.update(_weights(folder, seed))
+            assert report.stage_seconds["convert"] > 0
+            _assert_bit_exact(engines, folder, seed)

@@ -14,6 +14,7 @@ import torch
 
 from p2pweights import ConfigError, SyncConfig, TransferError, WeightSyncSession
 from p2pweights import session as session_module
+from p2pweights.convert.checkpoint_format import AS_GIVEN
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, Fleet
@@ -58,6 +59,9 @@ class FakeHandle:
 
     def check_published(self, pub):
         pass
+
+    def checkpoint_format(self, specs):
+        return AS_GIVEN
 
     def groups(self, specs):
         return GROUPS

@@ -13,6 +13,7 @@ import torch
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.local_engine.server import create_app
 from p2pweights.replica import sglang_env
+from p2pweights.testing.engine_checkpoint import engine_checkpoint
 from p2pweights.testing.synthetic import synthetic_weights, write_model_dir
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ def serve(
     def hf_weights() -> Iterator[tuple[str, torch.Tensor]]:
         if weights is not None:
             return read_safetensors(weights)
-        return synthetic_weights(folder, seed=seed if seed is not None else 0, dtype=torch_dtype)
+        synthetic = synthetic_weights(folder, seed=seed or 0, dtype=torch_dtype)
+        return iter(engine_checkpoint(folder, synthetic))
 
     ranks = [
         EngineRank(

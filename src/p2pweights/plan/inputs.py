@@ -7,12 +7,17 @@ tensor is held only until every group that reads it has been loaded.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from p2pweights.errors import ConfigError
+
+if TYPE_CHECKING:
+    from p2pweights.convert.checkpoint_format import CheckpointFormat
 
 
 @dataclass(frozen=True)
@@ -125,3 +130,45 @@ class GroupCollector:
                 + "; ".join(lines[:8])
                 + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
             )
+
+
+class ConvertingCollector:
+    """Group collection for layouts whose loaders read different checkpoint formats.
+
+    Layouts sharing a format share one ``GroupCollector``, and each trainer tensor is
+    converted once per format (e.g. quantized to fp8 once for every fp8 rank), right
+    before the groups it completes are handed on.
+    """
+
+    def __init__(
+        self,
+        groups: Mapping[Hashable, Sequence[ParamGroup]],
+        formats: Mapping[Hashable, CheckpointFormat],
+    ):
+        by_format: dict[Hashable, dict[Hashable, Sequence[ParamGroup]]] = {}
+        converters: dict[Hashable, CheckpointFormat] = {}
+        for key, key_groups in groups.items():
+            fmt = formats[key]
+            by_format.setdefault(fmt.key, {})[key] = key_groups
+            converters[fmt.key] = fmt
+        self._collectors = [
+            (converters[fmt_key], GroupCollector(layouts)) for fmt_key, layouts in by_format.items()
+        ]
+        self.convert_s = 0.0
+        """Seconds spent converting tensors (e.g. fp8 quantization)."""
+
+    def add(
+        self, name: str, tensor: torch.Tensor
+    ) -> list[tuple[Hashable, ParamGroup, list[tuple[str, torch.Tensor]]]]:
+        ready = []
+        for fmt, collector in self._collectors:
+            started = time.perf_counter()
+            converted = fmt.convert(name, tensor)
+            self.convert_s += time.perf_counter() - started
+            for converted_name, converted_tensor in converted:
+                ready += collector.add(converted_name, converted_tensor)
+        return ready
+
+    def raise_if_incomplete(self) -> None:
+        for _, collector in self._collectors:
+            collector.raise_if_incomplete()

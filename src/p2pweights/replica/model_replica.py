@@ -27,6 +27,7 @@ import torch
 
 from p2pweights.errors import ConfigError
 from p2pweights.replica import sglang_env
+from p2pweights.replica.parameters import repoint
 from p2pweights.replica.sglang_env import RankSpec
 
 if TYPE_CHECKING:
@@ -92,6 +93,13 @@ class ModelReplica:
         self.layouts: dict[str, ParamLayout] = {
             name: _layout_of(name, param) for name, param in self.model.named_parameters()
         }
+        # Parameters sglang's own weight check skips (an fp8 attention's k_scale /
+        # v_scale): not checkpoint weights, so an update need not feed them.
+        self.optional_params: frozenset[str] = frozenset(
+            name
+            for name, param in self.model.named_parameters()
+            if getattr(param, "_skip_weight_check", False)
+        )
         # (hf name, shape, dtype) -> the parameters it writes; filled by the probe.
         self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], frozenset[str]] = {}
         self._loader_maps: dict[tuple[HfTensorSpec, ...], LoaderMap] = {}
@@ -134,26 +142,25 @@ class ModelReplica:
         sglang_env.ensure_server_args(self._server_args)
 
     def _to_reload_layout(self) -> None:
-        """Start-up postprocess, then the restore a session's begin runs, as the engine does.
-
-        The target device is "cpu" so sglang's ``device_loading_context`` leaves the
-        meta parameters where they are.
-        """
-        from sglang.srt.model_loader.loader import DefaultModelLoader
+        """Start-up postprocess, then the restore a session's begin runs, module by module."""
+        from p2pweights.replica.reload_layout import to_reload_layout
 
         try:
-            with sglang_env.rank_scope(self.spec):
-                DefaultModelLoader.postprocess_weights(self.model, torch.device("cpu"))
-            sglang_env.begin_update(self.model, self.spec, "cpu")
+            self.materialized_modules = to_reload_layout(self.model, self.spec)
         except RuntimeError as exc:
-            # e.g. fp8 block quantization: its postprocess reads scale values, which
-            # meta tensors do not have. Module-by-module materialization is not built yet.
             quantization = getattr(self.model_config, "quantization", None)
             raise ConfigError(
                 f"the start-up postprocess of engine rank {self.spec.world_rank} "
-                f"(server arg quantization={quantization!r}) cannot run on a meta replica: "
-                f"{exc}; p2pweights does not yet reproduce this engine's reload layout"
+                f"(server arg quantization={quantization!r}) failed on the replica: {exc}"
             ) from exc
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        """The model config's ``quantization_config`` (the engine's checkpoint format)."""
+        config = getattr(self.model_config.hf_config, "quantization_config", None)
+        if config is None or isinstance(config, dict):
+            return config
+        return dict(config.to_dict())
 
     @property
     def total_bytes(self) -> int:
@@ -178,6 +185,7 @@ class ModelReplica:
             sglang_env.rank_scope(self.spec),
             set_default_torch_dtype(self.model_config.dtype),
             _params_viewing(params, self.layouts, destinations or {}),
+            _post_load_deferred(self.model),
             _derived_tensors_kept(self.model),
         ):
             yield
@@ -257,25 +265,43 @@ def _params_viewing(
 ) -> Iterator[None]:
     """Let each named parameter view its destination memory, then point it back at meta.
 
-    ``torch.utils.swap_tensors`` swaps the tensor inside the same Python Parameter
-    object, so every reference the model and its loaders hold (weight_loader
-    attributes, tied modules, quant methods) sees the staging memory. The attribute
-    dict is copied onto the staging Parameter first so the swap keeps the loader
-    attributes (``weight_loader``, ``output_dim``, ...).
+    ``parameters.repoint`` swaps the tensor inside the same Python Parameter object
+    (class and loader attributes kept), so every reference the model and its loaders
+    hold (weight_loader attributes, tied modules, quant methods) sees the staging memory.
     """
     swapped: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
     try:
         for name, dest in destinations.items():
             layout, param = layouts[name], params[name]
             view = torch.as_strided(dest.view(layout.dtype), layout.shape, layout.stride)
-            staged = torch.nn.Parameter(view, requires_grad=param.requires_grad)
-            staged.__dict__.update(param.__dict__)
-            torch.utils.swap_tensors(param, staged)
-            swapped.append((param, staged))
+            swapped.append((param, repoint(param, view)))
         yield
     finally:
-        for param, staged in reversed(swapped):
-            torch.utils.swap_tensors(param, staged)
+        for param, previous in reversed(swapped):
+            torch.utils.swap_tensors(param, previous)
+
+
+@contextlib.contextmanager
+def _post_load_deferred(model: nn.Module) -> Iterator[None]:
+    """Skip the ``post_load_weights`` a model's ``load_weights`` ends with.
+
+    It derives tensors from the loaded parameters (DeepSeek MLA's ``w_kc`` / ``w_vc``;
+    for fp8 it dequantizes ``kv_b_proj`` with its scales, which a one-group load does
+    not have). The engine's ``end_weight_update`` runs it after the writes because no
+    ``load_weights`` ran there, so the staged bytes are the loader's bytes before it.
+    """
+    if not hasattr(model, "post_load_weights"):
+        yield
+        return
+    setattr(model, "post_load_weights", _skipped)  # noqa: B010 (an instance attribute)
+    try:
+        yield
+    finally:
+        del model.post_load_weights
+
+
+def _skipped(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from p2pweights.convert.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
+from p2pweights.convert.fp8_block import FP8, BlockFp8Format
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, LayoutMismatchError
 from p2pweights.plan.inputs import InputSpec, ParamGroup
@@ -77,6 +79,10 @@ def replica_for(
         if handle is None:
             handle = _HANDLES[key] = ReplicaHandle(key, path, dict(server_info), spec)
     return handle
+
+
+def _quantizable(spec: InputSpec) -> bool:
+    return len(spec.shape) >= 2 and spec.dtype.is_floating_point and spec.dtype != FP8
 
 
 def _hashable(value: Any) -> Hashable:
@@ -140,6 +146,24 @@ class ReplicaHandle:
                 f"{where} published parameters the replica does not have: {', '.join(extra[:8])}"
             )
 
+    def checkpoint_format(self, inputs: Mapping[str, InputSpec]) -> CheckpointFormat:
+        """How this layout's loaders want the trainer's tensors (see ``convert``)."""
+        from p2pweights.replica.probe import HfTensorSpec
+
+        fmt = BlockFp8Format.from_quantization_config(self.replica.quantization_config)
+        if fmt is None:
+            return AS_GIVEN
+        # sglang's loaders refuse to downcast, so every matrix is probed as fp8 (an
+        # upcast into a high-precision parameter is allowed): the probe then says
+        # which names this engine holds in fp8.
+        specs = [
+            HfTensorSpec(name, s.shape, FP8 if _quantizable(s) else s.dtype)
+            for name, s in inputs.items()
+        ]
+        feeds = self.replica.loader_map(specs).feeds
+        dtypes = {name: layout.dtype for name, layout in self.replica.param_layouts.items()}
+        return QuantizeToBlockFp8.choose(fmt, inputs, feeds, dtypes)
+
     def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
         """Parameter groups for these HF inputs (the replica caches the probe).
 
@@ -150,8 +174,8 @@ class ReplicaHandle:
 
         specs = [HfTensorSpec(name, s.shape, s.dtype) for name, s in inputs.items()]
         loader_map = self.replica.loader_map(specs)
-        if loader_map.unfed_params:
-            unfed = loader_map.unfed_params
+        unfed = [p for p in loader_map.unfed_params if p not in self.replica.optional_params]
+        if unfed:
             raise ConfigError(
                 f"no HF tensor of this update feeds {len(unfed)} parameter(s) of the engine "
                 f"layout ({self.spec}): {', '.join(unfed[:8])}; send every checkpoint tensor"

@@ -61,6 +61,7 @@ __all__ = [
     "begin_update",
     "end_update",
     "model_config_for",
+    "modules_with_quant_method",
 ]
 
 
@@ -452,22 +453,24 @@ def load_real_rank_model(
     hf_tensors: Iterable[tuple[str, torch.Tensor]],
     dtype: str | torch.dtype = "auto",
     server_args_fields: Mapping[str, Any] | None = None,
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """The reference: a real CPU model of ``spec``'s rank as the engine holds it after start-up.
+    """The reference: a real model of ``spec``'s rank as the engine holds it after start-up.
 
-    Filled by sglang's own ``DefaultModelLoader.load_weights_and_postprocess``
-    (``model.load_weights`` then each quant method's ``process_weights_after_loading``),
-    exactly what the engine's loader runs at start-up.
+    Built on ``device`` and filled by sglang's own
+    ``DefaultModelLoader.load_weights_and_postprocess`` (``model.load_weights`` then
+    each quant method's ``process_weights_after_loading``), exactly what the engine's
+    loader runs at start-up.
     """
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     ensure_server_args(server_args_for(model_path, dtype, server_args_fields))
     model_config = model_config_for()
-    model = build_model(model_config, spec, "cpu")
+    model = build_model(model_config, spec, device)
     with rank_scope(spec), set_default_torch_dtype(model_config.dtype):
         DefaultModelLoader.load_weights_and_postprocess(
-            model, iter(hf_tensors), torch.device("cpu")
+            model, iter(hf_tensors), torch.device(device)
         )
     return model
 
@@ -484,6 +487,16 @@ def server_args_for(
         dtype = str(dtype).removeprefix("torch.")
     fields.setdefault("dtype", dtype)
     return fields
+
+
+def modules_with_quant_method(model: nn.Module) -> Iterator[tuple[str, nn.Module, Any]]:
+    """(name, module, quant method) for every module sglang's postprocess and restore visit."""
+    from sglang.srt.model_loader.loader import _modules_with_quant_method
+
+    visited = {id(module) for module, _ in _modules_with_quant_method(model)}
+    for name, module in model.named_modules():
+        if id(module) in visited:
+            yield name, module, module.quant_method
 
 
 def begin_update(model: nn.Module, spec: RankSpec, device: torch.device | str = "cpu") -> None:

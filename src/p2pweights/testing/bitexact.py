@@ -108,17 +108,22 @@ def engine_path_model(
     """A real rank model loaded with ``previous``, then updated the way p2pweights does.
 
     ``begin_update`` (restore to the reload layout), ``staged`` bytes copied over
-    every parameter, then ``end_update(run_post_load=True)`` (sglang recomputes
-    derived weights and reruns its postprocess).
+    every parameter (those sglang's own check skips, such as an fp8 attention's
+    k/v scales, keep their values when nothing stages them), then
+    ``end_update(run_post_load=True)`` (sglang recomputes derived weights and reruns
+    its postprocess).
     """
     model = load_real_rank_model(model_path, spec, previous, server_args_fields=server_args_fields)
     begin_update(model, spec)
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(staged))
+    optional = {name for name, p in params.items() if getattr(p, "_skip_weight_check", False)}
+    missing = sorted(set(params) - set(staged) - optional)
     if missing:
         raise AssertionError(f"no staged bytes for parameters {missing}")
     with torch.no_grad():
         for name, param in params.items():
+            if name not in staged:
+                continue
             target = param.data
             if not target.is_contiguous():
                 raise AssertionError(f"{name} is not contiguous; compare through as_strided")

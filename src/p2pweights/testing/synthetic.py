@@ -38,6 +38,7 @@ MODEL_NAMES = (
     "glm4-moe-tiny",
     "glm4-moe-lite-tiny",
     "deepseek-v3-tiny",
+    "deepseek-v3-fp8-tiny",
     "qwen3-235b-a22b-full",
     "glm-4.5-air-full",
     "deepseek-v3-full",

@@ -1,0 +1,1 @@
+"""Turning the trainer's tensors into the engine's checkpoint format before the loaders run."""

@@ -1,0 +1,114 @@
+"""Block-wise fp8 quantization into the DeepSeek-V3 / Kimi-K2 checkpoint format.
+
+An engine started from a block-quantized fp8 checkpoint (``quantization_config``
+``{"quant_method": "fp8", "weight_block_size": [bn, bk], ...}``) loads each quantized
+linear weight as two checkpoint tensors:
+
+* ``<name>``: ``float8_e4m3fn``, the weight's shape;
+* ``<name>_scale_inv``: ``float32``, ``[ceil(N / bn), ceil(K / bk)]``, the factor
+  that turns a block of the fp8 weight back into real values (``w ~ q * scale_inv``).
+
+A trainer holds bf16 weights. ``quantize`` produces that pair the way the
+checkpoints were made: per block, ``scale = max(|w|, 1e-4) / 448`` (448 is the largest
+finite e4m3 value), rounded up to a power of two when the config says
+``scale_fmt: "ue8m0"`` (DeepSeek-V3.1 style, what DeepGEMM reads on Blackwell), and
+``q = fp8(w * (1 / scale))``. Blocks at the right and bottom edges may be partial; they
+are scaled by their own maximum. The math runs in float32 on the weight's own device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from p2pweights.errors import ConfigError
+
+__all__ = ["BlockFp8Format", "quantize", "dequantize", "SCALE_SUFFIX"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_AMAX = 1e-4
+SCALE_SUFFIX = "_scale_inv"
+"""A quantized weight ``x.weight`` travels with ``x.weight_scale_inv``."""
+
+
+@dataclass(frozen=True)
+class BlockFp8Format:
+    """How an fp8 engine's checkpoint quantizes its linear weights."""
+
+    block: tuple[int, int]
+    """(rows, columns) of one scaling block: the config's ``weight_block_size``."""
+    ue8m0: bool = False
+    """Scales are powers of two (``scale_fmt: "ue8m0"``)."""
+
+    @classmethod
+    def from_quantization_config(cls, config: Mapping[str, Any] | None) -> BlockFp8Format | None:
+        """The format of an HF ``quantization_config``; None unless it is block fp8."""
+        if not config or config.get("quant_method") != "fp8":
+            return None
+        block = config.get("weight_block_size")
+        if block is None:
+            return None  # per-tensor / per-channel fp8 is not a block format
+        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise ConfigError(f"weight_block_size must be two positive integers, got {block!r}")
+        fmt = config.get("fmt", "e4m3")
+        if fmt not in ("e4m3", "float8_e4m3fn"):
+            raise ConfigError(f"fp8 checkpoints in format {fmt!r} are not supported (e4m3 only)")
+        scale_fmt = config.get("scale_fmt")
+        if scale_fmt not in (None, "ue8m0"):
+            raise ConfigError(f"fp8 scale_fmt {scale_fmt!r} is not supported (none or ue8m0)")
+        return cls((int(block[0]), int(block[1])), ue8m0=scale_fmt == "ue8m0")
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The ``_scale_inv`` shape for a weight of ``shape`` (leading dims kept)."""
+        if len(shape) < 2:
+            raise ConfigError(f"block fp8 quantizes matrices, got shape {shape}")
+        rows, cols = shape[-2:]
+        bn, bk = self.block
+        return (*shape[:-2], -(-rows // bn), -(-cols // bk))
+
+
+def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device."""
+    if not weight.is_floating_point() or weight.dtype == FP8:
+        raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
+    blocks, (rows, cols) = _blocks(weight.float(), fmt)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_MIN_AMAX)
+    scale = amax / FP8_MAX
+    if fmt.ue8m0:
+        scale = _ceil_power_of_two(scale)
+    quantized = (blocks * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    padded_shape = (*weight.shape[:-2], blocks.shape[-4] * blocks.shape[-3], -1)
+    q = quantized.reshape(padded_shape)[..., :rows, :cols].contiguous()
+    return q, scale.squeeze(-1).squeeze(-2).contiguous()
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFp8Format) -> torch.Tensor:
+    """float32 values of a quantized pair (for checks)."""
+    bn, bk = fmt.block
+    scale = scale_inv.repeat_interleave(bn, dim=-2).repeat_interleave(bk, dim=-1)
+    return q.float() * scale[..., : q.shape[-2], : q.shape[-1]]
+
+
+def _blocks(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``weight`` zero-padded to whole blocks, viewed ``[..., N/bn, bn, K/bk, bk]``."""
+    bn, bk = fmt.block
+    rows, cols = weight.shape[-2:]
+    pad_rows, pad_cols = -rows % bn, -cols % bk
+    if pad_rows or pad_cols:
+        weight = torch.nn.functional.pad(weight, (0, pad_cols, 0, pad_rows))
+    view = weight.reshape(
+        *weight.shape[:-2], (rows + pad_rows) // bn, bn, (cols + pad_cols) // bk, bk
+    )
+    return view, (rows, cols)
+
+
+def _ceil_power_of_two(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= ``x`` (positive, normal float32), exactly."""
+    bits = x.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent.clamp(1, 254) << 23).view(torch.float32)
