@@ -1,0 +1,88 @@
+"""Choosing and applying the engine's checkpoint format (bf16 trainer -> fp8 engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pweights.convert.checkpoint_format import AS_GIVEN, QuantizeToBlockFp8, unify
+from p2pweights.convert.fp8_block import FP8, BlockFp8Format
+from p2pweights.errors import ConfigError
+from p2pweights.plan.inputs import ConvertingCollector, InputSpec, ParamGroup
+
+BF16 = torch.bfloat16
+FMT = BlockFp8Format((64, 64))
+SPECS = {
+    "embed.weight": InputSpec((100, 64), BF16),
+    "q.weight": InputSpec((128, 64), BF16),
+    "e0.weight": InputSpec((64, 64), BF16),
+    "e1.weight": InputSpec((64, 64), BF16),
+    "norm.weight": InputSpec((64,), BF16),
+}
+DTYPES = {"embed": BF16, "q": FP8, "q_scale": torch.float32, "w13": FP8, "norm": BF16}
+
+
+def _choose(feeds):
+    return QuantizeToBlockFp8.choose(FMT, SPECS, feeds, DTYPES)
+
+
+def test_quantizes_what_the_loader_writes_into_fp8_only() -> None:
+    fmt = _choose({"embed.weight": {"embed"}, "q.weight": {"q"}, "e0.weight": {"w13"}})
+    assert fmt.names == {"q.weight", "e0.weight"}
+    assert fmt.kept == {"embed.weight"}
+    engine = fmt.engine_specs(SPECS)
+    assert engine["q.weight"] == InputSpec((128, 64), FP8)
+    assert engine["q.weight_scale_inv"] == InputSpec((2, 1), torch.float32)
+    assert engine["embed.weight"] == SPECS["embed.weight"]
+    assert "e1.weight_scale_inv" not in engine  # this rank's loader does not read e1
+
+
+def test_mixed_or_half_quantized_inputs_are_refused() -> None:
+    with pytest.raises(ConfigError, match="feeds fp8 parameters"):
+        _choose({"q.weight": {"q", "embed"}})
+    specs = {**SPECS, "q.weight_scale_inv": InputSpec((2, 1), torch.float32)}
+    with pytest.raises(ConfigError, match="send both quantized"):
+        QuantizeToBlockFp8.choose(FMT, specs, {"q.weight": {"q"}}, DTYPES)
+
+
+def test_unify_takes_the_union_per_block_format() -> None:
+    rank0 = _choose({"q.weight": {"q"}, "e0.weight": {"w13"}})
+    rank1 = _choose({"q.weight": {"q"}, "e1.weight": {"w13"}})
+    merged = unify({"r0": rank0, "r1": rank1, "bf16": AS_GIVEN})
+    assert merged["r0"] is merged["r1"]
+    assert merged["r0"].names == {"q.weight", "e0.weight", "e1.weight"}
+    assert merged["bf16"] is AS_GIVEN
+    conflict = _choose({"q.weight": {"embed"}})  # another layout reads q in bf16
+    with pytest.raises(ConfigError, match="high precision"):
+        unify({"r0": rank0, "odd": conflict})
+
+
+def test_collector_converts_once_per_format_and_releases_groups() -> None:
+    fp8 = QuantizeToBlockFp8(FMT, frozenset({"q.weight"}))
+    groups = {
+        "fp8-a": [ParamGroup(frozenset({"q.weight", "q.weight_scale_inv"}), ("q", "q_scale"))],
+        "fp8-b": [ParamGroup(frozenset({"q.weight", "q.weight_scale_inv"}), ("q", "q_scale"))],
+        "bf16": [ParamGroup(frozenset({"q.weight"}), ("q",))],
+    }
+    calls = []
+
+    class Counting(QuantizeToBlockFp8):
+        def convert(self, name, tensor):
+            calls.append(name)
+            return super().convert(name, tensor)
+
+    counting = Counting(fp8.fmt, fp8.names)
+    collector = ConvertingCollector(
+        groups, {"fp8-a": counting, "fp8-b": counting, "bf16": AS_GIVEN}
+    )
+    weight = torch.randn(128, 64).bfloat16()
+    ready = collector.add("q.weight", weight)
+    assert calls == ["q.weight"]
+    by_key = {key: dict(inputs) for key, _, inputs in ready}
+    assert set(by_key) == {"fp8-a", "fp8-b", "bf16"}
+    assert by_key["fp8-a"]["q.weight"].dtype == FP8
+    assert by_key["fp8-a"]["q.weight_scale_inv"].shape == (2, 1)
+    assert by_key["fp8-a"]["q.weight"] is by_key["fp8-b"]["q.weight"]
+    assert by_key["bf16"]["q.weight"] is weight
+    collector.raise_if_incomplete()
+    assert collector.convert_s > 0
