@@ -303,9 +303,9 @@ def test_fp8_replica_materializes_only_modules_that_read_values(
     those modules get (scalar) storage, one at a time, and go back to meta."""
     replica = ModelReplica(fp8_dirs[(128, 128)], RankSpec.derive(tp_size=2, engine_rank=1))
     assert replica.materialized_modules
-    assert all(
-        name.endswith(("attn_mqa", "attn_mha")) for name in replica.materialized_modules
-    ), replica.materialized_modules
+    assert all(name.endswith(("attn_mqa", "attn_mha")) for name in replica.materialized_modules), (
+        replica.materialized_modules
+    )
     # (buffers may be sglang's shared rope caches, built by whichever model came first)
     assert all(p.device.type == "meta" for p in replica.model.parameters())
     assert replica.layouts["model.layers.1.mlp.experts.w13_weight"].dtype == torch.float8_e4m3fn
