@@ -149,15 +149,20 @@ class WeightSyncSession:
         )
         targets: dict[Hashable, list[RankPublication]] = {}
         for target in plan[self.config.trainer_rank]:
-            handle = handles[(target.engine_index, target.engine_rank)]
-            pub = fleet.engines[target.engine_index].publications[target.engine_rank]
-            handle.check_published(pub)
-            self._transport.connect(pub)
-            targets.setdefault(handle.key, []).append(pub)
+            engine = fleet.engines[target.engine_index]
+            # the sender of an engine rank also writes its speculative draft, if any
+            pubs = [engine.publications[target.engine_rank]]
+            if engine.draft_publications:
+                pubs.append(engine.draft_publications[target.engine_rank])
+            for pub in pubs:
+                handle = self._replica(engine, target.engine_rank, pub.role)
+                handle.check_published(pub)
+                self._transport.connect(pub)
+                targets.setdefault(handle.key, []).append(pub)
         return targets
 
-    def _replica(self, engine: ConnectedEngine, rank: int) -> ReplicaHandle:
-        handle = replica_for(engine.server_info, rank, engine.endpoint.model_path)
+    def _replica(self, engine: ConnectedEngine, rank: int, role: str = "target") -> ReplicaHandle:
+        handle = replica_for(engine.server_info, rank, engine.endpoint.model_path, role)
         return self._replicas.setdefault(handle.key, handle)
 
     # -- update --------------------------------------------------------------------------------

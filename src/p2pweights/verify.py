@@ -25,6 +25,7 @@ def expected_checksums(
     engine_rank: int,
     hf_tensors: HfTensors,
     model_path: str | None = None,
+    role: str = "target",
 ) -> dict[str, str]:
     """sglang's per-tensor checksums for ``engine_rank`` loaded from ``hf_tensors()``.
 
@@ -44,17 +45,18 @@ def expected_checksums(
         engine_checkpoint(folder, hf_tensors()),
         dtype=server_info.get("dtype", "auto"),
         server_args_fields=server_info,
+        role=role,
     )
     with sglang_env.rank_scope(spec):
-        info = WeightChecker(get_model=lambda: model).handle("checksum", role="target")
+        info = WeightChecker(get_model=lambda: model).handle("checksum", role=role)
     if info is None:
         raise RuntimeError("sglang's WeightChecker returned no checksums")
     return dict(info["checksums"])
 
 
-def engine_checksums(client: EngineClient) -> list[dict[str, str]]:
-    """The engine's own per-tensor checksums, one dict per rank in rank order."""
-    answer = client.weights_checker("checksum")
+def engine_checksums(client: EngineClient, role: str = "target") -> list[dict[str, str]]:
+    """The engine's own per-tensor checksums of ``role``'s runner, one dict per rank."""
+    answer = client.weights_checker("checksum", selector=role)
     ranks = sorted(answer["ranks"], key=lambda r: r["parallelism_info"]["tp_rank"])
     return [dict(r["checksums"]) for r in ranks]
 
@@ -66,12 +68,26 @@ def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[str]
 
 
 def verify_engine(
-    client: EngineClient, hf_tensors: HfTensors, model_path: str | None = None
+    client: EngineClient,
+    hf_tensors: HfTensors,
+    model_path: str | None = None,
+    role: str = "target",
+    skip: frozenset[str] = frozenset(),
 ) -> dict[int, list[str]]:
-    """Engine rank -> mismatching tensor names (empty lists when every rank is bit-exact)."""
+    """Engine rank -> mismatching tensor names (empty lists when every rank is bit-exact).
+
+    ``role="draft"`` checks the ranks' speculative draft runners; ``skip`` names
+    tensors left out (a draft's embedding and head are the target's, checked there).
+    """
     server_info = client.server_info()
-    actual = engine_checksums(client)
+    actual = engine_checksums(client, role)
     return {
-        rank: compare(expected_checksums(server_info, rank, hf_tensors, model_path), checksums)
+        rank: [
+            name
+            for name in compare(
+                expected_checksums(server_info, rank, hf_tensors, model_path, role), checksums
+            )
+            if name not in skip
+        ]
         for rank, checksums in enumerate(actual)
     }

@@ -135,3 +135,36 @@ def test_fp8_engines_get_sender_quantized_bytes(block, layouts, start_engines, t
             report = session.update(_weights(folder, seed))
             assert report.stage_seconds["convert"] > 0
             _assert_bit_exact(engines, folder, seed)
+
+
+@pytest.mark.parametrize(
+    ("model", "layouts", "transport"),
+    [
+        ("deepseek-v3-tiny", [(2, {"ep_size": 2})], "mooncake"),
+        ("glm4-moe-tiny", [(2, {})], "nixl"),
+    ],
+    ids=["deepseek-v3-tp2ep2-mooncake", "glm4-moe-tp2-nixl"],
+)
+def test_speculative_draft_runners_are_updated_too(
+    model, layouts, transport, model_dir, start_engines
+):
+    """Same-model MTP draft (--speculative-algorithm NEXTN): every rank's draft runner,
+    published apart from its target, gets the MTP layer its own loader loads; target and
+    draft are each bit-exact with sglang's loader for that runner."""
+    folder = model_dir(model)
+    nextn = [(tp, {**args, "speculative_algorithm": "NEXTN"}) for tp, args in layouts]
+    engines = start_engines(folder, nextn, transport=transport, seed=0)
+    config = SyncConfig(transport=TRANSPORTS[transport], buffer_bytes="1MiB")
+    shared = frozenset({"model.embed_tokens.weight", "lm_head.weight"})  # the target's
+    with WeightSyncSession(config) as session:
+        session.connect([e.url for e in engines])
+        for seed in (51, 52):
+            session.update(_weights(folder, seed))
+            _assert_bit_exact(engines, folder, seed)
+            for engine in engines:
+                client = EngineClient(engine.url)
+                draft = verify_engine(
+                    client, lambda seed=seed: _weights(folder, seed), role="draft", skip=shared
+                )
+                client.close()
+                assert draft == {r: [] for r in range(engine.tp)}, f"{engine.url}: {draft}"

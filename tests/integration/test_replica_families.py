@@ -183,6 +183,75 @@ def test_every_rank_bit_exact(
         _check_rank(model_dirs[model], info, rank, hf, previous)
 
 
+DRAFT_CASES = [
+    pytest.param("deepseek-v3-tiny", {"tp_size": 2, "ep_size": 2}, id="deepseek-v3-tp2-ep2"),
+    pytest.param("glm4-moe-tiny", {"tp_size": 4, "ep_size": 4, **DP4}, id="glm4-moe-tp4-ep4-dp4"),
+    pytest.param(
+        "deepseek-v3-tiny",
+        {"tp_size": 8, "ep_size": 8},
+        id="deepseek-v3-tp8-ep8",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize(("model", "info"), DRAFT_CASES)
+def test_speculative_draft_bit_exact(
+    model: str, info: dict[str, Any], model_dirs: dict[str, Path], weights: dict
+) -> None:
+    """A same-model MTP draft (NEXTN): the draft replica is the engine's draft runner
+    (the NextN class, its speculative MoE flags); its loader takes the MTP layer from the
+    model's checkpoint and skips the embedding and head, which the engine shares with
+    the target. Every rank's staged bytes and engine path equal sglang's draft loader."""
+    hf, previous = weights[model]
+    info = {**info, "speculative_algorithm": "NEXTN"}
+    folder = model_dirs[model]
+    mtp_layer = f"model.layers.{model_config_of(model)['num_hidden_layers']}."
+    for rank in range(info["tp_size"]):
+        spec = RankSpec.from_server_info(info, rank)
+        replica = ModelReplica(folder, spec, server_args_fields=info, role="draft")
+        assert type(replica.model).__name__.endswith("NextN")
+        assert replica.optional_params == {"model.embed_tokens.weight", "lm_head.weight"}
+        loader_map = replica.loader_map([HfTensorSpec.of(name, t) for name, t in hf])
+        assert set(loader_map.unfed_params) == replica.optional_params
+        used = set(loader_map.feeds) - set(loader_map.unused)
+        assert used and all(name.startswith(mtp_layer) for name in used), sorted(used)[:4]
+        reference = load_real_rank_model(
+            folder, spec, iter(hf), server_args_fields=info, role="draft"
+        )
+        real = dict(reference.named_parameters())
+        staged = stage_all(replica, loader_map, hf)
+        assert set(staged) == set(real) - replica.optional_params
+        wrong = [name for name in staged if not torch.equal(staged[name], as_bytes(real[name]))]
+        assert wrong == [], f"{model} rank {rank}: {wrong}"
+        updated = engine_path_model(folder, spec, iter(previous), staged, info, role="draft")
+        mismatches = [
+            m
+            for m in state_mismatches(updated, reference)
+            if m.split()[-1] not in replica.optional_params
+        ]
+        assert mismatches == [], f"{model} rank {rank}: {mismatches}"
+
+
+def test_draft_whose_end_update_fails_in_sglang_is_refused(model_dirs: dict[str, Path]) -> None:
+    """sglang 0.5.23's GLM4-MoE-Lite NextN does not override post_load_weights, so the
+    engine's end_weight_update after direct writes fails; refused when the replica is built."""
+    info = {"tp_size": 2, "speculative_algorithm": "NEXTN"}
+    with pytest.raises(ConfigError, match="Glm4MoeLiteForCausalLMNextN.*post_load_weights"):
+        ModelReplica(
+            model_dirs["glm4-moe-lite-tiny"],
+            RankSpec.from_server_info(info, 0),
+            server_args_fields=info,
+            role="draft",
+        )
+
+
+def model_config_of(name: str) -> dict[str, Any]:
+    from p2pweights.testing import model_config
+
+    return model_config(name)
+
+
 def test_deepseek_groups_mla_and_experts(model_dirs: dict[str, Path], weights: dict) -> None:
     """DeepSeek's loader fuses q_a with kv_a in one call; EP 2 rank 1 holds experts 4..7."""
     info = {"tp_size": 2, "ep_size": 2}

@@ -62,6 +62,30 @@ def test_nixl_publication_is_parsed():
     assert pub.regions["w"].gpu_id == 3
 
 
+def test_draft_publication_is_asked_for_by_role():
+    table = ["127.0.0.1:5", {"model.decoder.mlp.gate.weight": [4096, 8, 2]}]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = {"rank": 0, "remote_instance_transfer_engine_info": table}
+        if request.url.params.get("role") == "draft":
+            body["role"] = "draft"
+        return httpx.Response(200, json=body)
+
+    client, seen = _client(answer)
+    pub = client.publication(0, role="draft")
+    assert seen[0].url.params["role"] == "draft"
+    assert pub.role == "draft" and pub.where == f"engine {URL} rank 0 (draft)"
+    assert client.publication(0).role == "target"
+
+
+def test_engine_that_cannot_publish_its_draft_apart_is_refused():
+    """sglang 0.5.23 ignores ``role``: its one table per TP rank cannot be the draft's."""
+    body = {"rank": 0, "remote_instance_transfer_engine_info": ["127.0.0.1:5", {}]}
+    client, _ = _client(lambda r: httpx.Response(200, json=body))
+    with pytest.raises(EngineError, match="does not publish its draft runner's weights apart"):
+        client.publication(0, role="draft")
+
+
 def test_missing_rank_names_url_route_and_message():
     client, _ = _client(
         lambda r: httpx.Response(400, json={"error": {"message": "rank 7 not found"}})

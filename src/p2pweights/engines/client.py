@@ -6,6 +6,7 @@ the engine's own message when it sent one.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -40,10 +41,26 @@ class EngineClient:
     def weight_version(self) -> str:
         return str(self.model_info().get("weight_version"))
 
-    def publication(self, rank: int) -> RankPublication:
-        """What engine rank ``rank`` published about its weights (addresses, transport handle)."""
-        body = self._json("GET", "/remote_instance_transfer_engine_info", params={"rank": rank})
-        return parse_publication(self.url, rank, body)
+    def publication(self, rank: int, role: str = "target") -> RankPublication:
+        """What engine rank ``rank`` published about its weights (addresses, transport handle).
+
+        ``role="draft"``: the rank's speculative draft runner, asked for as
+        ``?rank=R&role=draft``. The answer must say ``"role": "draft"``: sglang 0.5.23
+        keys publications by TP rank only, so there a draft's table replaces the
+        target's and cannot be asked for.
+        """
+        params: dict[str, Any] = (
+            {"rank": rank} if role == "target" else {"rank": rank, "role": role}
+        )
+        body = self._json("GET", "/remote_instance_transfer_engine_info", params=params)
+        if body.get("role", "target") != role:
+            raise EngineError(
+                f"engine {self.url} rank {rank} runs a speculative {role} but does not publish "
+                f"its {role} runner's weights apart from the target's (sglang 0.5.23 keys "
+                f"publications by TP rank only, so the {role}'s replaces the target's); "
+                f"p2pweights cannot write this engine's {role}"
+            )
+        return dataclasses.replace(parse_publication(self.url, rank, body), role=role)
 
     # -- the update session --------------------------------------------------------------------
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication
+from p2pweights.engines.speculative import has_model_draft
 from p2pweights.errors import EngineError
 
 T = TypeVar("T")
@@ -30,6 +31,8 @@ class ConnectedEngine:
     client: EngineClient
     server_info: dict[str, Any]
     publications: list[RankPublication]
+    draft_publications: list[RankPublication] = field(default_factory=list)
+    """Per rank, its same-model speculative draft runner's (empty without a draft)."""
 
     @property
     def url(self) -> str:
@@ -61,13 +64,17 @@ def connect_engine(
     client = EngineClient(endpoint.url, timeout_s=timeout_s, api_key=endpoint.api_key or api_key)
     try:
         server_info = client.server_info()
-        publications = [
-            client.publication(rank) for rank in range(num_engine_ranks(endpoint.url, server_info))
-        ]
+        ranks = range(num_engine_ranks(endpoint.url, server_info))
+        publications = [client.publication(rank) for rank in ranks]
+        drafts = (
+            [client.publication(rank, role="draft") for rank in ranks]
+            if has_model_draft(endpoint.url, server_info)
+            else []
+        )
     except Exception:
         client.close()
         raise
-    for pub in publications:
+    for pub in publications + drafts:
         if pub.backend != transport_kind:
             client.close()
             raise EngineError(
@@ -76,7 +83,7 @@ def connect_engine(
                 f"SyncConfig(transport={_config_name(pub.backend)}(...)) or "
                 f"{_PUBLISH_FLAGS[transport_kind]}."
             )
-    return ConnectedEngine(index, endpoint, client, server_info, publications)
+    return ConnectedEngine(index, endpoint, client, server_info, publications, drafts)
 
 
 def _config_name(backend: str) -> str:

@@ -44,6 +44,14 @@ class RankPublication:
     agent_name: str | None = None  # nixl
     agent_metadata: bytes | None = field(default=None, repr=False)  # nixl
     mem_type: str | None = None  # nixl: "VRAM" or "DRAM" when the publisher says
+    role: str = "target"
+    """The rank's model runner: "target", or "draft" (a same-model speculative draft)."""
+
+    @property
+    def where(self) -> str:
+        """``engine URL rank R`` (and the runner, for a draft), for messages."""
+        runner = "" if self.role == "target" else f" ({self.role})"
+        return f"engine {self.engine_url} rank {self.engine_rank}{runner}"
 
     @property
     def peer(self) -> str:

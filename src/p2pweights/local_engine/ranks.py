@@ -35,15 +35,20 @@ BroadcastManifest = list[tuple[str, list[int], str, int]]
 """(HF name, shape, torch dtype name, byte offset in the broadcast area) per tensor."""
 
 
-def move_into_arena(model: torch.nn.Module) -> torch.Tensor:
+def move_into_arena(
+    model: torch.nn.Module, keep: Iterable[torch.nn.Parameter] = ()
+) -> torch.Tensor:
     """Copy every parameter of ``model`` into one flat uint8 arena; point ``.data`` at it.
 
     Slices start at multiples of 256 bytes. Values are copied bit for bit and each
     ``Parameter`` object (with sglang's loader attributes) stays the same, so
-    sglang's loaders, postprocess and weight checker see the same model. Returns
-    the arena (the parameters' only storage from now on).
+    sglang's loaders, postprocess and weight checker see the same model. Parameters
+    in ``keep`` (a draft's, shared with the target) stay where they are. Returns
+    the arena (the other parameters' only storage from now on).
     """
-    params = [p for _, p in model.named_parameters()]  # shared parameters listed once
+    kept = {id(p) for p in keep}
+    # shared parameters listed once
+    params = [p for _, p in model.named_parameters() if id(p) not in kept]
     arena = torch.empty(staged_bytes(p.nbytes for p in params), dtype=torch.uint8)
     offset = 0
     for param in params:
@@ -74,37 +79,52 @@ def _chunks_stay_on_host() -> Iterator[None]:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
-class EngineRank:
-    """One TP rank of a local engine."""
+@contextlib.contextmanager
+def _no_cuda_sync() -> Iterator[None]:
+    """sglang's ``set_embed_and_head`` empties the CUDA cache and synchronizes; on a host
+    without a GPU there is nothing to wait for (only used around that call)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.empty_cache, torch.cuda.synchronize
+    torch.cuda.empty_cache = torch.cuda.synchronize = _nothing
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache, torch.cuda.synchronize = saved
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _Runner:
+    """One model runner of a rank (the target, or its speculative draft), as published."""
 
     def __init__(
         self,
-        server_info: dict[str, Any],
+        model: torch.nn.Module,
         spec: sglang_env.RankSpec,
-        weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        role: str,
         transport: str,
+        shared: Iterable[torch.nn.Parameter] = (),
     ):
         from sglang.srt.utils.weight_checker import WeightChecker
 
-        self.spec = spec
-        self.model = sglang_env.load_real_rank_model(
-            server_info["model_path"],
-            spec,
-            weights(),
-            dtype=server_info["dtype"],
-            server_args_fields=server_info,
+        self.model, self.spec, self.role = model, spec, role
+        shared_ids = {id(p) for p in shared}
+        self.arena = move_into_arena(
+            model, keep=[p for p in model.parameters() if id(p) in shared_ids]
         )
-        self.arena = move_into_arena(self.model)
         with sglang_env.rank_scope(spec):
             self.checker = WeightChecker(get_model=lambda: self.model)
-        self.params = {name: p.data for name, p in self.model.named_parameters()}
+        # like sglang, each runner registers its own weights with its own transport
+        # endpoint; the draft's copy of the target's embedding and head is not its own
+        self.params = {
+            name: p.data for name, p in model.named_parameters() if id(p) not in shared_ids
+        }
         self.publisher: Publisher = create_publisher(transport, engine_rank=spec.tp_rank)
         self.publisher.register(self.params)
-        self.broadcast_area: torch.Tensor | None = None
-
-    @property
-    def rank(self) -> int:
-        return self.spec.tp_rank
 
     def publication(self) -> Any:
         return self.publisher.publication(self.params)
@@ -114,9 +134,78 @@ class EngineRank:
         sglang_env.begin_update(self.model, self.spec)
 
     @torch.no_grad()
-    def end_update(self, run_post_load: bool = True) -> None:
+    def end_update(self, run_post_load: bool) -> None:
         # Bytes that arrived by writes, not load_weights, need post_load_weights (as in sglang).
         sglang_env.end_update(self.model, self.spec, run_post_load=run_post_load)
+
+    def check(self, action: str, **options: Any) -> dict[str, Any] | None:
+        with sglang_env.rank_scope(self.spec), torch.no_grad(), _chunks_stay_on_host():
+            result: dict[str, Any] | None = self.checker.handle(action, role=self.role, **options)
+            return result
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+class EngineRank:
+    """One TP rank of a local engine: its target runner and, with a same-model
+    speculative draft (``speculative_algorithm`` EAGLE / NEXTN), its draft runner."""
+
+    def __init__(
+        self,
+        server_info: dict[str, Any],
+        spec: sglang_env.RankSpec,
+        weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        transport: str,
+    ):
+        from p2pweights.engines.speculative import has_model_draft
+
+        self.spec = spec
+
+        def load(role: str) -> torch.nn.Module:
+            return sglang_env.load_real_rank_model(
+                server_info["model_path"],
+                spec,
+                weights(),
+                dtype=server_info["dtype"],
+                server_args_fields=server_info,
+                role=role,
+            )
+
+        self.model = load("target")
+        self.runners = {"target": _Runner(self.model, spec, "target", transport)}
+        if has_model_draft(f"local engine :{server_info.get('port')}", server_info):
+            draft = load("draft")
+            shared = self.model.get_embed_and_head()  # type: ignore[operator]
+            with _no_cuda_sync():
+                draft.set_embed_and_head(*shared)  # type: ignore[operator]
+            self.runners["draft"] = _Runner(draft, spec, "draft", transport, shared)
+        self.params = self.runners["target"].params
+        self.publisher = self.runners["target"].publisher
+        self.broadcast_area: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.spec.tp_rank
+
+    def selected(self, selector: str) -> list[_Runner]:
+        """sglang's runner selector: "target", "draft" or "all" (those this rank has)."""
+        if selector == "all":
+            return list(self.runners.values())
+        if selector not in self.runners:
+            raise ConfigError(f"rank {self.rank} has no {selector!r} runner")
+        return [self.runners[selector]]
+
+    def publication(self, role: str = "target") -> Any:
+        return self.selected(role)[0].publication()
+
+    def begin_update(self, selector: str = "all") -> None:
+        for runner in self.selected(selector):
+            runner.begin_update()
+
+    def end_update(self, run_post_load: bool = True, selector: str = "all") -> None:
+        for runner in self.selected(selector):
+            runner.end_update(run_post_load)
 
     def publish_broadcast_area(self, num_bytes: int) -> Any:
         """Allocate (once) and register the broadcast area; its publication, as for weights."""
@@ -146,10 +235,11 @@ class EngineRank:
         with sglang_env.rank_scope(self.spec):
             self.model.load_weights(iter(views))  # type: ignore[operator]
 
-    def check(self, action: str, **options: Any) -> dict[str, Any] | None:
-        with sglang_env.rank_scope(self.spec), torch.no_grad(), _chunks_stay_on_host():
-            result: dict[str, Any] | None = self.checker.handle(action, role="target", **options)
-            return result
+    def check(self, action: str, selector: str = "target", **options: Any) -> dict[str, Any] | None:
+        """sglang's weight checker on one runner ("target" or "draft")."""
+        (runner,) = self.selected(selector) if selector != "all" else self.selected("target")
+        return runner.check(action, **options)
 
     def close(self) -> None:
-        self.publisher.close()
+        for runner in self.runners.values():
+            runner.close()

@@ -59,14 +59,22 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             "weight_version": state["weight_version"],
         }
 
-    def transfer_engine_info(rank: int) -> Any:
+    def transfer_engine_info(rank: int, role: str = "target") -> Any:
         if not 0 <= rank < len(ranks):
             return _error(400, f"rank {rank} not found; this engine has ranks 0..{len(ranks) - 1}")
-        return {"rank": rank, "remote_instance_transfer_engine_info": ranks[rank].publication()}
+        if role not in ranks[rank].runners:
+            return _error(400, f"rank {rank} has no {role!r} runner")
+        answer = {
+            "rank": rank,
+            "remote_instance_transfer_engine_info": ranks[rank].publication(role),
+        }
+        if role != "target":
+            answer["role"] = role  # a draft is published apart from the target (see client)
+        return answer
 
     @app.get("/remote_instance_transfer_engine_info")
-    def remote_info(rank: int = Query(...)) -> Any:
-        return transfer_engine_info(rank)
+    def remote_info(rank: int = Query(...), role: str = Query("target")) -> Any:
+        return transfer_engine_info(rank, role)
 
     @app.get("/get_remote_instance_transfer_engine_info")
     def remote_info_old(rank: int = Query(...)) -> Any:
@@ -90,8 +98,9 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
     @app.post("/begin_weight_update")
     def begin(body: dict[str, Any] = Body(default={})) -> dict[str, Any]:
         with lock:
+            state["selector"] = body.get("selector", "all")  # end runs on the same runners
             for rank in ranks:
-                rank.begin_update()
+                rank.begin_update(state["selector"])
             state["updating"] = True
             state["loaded_in_session"] = False
         return {"success": True, "message": "begin_weight_update done"}
@@ -102,7 +111,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             if not state["updating"]:
                 return {"success": False, "message": "no weight update in progress"}
             for rank in ranks:
-                rank.end_update(run_post_load=not state["loaded_in_session"])
+                rank.end_update(not state["loaded_in_session"], state["selector"])
             state["updating"] = False
         return {"success": True, "message": "end_weight_update done"}
 
@@ -147,6 +156,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
     def weights_checker(body: dict[str, Any] = Body(default={})) -> Any:
         action = body.get("action", "checksum")
         options = {
+            "selector": body.get("selector", "target"),
             "allow_quant_error": body.get("allow_quant_error", False),
             "skip_tensor_list": body.get("skip_tensor_list"),
         }

@@ -73,6 +73,8 @@ class ModelReplica:
     ``model_path`` is a local folder with the model's ``config.json`` (what sglang's
     ``--model-path`` names); ``server_args_fields`` are the engine's other server args
     (e.g. from ``/server_info``) that shape its bytes, such as quantization.
+    ``role="draft"`` builds the rank's same-model speculative draft (the MTP layer)
+    instead of the target model.
     """
 
     def __init__(
@@ -81,24 +83,29 @@ class ModelReplica:
         spec: RankSpec,
         dtype: str | torch.dtype = "auto",
         server_args_fields: Mapping[str, Any] | None = None,
+        role: str = "target",
     ) -> None:
         self.spec = spec
+        self.role = role
         self._server_args = sglang_env.server_args_for(model_path, dtype, server_args_fields)
         self._activate()
-        self.model_config = sglang_env.model_config_for()
-        self.model: nn.Module = sglang_env.build_model(
-            self.model_config, spec, torch.device("meta")
+        self.model_config, self.model = sglang_env.build_role_model(
+            spec, torch.device("meta"), role
         )
         self._to_reload_layout()
+        if role == "draft":
+            self._check_end_update_runs()
         self.layouts: dict[str, ParamLayout] = {
             name: _layout_of(name, param) for name, param in self.model.named_parameters()
         }
-        # Parameters sglang's own weight check skips (an fp8 attention's k_scale /
-        # v_scale): not checkpoint weights, so an update need not feed them.
+        # Parameters an update need not feed: those sglang's own weight check skips (an
+        # fp8 attention's k_scale / v_scale, not checkpoint weights), and a draft's
+        # embedding and head, which its loader skips: the engine shares the target's.
+        shared = _shared_with_target(self.model) if role == "draft" else set()
         self.optional_params: frozenset[str] = frozenset(
             name
             for name, param in self.model.named_parameters()
-            if getattr(param, "_skip_weight_check", False)
+            if getattr(param, "_skip_weight_check", False) or id(param) in shared
         )
         # (hf name, shape, dtype) -> the parameters it writes; filled by the probe.
         self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], frozenset[str]] = {}
@@ -110,6 +117,7 @@ class ModelReplica:
         config_path: str | os.PathLike[str],
         server_info: Mapping[str, Any],
         spec: RankSpec,
+        role: str = "target",
     ) -> ModelReplica:
         """The replica of ``spec``'s rank of an engine whose ``/server_info`` is ``server_info``.
 
@@ -119,7 +127,7 @@ class ModelReplica:
         path = Path(config_path)
         folder = path if path.is_dir() else path.parent
         fields = {k: v for k, v in server_info.items() if k not in _ENGINE_LOCAL_ARGS}
-        return cls(folder, spec, fields.pop("dtype", "auto"), fields)
+        return cls(folder, spec, fields.pop("dtype", "auto"), fields, role)
 
     @property
     def param_layouts(self) -> dict[str, ParamLayout]:
@@ -146,12 +154,35 @@ class ModelReplica:
         from p2pweights.replica.reload_layout import to_reload_layout
 
         try:
-            self.materialized_modules = to_reload_layout(self.model, self.spec)
+            # a draft is postprocessed under its speculative MoE flags, as at start-up
+            with sglang_env.role_scope(self.role):
+                self.materialized_modules = to_reload_layout(self.model, self.spec)
         except RuntimeError as exc:
             quantization = getattr(self.model_config, "quantization", None)
             raise ConfigError(
                 f"the start-up postprocess of engine rank {self.spec.world_rank} "
                 f"(server arg quantization={quantization!r}) failed on the replica: {exc}"
+            ) from exc
+
+    def _check_end_update_runs(self) -> None:
+        """Refuse a draft whose derived weights sglang cannot recompute after writes.
+
+        After direct writes ``end_weight_update`` calls the model's ``post_load_weights()``
+        with no arguments; NextN classes must override it (``is_nextn=True``). One that
+        does not (sglang 0.5.23's ``Glm4MoeLiteForCausalLMNextN``) fails there, so the
+        engine could never finish an update. Run on the meta replica, it fails the same way.
+        """
+        from sglang.srt.model_loader.loader import post_load_weights
+
+        try:
+            with sglang_env.rank_scope(self.spec), _derived_tensors_kept(self.model):
+                post_load_weights(self.model)
+        except (AttributeError, TypeError, KeyError) as exc:
+            raise ConfigError(
+                f"the speculative draft {type(self.model).__name__} of engine rank "
+                f"{self.spec.world_rank} cannot recompute its derived weights after direct "
+                f"writes (sglang's end_weight_update runs its post_load_weights(), which "
+                f"fails: {exc!r}); update this engine with speculative decoding off"
             ) from exc
 
     @property
@@ -244,6 +275,12 @@ class ModelReplica:
                     f"the destination of {name!r} must be a flat contiguous uint8 tensor "
                     f"of {layout.num_bytes} bytes, got {dest.dtype} {tuple(dest.shape)}"
                 )
+
+
+def _shared_with_target(draft: nn.Module) -> set[int]:
+    """Parameters a draft takes from the target (``set_embed_and_head``), by identity."""
+    get = getattr(draft, "get_embed_and_head", None)
+    return {id(p) for p in get() if isinstance(p, torch.nn.Parameter)} if get else set()
 
 
 def _layout_of(name: str, param: torch.Tensor) -> ParamLayout:

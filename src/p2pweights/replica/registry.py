@@ -45,6 +45,8 @@ LAYOUT_SERVER_ARGS = (
     "enable_shared_experts_attn_tp",
     "speculative_moe_runner_backend",
     "speculative_moe_a2a_backend",
+    "speculative_algorithm",
+    "speculative_draft_model_quantization",
 )
 """Server arguments that change which bytes a rank holds or how they are laid out."""
 
@@ -65,19 +67,25 @@ def config_path(server_info: Mapping[str, Any], model_path: str | None) -> Path:
 
 
 def replica_for(
-    server_info: Mapping[str, Any], engine_rank: int, model_path: str | None = None
+    server_info: Mapping[str, Any],
+    engine_rank: int,
+    model_path: str | None = None,
+    role: str = "target",
 ) -> ReplicaHandle:
-    """The process-wide replica handle for ``engine_rank`` of an engine serving ``server_info``."""
+    """The process-wide replica handle for ``engine_rank`` of an engine serving ``server_info``.
+
+    ``role="draft"``: the rank's same-model speculative draft runner.
+    """
     from p2pweights.replica.sglang_env import RankSpec
 
     path = config_path(server_info, model_path)
     spec = RankSpec.from_server_info(dict(server_info), engine_rank)
     layout_args = tuple((k, _hashable(server_info.get(k))) for k in LAYOUT_SERVER_ARGS)
-    key = (hashlib.sha256(path.read_bytes()).hexdigest(), spec, layout_args)
+    key = (hashlib.sha256(path.read_bytes()).hexdigest(), spec, layout_args, role)
     with _LOCK:
         handle = _HANDLES.get(key)
         if handle is None:
-            handle = _HANDLES[key] = ReplicaHandle(key, path, dict(server_info), spec)
+            handle = _HANDLES[key] = ReplicaHandle(key, path, dict(server_info), spec, role)
     return handle
 
 
@@ -97,6 +105,7 @@ class ReplicaHandle:
     config_path: Path
     server_info: dict[str, Any]
     spec: Any
+    role: str = "target"
     _replica: Any = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -107,7 +116,7 @@ class ReplicaHandle:
                 from p2pweights.replica.model_replica import ModelReplica
 
                 self._replica = ModelReplica.from_server_info(
-                    self.config_path, self.server_info, self.spec
+                    self.config_path, self.server_info, self.spec, self.role
                 )
             return self._replica
 
@@ -126,8 +135,12 @@ class ReplicaHandle:
         """Refuse an engine rank whose published parameters differ from this replica's."""
         layouts = self.replica.param_layouts
         where = f"engine {pub.engine_url} rank {pub.engine_rank}"
+        if pub.role != "target":
+            where += f" ({pub.role})"
         for name, layout in layouts.items():
             region = pub.regions.get(name)
+            if region is None and name in self.replica.optional_params:
+                continue  # never written (e.g. a draft's head, shared with the target)
             if region is None:
                 raise LayoutMismatchError(
                     f"{where} did not publish parameter {name!r} that its sglang layout has; "

@@ -62,7 +62,13 @@ __all__ = [
     "end_update",
     "model_config_for",
     "modules_with_quant_method",
+    "ROLES",
+    "role_scope",
+    "build_role_model",
 ]
+
+ROLES = ("target", "draft")
+"""An engine rank's model runners: the target, and a same-model speculative draft."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -367,11 +373,68 @@ def _current_server_args() -> Any:
     return get_server_args()
 
 
-def model_config_for() -> Any:
-    """sglang's ``ModelConfig`` for the published server args."""
+def model_config_for(role: str = "target") -> Any:
+    """sglang's ``ModelConfig`` of ``role`` for the published server args.
+
+    The draft's is what sglang's draft worker makes: the draft checkpoint (for a
+    same-model draft, the model itself) with ``is_draft_model=True``, which switches
+    the architecture to the MTP class (``DeepseekV3ForCausalLMNextN``, ...), and the
+    target's context length.
+    """
     from sglang.srt.configs.model_config import ModelConfig
 
-    return ModelConfig.from_server_args(_current_server_args())
+    server_args = _current_server_args()
+    target = ModelConfig.from_server_args(server_args)
+    if role == "target":
+        return target
+    if role != "draft":
+        raise ConfigError(f"unknown model role {role!r}; one of {ROLES}")
+    from sglang.srt.runtime_context import get_spec
+
+    spec = get_spec()
+    return ModelConfig.from_server_args(
+        server_args,
+        model_path=spec.speculative_draft_model_path or server_args.model_path,
+        model_revision=spec.speculative_draft_model_revision,
+        is_draft_model=True,
+        context_length=target.context_len,
+    )
+
+
+@contextlib.contextmanager
+def role_scope(role: str, building: bool = False) -> Iterator[None]:
+    """The MoE flags sglang's draft worker builds and loads its model under.
+
+    For the target nothing changes. The draft uses the speculative MoE runner and
+    a2a backends (p2pweights refuses engines where they differ from the target's:
+    sglang reloads a draft under the target's), and while it is constructed,
+    sglang's ``draft_model_build_scope``.
+    """
+    if role == "target":
+        yield
+        return
+    from sglang.srt.layers.moe.utils import (
+        draft_model_build_scope,
+        speculative_moe_a2a_backend_context,
+        speculative_moe_backend_context,
+    )
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(speculative_moe_backend_context())
+        stack.enter_context(speculative_moe_a2a_backend_context())
+        if building:
+            stack.enter_context(draft_model_build_scope())
+        yield
+
+
+def build_role_model(
+    spec: RankSpec, device: torch.device | str, role: str = "target"
+) -> tuple[Any, nn.Module]:
+    """``(model_config, model)`` of ``role`` for the published server args (see build_model)."""
+    model_config = model_config_for(role)
+    with role_scope(role, building=True):
+        model = build_model(model_config, spec, device)
+    return model_config, model
 
 
 @contextlib.contextmanager
@@ -454,21 +517,21 @@ def load_real_rank_model(
     dtype: str | torch.dtype = "auto",
     server_args_fields: Mapping[str, Any] | None = None,
     device: torch.device | str = "cpu",
+    role: str = "target",
 ) -> nn.Module:
     """The reference: a real model of ``spec``'s rank as the engine holds it after start-up.
 
-    Built on ``device`` and filled by sglang's own
-    ``DefaultModelLoader.load_weights_and_postprocess`` (``model.load_weights`` then
-    each quant method's ``process_weights_after_loading``), exactly what the engine's
-    loader runs at start-up.
+    Built on ``device`` for ``role`` (the target, or a same-model speculative draft)
+    and filled by sglang's own ``DefaultModelLoader.load_weights_and_postprocess``
+    (``model.load_weights`` then each quant method's ``process_weights_after_loading``),
+    exactly what the engine's loader runs at start-up.
     """
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     ensure_server_args(server_args_for(model_path, dtype, server_args_fields))
-    model_config = model_config_for()
-    model = build_model(model_config, spec, device)
-    with rank_scope(spec), set_default_torch_dtype(model_config.dtype):
+    model_config, model = build_role_model(spec, device, role)
+    with rank_scope(spec), role_scope(role), set_default_torch_dtype(model_config.dtype):
         DefaultModelLoader.load_weights_and_postprocess(
             model, iter(hf_tensors), torch.device(device)
         )

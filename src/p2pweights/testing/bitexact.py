@@ -104,6 +104,7 @@ def engine_path_model(
     previous: Iterable[tuple[str, torch.Tensor]],
     staged: Mapping[str, torch.Tensor],
     server_args_fields: Mapping[str, Any] | None = None,
+    role: str = "target",
 ) -> nn.Module:
     """A real rank model loaded with ``previous``, then updated the way p2pweights does.
 
@@ -113,10 +114,14 @@ def engine_path_model(
     ``end_update(run_post_load=True)`` (sglang recomputes derived weights and reruns
     its postprocess).
     """
-    model = load_real_rank_model(model_path, spec, previous, server_args_fields=server_args_fields)
+    model = load_real_rank_model(
+        model_path, spec, previous, server_args_fields=server_args_fields, role=role
+    )
     begin_update(model, spec)
     params = dict(model.named_parameters())
     optional = {name for name, p in params.items() if getattr(p, "_skip_weight_check", False)}
+    if role == "draft":  # its embedding and head are the target's in the engine
+        optional |= {"model.embed_tokens.weight", "lm_head.weight"}
     missing = sorted(set(params) - set(staged) - optional)
     if missing:
         raise AssertionError(f"no staged bytes for parameters {missing}")

@@ -66,7 +66,7 @@ class UpdatePipeline:
         self._load = load
         buffers.reset()
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
-        self._batches: dict[tuple[str, int], WriteBatch] = {}
+        self._batches: dict[tuple[str, int, str], WriteBatch] = {}
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
         self.stats = PipelineStats()
 
@@ -103,7 +103,7 @@ class UpdatePipeline:
     def _queue(self, target: RankPublication, param: str, src: int, num_bytes: int) -> None:
         """Queue one parameter's write, checked against the region the engine published."""
         region = target.regions.get(param)
-        where = f"engine {target.engine_url} rank {target.engine_rank} parameter {param!r}"
+        where = f"{target.where} parameter {param!r}"
         if region is None:
             raise TransferError(f"{where} was not published by the engine; refusing to write")
         if num_bytes != region.num_bytes:
@@ -111,7 +111,7 @@ class UpdatePipeline:
                 f"{where}: {num_bytes} bytes staged but the engine published "
                 f"{region.num_bytes}; refusing to write outside the published region"
             )
-        key = (target.engine_url, target.engine_rank)
+        key = (target.engine_url, target.engine_rank, target.role)
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = WriteBatch(target)
@@ -131,7 +131,7 @@ class UpdatePipeline:
         for key, batch in self._batches.items():
             future = self._writers[batch.target.engine_url].submit(batch)
             self._pending[index].append((future, batch))
-            self.stats.bytes_by_target[key] += batch.num_bytes
+            self.stats.bytes_by_target[key[:2]] += batch.num_bytes  # target and draft together
         self._batches = {}
         self.stats.num_flushes += 1
         buffer = self._buffers.swap()

@@ -35,10 +35,7 @@ class WriteBatch:
         names = ", ".join(self.params[:_MAX_NAMED])
         more = len(self.params) - _MAX_NAMED
         suffix = f" (+{more} more)" if more > 0 else ""
-        return (
-            f"engine {self.target.engine_url} rank {self.target.engine_rank} "
-            f"parameters {names}{suffix}"
-        )
+        return f"{self.target.where} parameters {names}{suffix}"
 
 
 class EngineWriter:
