@@ -237,7 +237,7 @@ def test_draft_whose_end_update_fails_in_sglang_is_refused(model_dirs: dict[str,
     """sglang 0.5.23's GLM4-MoE-Lite NextN does not override post_load_weights, so the
     engine's end_weight_update after direct writes fails; refused when the replica is built."""
     info = {"tp_size": 2, "speculative_algorithm": "NEXTN"}
-    with pytest.raises(ConfigError, match="Glm4MoeLiteForCausalLMNextN.*post_load_weights"):
+    with pytest.raises(ConfigError, match=r"Glm4MoeLiteForCausalLMNextN.*post_load_weights"):
         ModelReplica(
             model_dirs["glm4-moe-lite-tiny"],
             RankSpec.from_server_info(info, 0),
