@@ -89,27 +89,9 @@ def stage_on(replica: Any, loader_map: Any, hf: list, device: torch.device) -> d
 
 def engine_path_on(folder: Path, spec: Any, previous: list, staged: dict, info: dict, device):
     """``bitexact.engine_path_model`` with the rank model on ``device``."""
-    from p2pweights.replica.sglang_env import begin_update, end_update, load_real_rank_model
+    from p2pweights.testing.bitexact import engine_path_model
 
-    model = load_real_rank_model(
-        folder, spec, iter(previous), server_args_fields=info, device=device
-    )
-    begin_update(model, spec, device)
-    params = dict(model.named_parameters())
-    optional = {name for name, p in params.items() if getattr(p, "_skip_weight_check", False)}
-    missing = sorted(set(params) - set(staged) - optional)
-    if missing:
-        raise AssertionError(f"no staged bytes for parameters {missing}")
-    with torch.no_grad():
-        for name, param in params.items():
-            if name not in staged:
-                continue
-            target = param.data
-            if not target.is_contiguous():
-                raise AssertionError(f"{name} is not contiguous")
-            target.view(-1).view(torch.uint8).copy_(staged[name].to(target.device))
-    end_update(model, spec, run_post_load=True, device=device)
-    return model
+    return engine_path_model(folder, spec, iter(previous), staged, info, device=device)
 
 
 def _layout_tuple(p: torch.Tensor) -> tuple:
@@ -165,10 +147,10 @@ def sglang_branches(reference: Any) -> dict[str, Any]:
             rope.setdefault(
                 (type(module).__name__, str(getattr(module, "use_fallback_kernel", "?"))), []
             ).append(name)
-    out["Fp8LinearMethod (w8a8_block_fp8_linear, use_marlin, cutlass_fp8_supported, "
-        "block_fp8_as_mxfp8) -> #modules"] = {
-        " | ".join(map(str, k)): len(v) for k, v in linear_methods.items()
-    }
+    out[
+        "Fp8LinearMethod (w8a8_block_fp8_linear, use_marlin, cutlass_fp8_supported, "
+        "block_fp8_as_mxfp8) -> #modules"
+    ] = {" | ".join(map(str, k)): len(v) for k, v in linear_methods.items()}
     out["MoE quant method (class, runner backend) -> #modules"] = {
         " | ".join(k): len(v) for k, v in moe_methods.items()
     }
@@ -182,6 +164,49 @@ def sglang_branches(reference: Any) -> dict[str, Any]:
     return out
 
 
+CALLS: dict[str, int] = {}
+"""sglang fp8 helpers seen running (name -> calls), so the reader knows which branch ran."""
+
+_COUNTED = (
+    ("sglang.srt.models.deepseek_common.deepseek_weight_loader", "block_quant_dequant"),
+    ("sglang.srt.models.deepseek_common.deepseek_weight_loader", "block_quant_to_tensor_quant"),
+    ("sglang.srt.models.deepseek_common.deepseek_weight_loader", "channel_quant_to_tensor_quant"),
+    ("sglang.srt.models.deepseek_common.deepseek_weight_loader", "input_to_float8"),
+    ("sglang.srt.layers.quantization.fp8_utils", "scaled_fp8_quant"),
+    ("sglang.srt.layers.quantization.fp8_utils", "input_to_float8"),
+    ("sglang.srt.layers.quantization.fp8_utils", "requant_block_scale_ue8m0_for_deepgemm"),
+    ("sglang.srt.layers.quantization.fp8", "requant_block_scale_ue8m0_for_deepgemm"),
+    ("sglang.kernels.ops.quantization.fp8_kernel", "sgl_per_tensor_quant_fp8"),
+)
+
+
+def count_sglang_calls() -> None:
+    """Wrap a few sglang fp8 helpers (where their callers look them up) with a call counter.
+
+    Only helpers compared by call, never by identity, are wrapped; a missing one is skipped.
+    """
+    import functools
+    import importlib
+
+    for module_name, attr in _COUNTED:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        fn = getattr(module, attr, None)
+        if fn is None or getattr(fn, "_counted", False):
+            continue
+        key = f"{module_name.rsplit('.', 1)[-1]}.{attr}"
+
+        def wrapper(*args: Any, _fn: Any = fn, _key: str = key, **kwargs: Any) -> Any:
+            CALLS[_key] = CALLS.get(_key, 0) + 1
+            return _fn(*args, **kwargs)
+
+        functools.update_wrapper(wrapper, fn)
+        wrapper._counted = True  # type: ignore[attr-defined]
+        setattr(module, attr, wrapper)
+
+
 def stub_report() -> dict[str, Any]:
     """What sglang took from the stub sgl_kernel (if that is what is on the path)."""
     module = sys.modules.get("sgl_kernel")
@@ -192,9 +217,7 @@ def stub_report() -> dict[str, Any]:
         return {"sgl_kernel": f"real package at {getattr(module, '__file__', '?')}"}
     return {
         "sgl_kernel": f"STUB at {module.__file__}",
-        "stub submodules imported": sorted(
-            m for m in sys.modules if m.startswith("sgl_kernel.")
-        ),
+        "stub submodules imported": sorted(m for m in sys.modules if m.startswith("sgl_kernel.")),
         "stub names imported": sorted(module.ACCESSED),
         "stub functions called": list(module.CALLS),
     }
@@ -211,6 +234,7 @@ def check_rank(
     result: dict[str, Any] = {"checks": {}, "details": {}, "seconds": {}}
     checks, details, seconds = result["checks"], result["details"], result["seconds"]
     spec = RankSpec.from_server_info(info, rank)
+    CALLS.clear()
 
     t = time.perf_counter()
     replica = ModelReplica(folder, spec, server_args_fields=info)
@@ -312,6 +336,7 @@ def check_rank(
         }
     staged_bytes = sum(t.numel() for t in staged.values())
     details["b staged bytes"] = staged_bytes
+    result["sglang fp8 helper calls (replica, reference, engine path)"] = dict(CALLS)
     del reference, staged, staged_cpu
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -319,12 +344,52 @@ def check_rank(
     return result
 
 
-def quantize_cases(device: torch.device, folder: Path, hf_cpu: list, hf_dev: list) -> dict:
+def _quantize_reciprocal_scalar(weight: torch.Tensor, fmt: Any) -> tuple:
+    """``quantize`` with ``amax * float32(1 / 448)`` in place of ``amax / 448``.
+
+    On CUDA, PyTorch divides a tensor by a Python scalar as a multiplication by the
+    scalar's reciprocal (``div_true_kernel_cuda``: "may lose one bit of precision"); on
+    the CPU it divides. Run on the CPU, this emulates what ``quantize`` does on CUDA.
+    """
+    from p2pweights.convert import fp8_block as f
+
+    blocks, (rows, cols) = f._blocks(weight.float(), fmt)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=f._MIN_AMAX)
+    inverse = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(f.FP8_MAX, dtype=torch.float32)
+    scale = amax * inverse
+    if fmt.ue8m0:
+        scale = f._ceil_power_of_two(scale)
+    quantized = (blocks * (1.0 / scale)).clamp(-f.FP8_MAX, f.FP8_MAX).to(f.FP8)
+    padded_shape = (*weight.shape[:-2], blocks.shape[-4] * blocks.shape[-3], -1)
+    q = quantized.reshape(padded_shape)[..., :rows, :cols].contiguous()
+    return q, scale.squeeze(-1).squeeze(-2).contiguous()
+
+
+def _differences(cpu_pair: tuple, dev_pair: tuple, emulated: tuple) -> dict[str, Any]:
+    """How a device result differs from the CPU one, and whether the emulation explains it."""
+    from p2pweights.testing.bitexact import as_bytes
+
+    (q_c, s_c), (q_d, s_d) = cpu_pair, (dev_pair[0].cpu(), dev_pair[1].cpu())
+    ulps = (s_c.view(torch.int32).long() - s_d.view(torch.int32).long()).abs()
+    return {
+        "scale elements differing": f"{int((ulps != 0).sum())}/{s_c.numel()}",
+        "scale max ulp difference": int(ulps.max()) if ulps.numel() else 0,
+        "fp8 elements differing": f"{int((q_c.view(torch.uint8) != q_d.view(torch.uint8)).sum())}"
+        f"/{q_c.numel()}",
+        "device == CPU emulation of a * (1/448)": torch.equal(as_bytes(q_d), as_bytes(emulated[0]))
+        and torch.equal(as_bytes(s_d), as_bytes(emulated[1])),
+    }
+
+
+def quantize_cases(
+    device: torch.device, folder: Path, hf_cpu: list, hf_dev: list, bf16_cpu: list
+) -> tuple[dict[str, bool], dict[str, Any]]:
     """(d) the sender's quantization on the device vs on the CPU, bit for bit."""
     from p2pweights.convert.fp8_block import BlockFp8Format, quantize
     from p2pweights.testing.bitexact import as_bytes
 
-    out: dict[str, Any] = {}
+    out: dict[str, bool] = {}
+    details: dict[str, Any] = {}
     cpu, dev = dict(hf_cpu), dict(hf_dev)
     differ = sorted(
         n
@@ -333,11 +398,10 @@ def quantize_cases(device: torch.device, folder: Path, hf_cpu: list, hf_dev: lis
         or cpu[n].shape != dev[n].shape
         or not torch.equal(as_bytes(cpu[n]), as_bytes(dev[n]).cpu())
     )
-    out[f"engine_checkpoint ({len(cpu)} tensors, {folder.name})"] = (
-        not differ and set(cpu) == set(dev)
-    )
+    key = f"engine_checkpoint ({len(cpu)} tensors, {folder.name})"
+    out[key] = not differ and set(cpu) == set(dev)
     if differ:
-        out["engine_checkpoint differs"] = differ[:20]
+        details[key] = {"tensors differing": f"{len(differ)}/{len(cpu)}", "first": differ[:10]}
     g = torch.Generator().manual_seed(1234)
     samples = {
         "partial blocks 300x200 N(0,1)": torch.randn(300, 200, generator=g),
@@ -347,20 +411,42 @@ def quantize_cases(device: torch.device, folder: Path, hf_cpu: list, hf_dev: lis
             [torch.zeros(128, 128), torch.randn(128, 256, generator=g) * 1e3], dim=1
         ),
     }
+    weights = {n: t for n, t in bf16_cpu if t.dim() >= 2 and "norm" not in n}
     for block in BLOCKS:
         for ue8m0 in (False, True):
             fmt = BlockFp8Format(tuple(block), ue8m0=ue8m0)
+            suffix = f" block{block[0]}x{block[1]}" + (" ue8m0" if ue8m0 else "")
             for label, w in samples.items():
                 for dtype in (torch.bfloat16, torch.float32):
                     x = w.to(dtype)
-                    q_c, s_c = quantize(x, fmt)
-                    q_d, s_d = quantize(x.to(device), fmt)
-                    same = torch.equal(as_bytes(q_c), as_bytes(q_d).cpu()) and torch.equal(
-                        as_bytes(s_c), as_bytes(s_d).cpu()
+                    cpu_pair, dev_pair = quantize(x, fmt), quantize(x.to(device), fmt)
+                    key = f"{label} {str(dtype)[6:]}{suffix}"
+                    out[key] = torch.equal(
+                        as_bytes(cpu_pair[0]), as_bytes(dev_pair[0]).cpu()
+                    ) and torch.equal(as_bytes(cpu_pair[1]), as_bytes(dev_pair[1]).cpu())
+                    if not out[key]:
+                        details[key] = _differences(
+                            cpu_pair, dev_pair, _quantize_reciprocal_scalar(x, fmt)
+                        )
+            # every matrix of the synthetic model, summed up
+            totals = {"tensors differing": 0, "explained by the emulation": 0}
+            for w in weights.values():
+                cpu_pair, dev_pair = quantize(w, fmt), quantize(w.to(device), fmt)
+                same = torch.equal(as_bytes(cpu_pair[0]), as_bytes(dev_pair[0]).cpu()) and (
+                    torch.equal(as_bytes(cpu_pair[1]), as_bytes(dev_pair[1]).cpu())
+                )
+                if not same:
+                    totals["tensors differing"] += 1
+                    emulated = _quantize_reciprocal_scalar(w, fmt)
+                    totals["explained by the emulation"] += int(
+                        torch.equal(as_bytes(dev_pair[0]).cpu(), as_bytes(emulated[0]))
+                        and torch.equal(as_bytes(dev_pair[1]).cpu(), as_bytes(emulated[1]))
                     )
-                    key = f"{label} {str(dtype)[6:]} block{block[0]}x{block[1]}"
-                    out[key + (" ue8m0" if ue8m0 else "")] = same
-    return out
+            key = f"synthetic model's {len(weights)} bf16 matrices{suffix}"
+            out[key] = totals["tensors differing"] == 0
+            if not out[key]:
+                details[key] = totals
+    return out, details
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -386,7 +472,13 @@ def to_markdown(results: dict[str, Any]) -> str:
     lines = ["# fp8 replica vs sglang's fp8 code", ""]
     lines += ["## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in results["environment"].items()]
-    lines += ["", "## Cases", "", "| block | layout | rank | check | result |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Cases",
+        "",
+        "| block | layout | rank | check | result |",
+        "|---|---|---|---|---|",
+    ]
     for case in results["cases"]:
         if "error" in case:
             lines.append(f"| {case['block']} | {case['layout']} | {case['rank']} | ERROR | FAIL |")
@@ -396,14 +488,25 @@ def to_markdown(results: dict[str, Any]) -> str:
                 f"| {case['block']} | {case['layout']} | {case['rank']} | {check} | "
                 f"{'PASS' if ok else 'FAIL'} |"
             )
-    lines += ["", "## quantize() on the device vs the CPU", "", "| case | result |", "|---|---|"]
+    lines += [
+        "",
+        "## quantize() on the device vs the CPU",
+        "",
+        "| case | result (and how the device differs) |",
+        "|---|---|",
+    ]
     for check, ok in results["quantize"].items():
-        if isinstance(ok, bool):
-            lines.append(f"| {check} | {'PASS' if ok else 'FAIL'} |")
-    lines += ["", "## sglang branches (first case)", "", "```", json.dumps(
-        results.get("branches", {}), indent=2, default=str), "```"]
-    lines += ["", "## Stub sgl_kernel", "", "```", json.dumps(
-        results["stub"], indent=2), "```", ""]
+        detail = results.get("quantize details", {}).get(check, "")
+        lines.append(f"| {check} | {'PASS' if ok else 'FAIL'} {detail} |")
+    lines += [
+        "",
+        "## sglang branches (first case of each block)",
+        "",
+        "```",
+        json.dumps(results.get("branches", {}), indent=2, default=str),
+        "```",
+    ]
+    lines += ["", "## Stub sgl_kernel", "", "```", json.dumps(results["stub"], indent=2), "```", ""]
     lines += [f"Overall: {'PASS' if results['ok'] else 'FAIL'}", ""]
     return "\n".join(lines)
 
@@ -423,6 +526,7 @@ def main() -> int:
     from p2pweights.testing import model_config, synthetic_weights, write_model_dir
     from p2pweights.testing.engine_checkpoint import engine_checkpoint
 
+    count_sglang_calls()
     started = time.perf_counter()
     results: dict[str, Any] = {"environment": environment(device), "cases": [], "quantize": {}}
     print(json.dumps(results["environment"], indent=2))
@@ -441,28 +545,40 @@ def main() -> int:
             previous = engine_checkpoint(folder, bf16_old)
             _sync(device)
             quant_s = time.perf_counter() - t
-            print(f"\nblock {block}: engine checkpoint ({len(hf)} tensors) on "
-                  f"{sorted({str(t.device) for _, t in hf})} in {quant_s:.2f} s")
+            print(
+                f"\nblock {block}: engine checkpoint ({len(hf)} tensors) on "
+                f"{sorted({str(t.device) for _, t in hf})} in {quant_s:.2f} s"
+            )
             if block == blocks[0]:
                 try:
-                    hf_cpu = engine_checkpoint(folder, _on(bf16_new, torch.device("cpu")))
-                    results["quantize"] = quantize_cases(device, folder, hf_cpu, hf)
+                    bf16_cpu = _on(bf16_new, torch.device("cpu"))
+                    hf_cpu = engine_checkpoint(folder, bf16_cpu)
+                    results["quantize"], results["quantize details"] = quantize_cases(
+                        device, folder, hf_cpu, hf, bf16_cpu
+                    )
                 except Exception:
-                    results["quantize"] = {"error": traceback.format_exc()}
+                    results["quantize"] = {"error": False}
+                    results["quantize details"] = {"error": traceback.format_exc()}
             print(header)
             for name, info, ranks in layouts:
                 for rank in ranks:
-                    case = {"block": f"{block[0]}x{block[1]}", "layout": name, "rank": rank,
-                            "info": info}
+                    case = {
+                        "block": f"{block[0]}x{block[1]}",
+                        "layout": name,
+                        "rank": rank,
+                        "info": info,
+                    }
                     try:
                         case.update(check_rank(folder, info, rank, hf, previous, device))
                     except Exception:
                         case["error"] = traceback.format_exc()
                         case["ok"] = False
                     if "branches" in case:
-                        results.setdefault("branches", case["branches"])
-                        if case["branches"] != results["branches"]:
-                            case["branches differ from first case"] = True
+                        first = results.setdefault("branches", {}).setdefault(
+                            case["block"], case["branches"]
+                        )
+                        if case["branches"] != first:
+                            case["branches differ from the block's first case"] = True
                         else:
                             del case["branches"]
                     results["cases"].append(case)
@@ -471,28 +587,38 @@ def main() -> int:
                         print(case["error"])
                         continue
                     for check, ok in case["checks"].items():
-                        print(f"{case['block']:>8} {name:>8} {rank:>4}  {check:<55} "
-                              f"{'PASS' if ok else 'FAIL'}")
+                        print(
+                            f"{case['block']:>8} {name:>8} {rank:>4}  {check:<55} "
+                            f"{'PASS' if ok else 'FAIL'}"
+                        )
                     mat = case["details"]["materialized_modules"]
-                    print(f"{'':>24}materialized {len(mat)} modules: "
-                          f"{', '.join(mat[:2])}{' ...' if len(mat) > 2 else ''}; "
-                          f"begin_update changed {len(case['details']['begin_update changed (layout or bytes)'])}"
-                          f"; seconds {', '.join(f'{k} {v:.1f}' for k, v in case['seconds'].items())}")
+                    changed = case["details"]["begin_update changed (layout or bytes)"]
+                    print(
+                        f"{'':>24}materialized {len(mat)} modules: "
+                        f"{', '.join(mat[:2])}{' ...' if len(mat) > 2 else ''}; "
+                        f"begin_update changed {len(changed)}"
+                        f"; seconds {', '.join(f'{k} {v:.1f}' for k, v in case['seconds'].items())}"
+                    )
+                    print(
+                        f"{'':>24}sglang fp8 helpers: "
+                        f"{case['sglang fp8 helper calls (replica, reference, engine path)']}"
+                    )
                     for key in ("a mismatches", "b problems", "c mismatches"):
                         if key in case["details"]:
                             print(f"{'':>24}{key}: {case['details'][key]}")
 
     print("\nquantize() on the device vs the CPU")
     for check, ok in results["quantize"].items():
-        print(f"  {check:<60} {'PASS' if ok is True else ok if ok is not False else 'FAIL'}")
+        print(f"  {check:<60} {'PASS' if ok else 'FAIL'}")
+        if check in results.get("quantize details", {}):
+            print(f"      {results['quantize details'][check]}")
     results["stub"] = stub_report()
-    print("\nsglang branches (first case):")
+    print("\nsglang branches (first case of each block):")
     print(json.dumps(results.get("branches", {}), indent=2, default=str))
     print("\nstub:")
     print(json.dumps(results["stub"], indent=2))
     stub_called = bool(results["stub"].get("stub functions called"))
-    quant_ok = bool(results["quantize"]) and all(v is True for k, v in results["quantize"].items()
-                                                 if k != "engine_checkpoint differs")
+    quant_ok = bool(results["quantize"]) and all(results["quantize"].values())
     results["ok"] = (
         bool(results["cases"])
         and all(c.get("ok") for c in results["cases"])
@@ -500,10 +626,13 @@ def main() -> int:
         and not stub_called
     )
     results["seconds"] = time.perf_counter() - started
-    print(f"\n{'PASS' if results['ok'] else 'FAIL'}: {sum(bool(c.get('ok')) for c in results['cases'])}"
-          f"/{len(results['cases'])} rank cases, quantize {'PASS' if quant_ok else 'FAIL'}, "
-          f"stub calls {results['stub'].get('stub functions called', 'n/a')}, "
-          f"{results['seconds']:.1f} s")
+    passed = sum(bool(c.get("ok")) for c in results["cases"])
+    print(
+        f"\n{'PASS' if results['ok'] else 'FAIL'}: {passed}"
+        f"/{len(results['cases'])} rank cases, quantize {'PASS' if quant_ok else 'FAIL'}, "
+        f"stub calls {results['stub'].get('stub functions called', 'n/a')}, "
+        f"{results['seconds']:.1f} s"
+    )
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

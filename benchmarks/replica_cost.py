@@ -4,8 +4,11 @@ Each case runs in a fresh subprocess so RSS is its own. The baseline is the
 process RSS once torch and the sglang model module are imported and the HF
 checkpoint names and shapes (the trainer's inputs, meta only) are listed; the
 peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` after the baseline)
-then covers building the replica on meta, bringing it to the reload layout and
-probing every HF name. No weight is ever materialized.
+then covers building the replica on meta, bringing it to the reload layout (module
+by module; an fp8 engine's attention modules get scalar storage for their k/v-scale
+check) and probing every HF name the way a session's first update does (for an fp8
+engine: once to choose which names to quantize, once for the groups of the
+quantized checkpoint names). No weight is ever materialized.
 
     .venv/bin/python benchmarks/replica_cost.py [--out docs/benchmarks-replica.md]
 """
@@ -48,16 +51,13 @@ def run_case(model: str, info: dict[str, int], engine_rank: int) -> dict[str, fl
 
     import torch
 
-    from p2pweights.replica.model_replica import ModelReplica
-    from p2pweights.replica.probe import HfTensorSpec
-    from p2pweights.replica.sglang_env import RankSpec
+    from p2pweights.plan.inputs import InputSpec
+    from p2pweights.replica.registry import replica_for
     from p2pweights.testing import model_config, write_model_dir
     from p2pweights.testing.synthetic import hf_checkpoint_names_and_shapes
 
     config = model_config(model)
-    # The replica cannot bring fp8 block-quantized modules to the reload layout yet
-    # (their postprocess reads values); measured as the bf16 engine of the same model.
-    quantized = config.pop("quantization_config", None) is not None
+    quantization = config.get("quantization_config")
     from sglang.srt.models.registry import ModelRegistry
 
     cls, _ = ModelRegistry.resolve_model_cls(config["architectures"])
@@ -65,7 +65,7 @@ def run_case(model: str, info: dict[str, int], engine_rank: int) -> dict[str, fl
     started = time.perf_counter()
     names = hf_checkpoint_names_and_shapes(config)
     names_s = time.perf_counter() - started
-    specs = [HfTensorSpec(name, shape, dtype) for name, shape, dtype in names]
+    inputs = {name: InputSpec(tuple(shape), dtype) for name, shape, dtype in names}
     folder = write_model_dir(config, Path(tempfile.mkdtemp()) / model)
     del names
     import gc
@@ -73,11 +73,12 @@ def run_case(model: str, info: dict[str, int], engine_rank: int) -> dict[str, fl
     gc.collect()
     baseline = _rss_bytes("VmRSS")
     _reset_peak()
-    spec = RankSpec.from_server_info(info, engine_rank)
+    handle = replica_for({"model_path": str(folder), **info}, engine_rank)
     started = time.perf_counter()
-    replica = ModelReplica(folder, spec, server_args_fields=info)
+    replica = handle.replica
     built_s = time.perf_counter() - started
-    loader_map = replica.loader_map(specs)
+    fmt = handle.checkpoint_format(inputs)
+    groups = handle.groups(fmt.engine_specs(inputs))
     probed_s = time.perf_counter() - started - built_s
     peak = _rss_bytes("VmHWM")
     largest_name, largest_bytes = "", 0
@@ -91,11 +92,13 @@ def run_case(model: str, info: dict[str, int], engine_rank: int) -> dict[str, fl
     del torch
     return {
         "model": model,
-        "dtype": "bf16 (checkpoint fp8)" if quantized else "bf16",
+        "dtype": (f"fp8 block {quantization['weight_block_size']}" if quantization else "bf16"),
+        "quantized_names": len(getattr(fmt, "names", ())),
+        "materialized_modules": len(replica.materialized_modules),
         "layout": f"TP {info['tp_size']} / EP {info['ep_size']}",
         "rank": engine_rank,
-        "hf_names": len(specs),
-        "groups": len(loader_map.groups),
+        "hf_names": len(inputs),
+        "groups": len(groups),
         "names_s": names_s,
         "build_s": built_s,
         "probe_s": probed_s,

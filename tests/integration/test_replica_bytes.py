@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from p2pweights.errors import ConfigError
+from p2pweights.plan.inputs import InputSpec
 from p2pweights.replica.model_replica import ModelReplica
 from p2pweights.replica.probe import HfTensorSpec
 from p2pweights.replica.sglang_env import RankSpec, load_real_rank_model
@@ -192,3 +193,37 @@ def test_synthetic_weights_are_deterministic_per_name() -> None:
     assert all(torch.equal(first[n], again[n]) for n in first)
     assert not torch.equal(first["model.norm.weight"], other["model.norm.weight"])
     assert "lm_head.weight" not in dict(synthetic_weights("qwen3-tiny-tied", seed=3))
+
+
+def test_probe_reports_buffers_a_loader_writes(model_dirs: dict[str, Path], weights: dict) -> None:
+    """Parameters only are written; a loader that fills a module buffer from an HF tensor is
+    found by the probe, and the first update refuses it (the engine publishes no buffer)."""
+    from p2pweights.replica.registry import replica_for
+
+    handle = replica_for({"model_path": str(model_dirs["qwen3-tiny"]), "tp_size": 2}, 1)
+    replica = handle.replica
+    norm = replica.model.model.norm
+    norm.register_buffer("shadow", torch.empty(256, dtype=torch.bfloat16, device="meta"))
+    loader = replica.model.load_weights
+
+    def load_with_shadow(pairs):
+        pairs = list(pairs)
+        for name, tensor in pairs:
+            if name == "model.norm.weight":
+                norm.shadow.copy_(tensor)
+        return loader(iter(pairs))
+
+    replica.model.load_weights = load_with_shadow
+    try:
+        specs = {name: InputSpec(tuple(t.shape), t.dtype) for name, t in weights["qwen3-tiny"]}
+        loader_map = replica.loader_map(
+            [HfTensorSpec(n, s.shape, s.dtype) for n, s in specs.items()]
+        )
+        assert loader_map.buffer_writes == {"model.norm.weight": {"model.norm.shadow"}}
+        with pytest.raises(ConfigError, match=r"module buffers \['model.norm.shadow'\]"):
+            handle.groups(specs)
+    finally:
+        del replica.model.load_weights
+        del norm.shadow
+        replica._loader_maps.clear()
+        replica.probe_cache.clear()

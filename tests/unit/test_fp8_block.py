@@ -84,3 +84,16 @@ def test_formats_from_quantization_config() -> None:
         BlockFp8Format.from_quantization_config({**deepseek, "fmt": "e5m2"})
     with pytest.raises(ConfigError, match="quantize takes"):
         quantize(torch.zeros(4, 4, dtype=FP8), BlockFp8Format((2, 2)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_quantizing_on_the_gpu_gives_the_cpu_bytes() -> None:
+    """The sender quantizes on the tensor's own device; the bytes must not depend on it."""
+    for block in ((128, 128), (64, 64)):
+        for ue8m0 in (False, True):
+            fmt = BlockFp8Format(block, ue8m0=ue8m0)
+            weight = _weight(300, 520, seed=11)
+            q, scale_inv = quantize(weight, fmt)
+            q_gpu, scale_gpu = quantize(weight.cuda(), fmt)
+            assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(scale_gpu.cpu(), scale_inv)

@@ -77,7 +77,10 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
         raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
     blocks, (rows, cols) = _blocks(weight.float(), fmt)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_MIN_AMAX)
-    scale = amax / FP8_MAX
+    # A true division on every device: CUDA turns division by a Python number into a
+    # multiply by its rounded reciprocal (1 ulp off in most scales); by a tensor on the
+    # same device it divides, as the CPU does (found on an H200, see docs/benchmarks.md).
+    scale = amax / torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
     if fmt.ue8m0:
         scale = _ceil_power_of_two(scale)
     quantized = (blocks * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)

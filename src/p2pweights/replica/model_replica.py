@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from p2pweights.plan.inputs import ParamGroup
-    from p2pweights.replica.probe import HfTensorSpec, LoaderMap
+    from p2pweights.replica.probe import HfTensorSpec, LoaderMap, Written
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class ModelReplica:
             if getattr(param, "_skip_weight_check", False) or id(param) in shared
         )
         # (hf name, shape, dtype) -> the parameters it writes; filled by the probe.
-        self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], frozenset[str]] = {}
+        self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], Written] = {}
         self._loader_maps: dict[tuple[HfTensorSpec, ...], LoaderMap] = {}
 
     @classmethod

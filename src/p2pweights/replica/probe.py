@@ -26,9 +26,10 @@ Results are cached per (name, shape, dtype) on the replica.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HfTensorSpec", "LoaderGroup", "LoaderMap", "probe_loader"]
+__all__ = ["HfTensorSpec", "LoaderGroup", "LoaderMap", "Written", "probe_loader"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class LoaderMap:
     """HF names that feed no parameter; reported, not an error."""
     unfed_params: tuple[str, ...]
     """Parameters no probed HF name writes (the trainer did not send their inputs)."""
+    buffer_writes: dict[str, frozenset[str]] = field(default_factory=dict)
+    """HF name -> module buffers its loader writes (none for the supported families)."""
 
     def params_of(self, hf_name: str) -> frozenset[str]:
         try:
@@ -107,7 +110,7 @@ def probe_loader(replica: ModelReplica, hf_specs: Sequence[HfTensorSpec]) -> Loa
         if spec.name in seen:
             raise ConfigError(f"HF tensor {spec.name!r} is given twice")
         seen.add(spec.name)
-    feeds: dict[str, frozenset[str]] = {}
+    feeds: dict[str, Written] = {}
     todo: list[HfTensorSpec] = []
     for spec in hf_specs:
         found = replica.probe_cache.get((spec.name, spec.shape, spec.dtype))
@@ -121,15 +124,23 @@ def probe_loader(replica: ModelReplica, hf_specs: Sequence[HfTensorSpec]) -> Loa
             probed = {spec.name: _probe_one(replica, spec) for spec in todo}
         for spec in todo:
             feeds[spec.name] = probed[spec.name]
-            if probed[spec.name]:
+            if probed[spec.name].params:
                 replica.probe_cache[(spec.name, spec.shape, spec.dtype)] = probed[spec.name]
     order = list(replica.layouts)
-    return _group({spec.name: feeds[spec.name] for spec in hf_specs}, order)
+    loader_map = _group({spec.name: feeds[spec.name].params for spec in hf_specs}, order)
+    buffers = {s.name: feeds[s.name].buffers for s in hf_specs if feeds[s.name].buffers}
+    return dataclasses.replace(loader_map, buffer_writes=buffers)
 
 
-def _probe_batch(
-    replica: ModelReplica, specs: Sequence[HfTensorSpec]
-) -> dict[str, frozenset[str]] | None:
+@dataclass(frozen=True)
+class Written:
+    """What loading one HF name writes: parameters, and module buffers."""
+
+    params: frozenset[str]
+    buffers: frozenset[str] = frozenset()
+
+
+def _probe_batch(replica: ModelReplica, specs: Sequence[HfTensorSpec]) -> dict[str, Written] | None:
     """All ``specs`` through one ``load_weights`` call; None when a name-by-name probe must decide.
 
     Each placeholder's storage is tagged with its HF name; the watcher carries
@@ -140,7 +151,7 @@ def _probe_batch(
     """
     params = dict(replica.model.named_parameters())
     before = {name: _identity(param) for name, param in params.items()}
-    tracer = _ProvenanceWatcher(params)
+    tracer = _ProvenanceWatcher(params, dict(replica.model.named_buffers()))
     inputs = []
     for spec in specs:
         placeholder = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
@@ -159,13 +170,19 @@ def _probe_batch(
     if tracer.unattributed - {p for fed in tracer.fed.values() for p in fed}:
         logger.debug("batch probe: unattributed writes to %s", sorted(tracer.unattributed))
         return None
-    return {spec.name: frozenset(tracer.fed.get(spec.name, ())) for spec in specs}
+    return {
+        spec.name: Written(
+            frozenset(tracer.fed.get(spec.name, ())),
+            frozenset(tracer.fed_buffers.get(spec.name, ())),
+        )
+        for spec in specs
+    }
 
 
-def _probe_one(replica: ModelReplica, spec: HfTensorSpec) -> frozenset[str]:
+def _probe_one(replica: ModelReplica, spec: HfTensorSpec) -> Written:
     params = dict(replica.model.named_parameters())
     before = {name: _identity(param) for name, param in params.items()}
-    watcher = _WriteWatcher(params, spec.name)
+    watcher = _WriteWatcher(params, spec.name, dict(replica.model.named_buffers()))
     placeholder = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
     try:
         with replica.loading_scope(), watcher:
@@ -187,7 +204,7 @@ def _probe_one(replica: ModelReplica, spec: HfTensorSpec) -> frozenset[str]:
             f"loading {spec.name!r} replaced parameters {replaced} instead of writing into "
             "them; p2pweights cannot stage bytes for this loader"
         )
-    return frozenset(watcher.written)
+    return Written(frozenset(watcher.written), frozenset(watcher.written_buffers))
 
 
 def _identity(param: torch.Tensor) -> tuple[int, tuple[int, ...], int]:
@@ -201,7 +218,7 @@ class _ParamIndex:
     storage identity plus the element range tells which parameter a write lands in.
     """
 
-    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
         # storage id -> [(first element, end element, name)]
         self._by_storage: dict[int, list[tuple[int, int, str]]] = {}
         for name, param in params.items():
@@ -223,11 +240,18 @@ class _ParamIndex:
 class _WriteWatcher(TorchDispatchMode):
     """Records which parameters aten ops write into (see the module docstring)."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], hf_name: str) -> None:
+    def __init__(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        hf_name: str,
+        buffers: Mapping[str, torch.Tensor],
+    ) -> None:
         super().__init__()
         self.hf_name = hf_name
         self.written: set[str] = set()
+        self.written_buffers: set[str] = set()
         self._index = _ParamIndex(params)
+        self._buffers = _ParamIndex(buffers)
 
     def __torch_dispatch__(
         self,
@@ -246,6 +270,7 @@ class _WriteWatcher(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, func: Any, target: torch.Tensor, args: tuple[Any, ...]) -> None:
+        self.written_buffers.update(self._buffers.hit(target))
         hit = self._index.hit(target)
         if not hit:
             return
@@ -271,10 +296,15 @@ class _ProvenanceWatcher(TorchDispatchMode):
     an address is never reused for another tensor during the call.
     """
 
-    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+    def __init__(
+        self, params: dict[str, torch.nn.Parameter], buffers: Mapping[str, torch.Tensor]
+    ) -> None:
         super().__init__()
         self.fed: dict[str, set[str]] = {}
         """HF name -> parameters written with values derived from it."""
+        self.fed_buffers: dict[str, set[str]] = {}
+        """HF name -> module buffers written with values derived from it."""
+        self._buffers = _ParamIndex(buffers)
         self.unattributed: set[str] = set()
         """Parameters written with values no tagged input reached."""
         self._tags: dict[int, frozenset[str]] = {}
@@ -352,8 +382,11 @@ class _ProvenanceWatcher(TorchDispatchMode):
         hit = self._index.hit(target)
         if not tags:
             self.unattributed.update(hit)
+        buffers = self._buffers.hit(target)
         for hf_name in tags:
             self.fed.setdefault(hf_name, set()).update(hit)
+            if buffers:
+                self.fed_buffers.setdefault(hf_name, set()).update(buffers)
 
 
 def _elements_spanned(tensor: torch.Tensor) -> int:

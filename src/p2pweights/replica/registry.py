@@ -47,6 +47,16 @@ LAYOUT_SERVER_ARGS = (
     "speculative_moe_a2a_backend",
     "speculative_algorithm",
     "speculative_draft_model_quantization",
+    "speculative_enable_w4a4_mxfp4_megamoe",
+    "enforce_shared_experts_fusion",
+    "enable_w4a4_mxfp4_megamoe",
+    "fp8_gemm_runner_backend",
+    "fp4_gemm_runner_backend",
+    "bf16_gemm_backend",
+    "kv_cache_dtype",
+    "quantization_param_path",
+    "rl_quant_profile",
+    "enable_fp32_lm_head",
 )
 """Server arguments that change which bytes a rank holds or how they are laid out."""
 
@@ -192,6 +202,15 @@ class ReplicaHandle:
             raise ConfigError(
                 f"no HF tensor of this update feeds {len(unfed)} parameter(s) of the engine "
                 f"layout ({self.spec}): {', '.join(unfed[:8])}; send every checkpoint tensor"
+            )
+        if loader_map.buffer_writes:
+            # only parameters are written and published; a buffer the loader itself
+            # fills (not one the engine derives at end_weight_update) would go stale
+            name, buffers = next(iter(sorted(loader_map.buffer_writes.items())))
+            raise ConfigError(
+                f"the loader of engine layout ({self.spec}) writes HF tensor {name!r} into "
+                f"module buffers {sorted(buffers)}; p2pweights writes parameters only (the "
+                f"engine publishes no buffer), so these would keep stale values"
             )
         return [ParamGroup(g.hf_names, g.param_names) for g in loader_map.groups]
 

@@ -105,6 +105,7 @@ def engine_path_model(
     staged: Mapping[str, torch.Tensor],
     server_args_fields: Mapping[str, Any] | None = None,
     role: str = "target",
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
     """A real rank model loaded with ``previous``, then updated the way p2pweights does.
 
@@ -115,9 +116,9 @@ def engine_path_model(
     its postprocess).
     """
     model = load_real_rank_model(
-        model_path, spec, previous, server_args_fields=server_args_fields, role=role
+        model_path, spec, previous, server_args_fields=server_args_fields, role=role, device=device
     )
-    begin_update(model, spec)
+    begin_update(model, spec, device)
     params = dict(model.named_parameters())
     optional = {name for name, p in params.items() if getattr(p, "_skip_weight_check", False)}
     if role == "draft":  # its embedding and head are the target's in the engine
@@ -132,8 +133,8 @@ def engine_path_model(
             target = param.data
             if not target.is_contiguous():
                 raise AssertionError(f"{name} is not contiguous; compare through as_strided")
-            target.view(-1).view(torch.uint8).copy_(staged[name])
-    end_update(model, spec, run_post_load=True)
+            target.view(-1).view(torch.uint8).copy_(staged[name].to(target.device))
+    end_update(model, spec, run_post_load=True, device=device)
     return model
 
 
