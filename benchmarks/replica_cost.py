@@ -201,6 +201,37 @@ plus the rank's largest single module.
 Command: `.venv/bin/python benchmarks/replica_cost.py --out docs/benchmarks-replica.md`
 
 {table}
+
+Measured {time.strftime("%Y-%m-%d")}; 1-minute load average when written {os.getloadavg()[0]:.1f}.
+
+{NOTES}
+"""
+
+
+NOTES = """\
+Notes:
+- "HF names" are the trainer's checkpoint names (per-expert
+  `mlp.experts.E.gate_proj.weight`, ..., the MTP layer where the checkpoint has one),
+  listed from the config on meta, in bf16. For an fp8 engine, "probe s" covers both
+  probes of a first update: one that finds which names the engine holds in fp8
+  (every matrix probed as fp8), one for the groups of the quantized checkpoint names
+  (weights plus `_scale_inv`), hence more groups than the bf16 engine of the same model.
+- fp8 engines reach the reload layout module by module: every fp8 linear and MoE
+  step runs on meta; the attention modules, whose k/v-scale check reads values, get
+  a few bytes of real storage one at a time (122 modules for DeepSeek-V3, about
+  0.09 GiB of added peak RSS in all, far under one module's bytes).
+- sglang refuses fp8 DeepSeek-V3 at plain TP 64 and Kimi-K2 at plain TP 32: the
+  per-rank slices of the dense MLP (18432 / 64 = 288) and of the shared expert
+  (2048 / 64 = 32) are not multiples of the 128 block. Those engines are served with
+  DP attention, an unsharded dense MLP and the shared expert fused into the MoE layer
+  (sglang's default on GPUs; forced with `enforce_shared_experts_fusion` here, where
+  the CPU host would not choose it); the bf16 engine of DeepSeek-V3 is also measured
+  at plain TP 64 / EP 64.
+- Probe before/after (session 1): probing name by name (one `load_weights` call per
+  HF name) cost 92 ms per name on GLM-4.5-Air TP 8 / EP 8, about 1,690 s for its
+  18,329 names; one provenance-tracked `load_weights` call over all names took 5.3 s.
+  The batch probe is also what makes DeepSeek's fused `q_a_proj` +
+  `kv_a_proj_with_mqa` loader work (it writes only once both arrive).
 """
 
 
