@@ -75,15 +75,20 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
     """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device."""
     if not weight.is_floating_point() or weight.dtype == FP8:
         raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
-    blocks, (rows, cols) = _blocks(weight.float(), fmt)
-    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=_MIN_AMAX)
+    # The blocks stay in the weight's dtype: max and min are exact in any float format,
+    # and the multiply below promotes to float32 in the same pass (bf16 -> float32 is
+    # exact), so no float32 copy of the weight and no |w| temporary are made.
+    blocks, (rows, cols) = _blocks(weight, fmt)
+    dims = (-3, -1)
+    amax = torch.maximum(blocks.amax(dim=dims, keepdim=True), -blocks.amin(dim=dims, keepdim=True))
+    amax = amax.float().clamp(min=_MIN_AMAX)
     # A true division on every device: CUDA turns division by a Python number into a
     # multiply by its rounded reciprocal (1 ulp off in most scales); by a tensor on the
     # same device it divides, as the CPU does (found on an H200, see docs/benchmarks.md).
     scale = amax / torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
     if fmt.ue8m0:
         scale = _ceil_power_of_two(scale)
-    quantized = (blocks * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    quantized = torch.mul(blocks, 1.0 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     padded_shape = (*weight.shape[:-2], blocks.shape[-4] * blocks.shape[-3], -1)
     q = quantized.reshape(padded_shape)[..., :rows, :cols].contiguous()
     return q, scale.squeeze(-1).squeeze(-2).contiguous()
