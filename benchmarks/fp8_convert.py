@@ -53,13 +53,15 @@ def main() -> None:
         weight = (torch.randn(args.rows, args.cols, device=device) * 0.02).bfloat16()
         out = torch.empty_like(weight)
         gb = weight.nbytes / 1e9
-        copy_s = _median_seconds(lambda: out.copy_(weight), args.repeats, device)
+        copy_s = _median_seconds(
+            lambda out=out, weight=weight: out.copy_(weight), args.repeats, device
+        )
         rows.append({"device": str(device), "case": "bf16 copy", "gb_per_s": gb / copy_s})
         for block in ((128, 128), (64, 64)):
             for ue8m0 in (False, True):
                 fmt = BlockFp8Format(block, ue8m0=ue8m0)
                 seconds = _median_seconds(
-                    lambda fmt=fmt: quantize(weight, fmt), args.repeats, device
+                    lambda fmt=fmt, weight=weight: quantize(weight, fmt), args.repeats, device
                 )
                 case = f"quantize {block[0]}x{block[1]}{' ue8m0' if ue8m0 else ''}"
                 rows.append({"device": str(device), "case": case, "gb_per_s": gb / seconds})

@@ -226,13 +226,13 @@ class WeightSyncSession:
         specs = describe_inputs(tensors)
         if self._groups is None:
             keys = sorted(self._targets, key=str)
-            self._formats = unify(
-                {key: self._replicas[key].checkpoint_format(specs) for key in keys}
-            )
-            self._groups = {
-                key: self._replicas[key].groups(self._formats[key].engine_specs(specs))
-                for key in keys
+            formats = unify({key: self._replicas[key].checkpoint_format(specs) for key in keys})
+            groups = {
+                key: self._replicas[key].groups(formats[key].engine_specs(specs)) for key in keys
             }
+            for key in keys:
+                self._replicas[key].check_writable(groups[key], self._targets[key])
+            self._formats, self._groups = formats, groups
             self._inputs = specs
             self._ensure_buffers()
         for name, tensor in tensors:

@@ -199,19 +199,42 @@ DRAFT_CASES = [
 def test_speculative_draft_bit_exact(
     model: str, info: dict[str, Any], model_dirs: dict[str, Path], weights: dict
 ) -> None:
+    _check_draft(model, info, model_dirs[model], *weights[model])
+
+
+def test_fp8_speculative_draft_bit_exact(fp8_dirs: dict[tuple[int, ...], Path]) -> None:
+    """DeepSeek-V3 as deployed: fp8 blocks and its MTP layer as the draft. The engine's
+    checkpoint holds the MTP layer in fp8 too; the draft's loader reads it from there."""
+    from p2pweights.testing.engine_checkpoint import engine_checkpoint
+
+    folder = fp8_dirs[(128, 128)]
+    hf = engine_checkpoint(folder, synthetic_weights("deepseek-v3-fp8-tiny", seed=7))
+    previous = engine_checkpoint(folder, synthetic_weights("deepseek-v3-fp8-tiny", seed=8))
+    assert dict(hf)["model.layers.3.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
+    info = {"tp_size": 2, "ep_size": 2}
+    _check_draft("deepseek-v3-fp8-tiny", info, folder, hf, previous)
+
+
+def _check_draft(
+    model: str,
+    info: dict[str, Any],
+    folder: Path,
+    hf: list[tuple[str, torch.Tensor]],
+    previous: list[tuple[str, torch.Tensor]],
+) -> None:
     """A same-model MTP draft (NEXTN): the draft replica is the engine's draft runner
     (the NextN class, its speculative MoE flags); its loader takes the MTP layer from the
     model's checkpoint and skips the embedding and head, which the engine shares with
     the target. Every rank's staged bytes and engine path equal sglang's draft loader."""
-    hf, previous = weights[model]
     info = {**info, "speculative_algorithm": "NEXTN"}
-    folder = model_dirs[model]
     mtp_layer = f"model.layers.{model_config_of(model)['num_hidden_layers']}."
     for rank in range(info["tp_size"]):
         spec = RankSpec.from_server_info(info, rank)
         replica = ModelReplica(folder, spec, server_args_fields=info, role="draft")
         assert type(replica.model).__name__.endswith("NextN")
-        assert replica.optional_params == {"model.embed_tokens.weight", "lm_head.weight"}
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= replica.optional_params
+        others = replica.optional_params - {"model.embed_tokens.weight", "lm_head.weight"}
+        assert all(name.endswith(("k_scale", "v_scale")) for name in others)  # fp8 attention
         loader_map = replica.loader_map([HfTensorSpec.of(name, t) for name, t in hf])
         assert set(loader_map.unfed_params) == replica.optional_params
         used = set(loader_map.feeds) - set(loader_map.unused)
@@ -231,6 +254,25 @@ def test_speculative_draft_bit_exact(
             if m.split()[-1] not in replica.optional_params
         ]
         assert mismatches == [], f"{model} rank {rank}: {mismatches}"
+
+
+def test_draft_checkpoint_path_is_the_trainers_copy(model_dirs: dict[str, Path]) -> None:
+    """sglang resolves a same-model draft's path to the engine's model_path, which the
+    trainer may not have; the replica reads the trainer's copy of the config instead."""
+    info = {
+        "tp_size": 2,
+        "ep_size": 2,
+        "model_path": "/engine-host/models/DeepSeek-V3",
+        "speculative_algorithm": "EAGLE",
+        "speculative_draft_model_path": "/engine-host/models/DeepSeek-V3",
+        "speculative_draft_model_revision": "main",
+    }
+    folder = model_dirs["deepseek-v3-tiny"]
+    spec = RankSpec.from_server_info(info, 1)
+    draft = ModelReplica.from_server_info(folder / "config.json", info, spec, role="draft")
+    assert type(draft.model).__name__ == "DeepseekV3ForCausalLMNextN"
+    target = ModelReplica.from_server_info(folder, info, spec)
+    assert "model.layers.2.mlp.experts.w13_weight" in target.layouts
 
 
 def test_draft_whose_end_update_fails_in_sglang_is_refused(model_dirs: dict[str, Path]) -> None:

@@ -60,6 +60,9 @@ class FakeHandle:
     def check_published(self, pub):
         pass
 
+    def check_writable(self, groups, pubs):
+        pass
+
     def checkpoint_format(self, specs):
         return AS_GIVEN
 

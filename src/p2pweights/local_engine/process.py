@@ -16,10 +16,22 @@ import httpx
 from p2pweights.errors import EngineError
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free now and not handed out before by this process.
+
+    The kernel may hand the same ephemeral port to two binds in a row once the first
+    socket is closed, and engines started together bind theirs only later.
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 class LocalEngine:

@@ -93,11 +93,11 @@ class ModelReplica:
             spec, torch.device("meta"), role
         )
         self._to_reload_layout()
-        if role == "draft":
-            self._check_end_update_runs()
         self.layouts: dict[str, ParamLayout] = {
             name: _layout_of(name, param) for name, param in self.model.named_parameters()
         }
+        if role == "draft":
+            self._check_end_update_runs()
         # Parameters an update need not feed: those sglang's own weight check skips (an
         # fp8 attention's k_scale / v_scale, not checkpoint weights), and a draft's
         # embedding and head, which its loader skips: the engine shares the target's.
@@ -127,6 +127,11 @@ class ModelReplica:
         path = Path(config_path)
         folder = path if path.is_dir() else path.parent
         fields = {k: v for k, v in server_info.items() if k not in _ENGINE_LOCAL_ARGS}
+        # a same-model draft's checkpoint is the engine's model: here, the trainer's copy
+        draft = server_info.get("speculative_draft_model_path")
+        if draft is not None and draft == server_info.get("model_path"):
+            fields["speculative_draft_model_path"] = str(folder)
+            fields.pop("speculative_draft_model_revision", None)
         return cls(folder, spec, fields.pop("dtype", "auto"), fields, role)
 
     @property
@@ -157,11 +162,11 @@ class ModelReplica:
             # a draft is postprocessed under its speculative MoE flags, as at start-up
             with sglang_env.role_scope(self.role):
                 self.materialized_modules = to_reload_layout(self.model, self.spec)
-        except RuntimeError as exc:
+        except Exception as exc:
             quantization = getattr(self.model_config, "quantization", None)
             raise ConfigError(
-                f"the start-up postprocess of engine rank {self.spec.world_rank} "
-                f"(server arg quantization={quantization!r}) failed on the replica: {exc}"
+                f"the start-up postprocess of engine rank {self.spec.world_rank} ({self.role}, "
+                f"server arg quantization={quantization!r}) failed on the replica: {exc!r}"
             ) from exc
 
     def _check_end_update_runs(self) -> None:
@@ -177,13 +182,23 @@ class ModelReplica:
         try:
             with sglang_env.rank_scope(self.spec), _derived_tensors_kept(self.model):
                 post_load_weights(self.model)
-        except (AttributeError, TypeError, KeyError) as exc:
+        except Exception as exc:
             raise ConfigError(
                 f"the speculative draft {type(self.model).__name__} of engine rank "
                 f"{self.spec.world_rank} cannot recompute its derived weights after direct "
                 f"writes (sglang's end_weight_update runs its post_load_weights(), which "
                 f"fails: {exc!r}); update this engine with speculative decoding off"
             ) from exc
+        changed = [
+            name
+            for name, param in self.model.named_parameters()
+            if _layout_of(name, param) != self.layouts[name]
+        ]
+        if changed:
+            raise ConfigError(
+                f"the speculative draft's post_load_weights re-lays parameters {changed[:4]}; "
+                "p2pweights cannot stage bytes for this draft"
+            )
 
     @property
     def quantization_config(self) -> dict[str, Any] | None:

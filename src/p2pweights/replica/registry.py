@@ -169,6 +169,21 @@ class ReplicaHandle:
                 f"{where} published parameters the replica does not have: {', '.join(extra[:8])}"
             )
 
+    def check_writable(self, groups: Sequence[ParamGroup], pubs: Sequence[RankPublication]) -> None:
+        """Before any write: every parameter these groups stage has a published region.
+
+        ``check_published`` lets a parameter the update need not feed go unpublished
+        (a draft's shared head); if this update's inputs do feed one, refuse it here.
+        """
+        for pub in pubs:
+            for group in groups:
+                missing = [name for name in group.param_names if name not in pub.regions]
+                if missing:
+                    raise LayoutMismatchError(
+                        f"{pub.where} did not publish parameter(s) {missing}, which this "
+                        f"update's HF tensors {sorted(group.hf_names)[:4]} feed; nothing written"
+                    )
+
     def checkpoint_format(self, inputs: Mapping[str, InputSpec]) -> CheckpointFormat:
         """How this layout's loaders want the trainer's tensors (see ``convert``)."""
         from p2pweights.replica.probe import HfTensorSpec

@@ -13,10 +13,17 @@ does the same, module by module:
    layer's ``k_scale > 0`` test, a scale-format check): such a step raises on meta,
    and the copy is dropped. The module's own parameters and buffers then get real
    storage (zeros; floating tensors named ``*scale*`` ones, a valid scale) on the
-   GPU when this process has one (so device-dependent steps take the engine's
-   branch), else on the CPU; the postprocess and restore run, and every tensor of
-   the module goes back to meta with the shape, stride and dtype the steps gave
-   it. Peak memory is one module.
+   GPU when this process has one, else on the CPU; the postprocess and restore
+   run, and every tensor of the module goes back to meta with the shape, stride and
+   dtype the steps gave it. Peak memory is one module (tensors the module keeps in
+   containers or on its quant method are not materialized; a step that needs them
+   fails and is reported).
+
+Device branches are the trainer's: sglang reads ``_is_cuda`` and its GPU kernel
+flags (DeepGEMM, Blackwell scale formats) in this process, so a replica reproduces
+an engine on the same kind of accelerator. A Hopper trainer writing to a Blackwell
+engine whose DeepGEMM path requantizes scales to ue8m0 is not covered; the layout
+check at connect catches a size difference, not a re-encoding of equal size.
 
 The values a step reads decide branches whose outcome sglang writes into values,
 not into shapes or dtypes (the engine's own start-up reads checkpoint values it
@@ -124,15 +131,23 @@ def _tensors_of(module: nn.Module) -> Iterator[torch.Tensor]:
 
 @contextlib.contextmanager
 def _real_storage(module: nn.Module) -> Iterator[None]:
-    """Give the module's meta tensors CPU storage meanwhile; send every tensor back to meta."""
+    """Give the module's meta tensors real storage meanwhile; send them back to meta.
+
+    Tensors that had storage before (sglang shares e.g. rope caches between models of
+    one process) are left alone; every other tensor the module holds afterwards,
+    materialized here or made by the steps, goes to meta with its shape and dtype.
+    """
+    already_real = set()
     for owner, attr, tensor in _owned_tensors(module):
         if tensor.is_meta:
             _replace(owner, attr, tensor, _filled_like(attr, tensor))
+        else:
+            already_real.add(id(tensor))
     try:
         yield
     finally:
         for owner, attr, tensor in _owned_tensors(module):
-            if not tensor.is_meta:
+            if not tensor.is_meta and id(tensor) not in already_real:
                 _replace(owner, attr, tensor, meta_like(tensor))
 
 

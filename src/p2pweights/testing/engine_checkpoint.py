@@ -28,10 +28,17 @@ def engine_checkpoint(
     config = json.loads((folder / "config.json").read_text())
     if not config.get("quantization_config"):
         return pairs
+    from p2pweights.convert.checkpoint_format import unify
     from p2pweights.plan.inputs import describe_inputs
     from p2pweights.replica.registry import replica_for
 
-    # One TP-1 rank loads every weight (all experts), so it names every quantized one.
-    handle = replica_for({"model_path": str(folder), "tp_size": 1}, 0)
-    fmt = handle.checkpoint_format(describe_inputs(pairs))
+    # One TP-1 rank loads every weight (all experts), so it names every quantized one;
+    # a same-model MTP draft's loader names those of the MTP layer.
+    specs = describe_inputs(pairs)
+    base = {"model_path": str(folder), "tp_size": 1}
+    formats = {"target": replica_for(base, 0).checkpoint_format(specs)}
+    if config.get("num_nextn_predict_layers"):
+        draft = replica_for({**base, "speculative_algorithm": "NEXTN"}, 0, role="draft")
+        formats["draft"] = draft.checkpoint_format(specs)
+    fmt = unify(formats)["target"]
     return [converted for name, tensor in pairs for converted in fmt.convert(name, tensor)]
