@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ from p2pweights.plan.inputs import InputSpec
 __all__ = ["CheckpointFormat", "AS_GIVEN", "AsGiven", "QuantizeToBlockFp8", "unify"]
 
 Named = list[tuple[str, torch.Tensor]]
+K = TypeVar("K", bound=Hashable)
 
 
 class CheckpointFormat(Protocol):
@@ -132,7 +133,7 @@ class QuantizeToBlockFp8:
         return cls(fmt, frozenset(names), frozenset(kept))
 
 
-def unify(formats: Mapping[Hashable, CheckpointFormat]) -> dict[Hashable, CheckpointFormat]:
+def unify(formats: Mapping[K, CheckpointFormat]) -> dict[K, CheckpointFormat]:
     """One conversion per block format across layouts, so each tensor is quantized once.
 
     A rank quantizes only what its own loader reads (an EP rank reads its own

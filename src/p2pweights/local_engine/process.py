@@ -15,7 +15,6 @@ import httpx
 
 from p2pweights.errors import EngineError
 
-
 _GIVEN_PORTS: set[int] = set()
 
 
