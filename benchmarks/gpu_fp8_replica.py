@@ -57,7 +57,6 @@ LAYOUTS = (
     ("tp2-ep2", {"tp_size": 2, "ep_size": 2}, (0, 1)),
     ("tp4-ep4", {"tp_size": 4, "ep_size": 4}, (0, 3)),
 )
-_FILL = 0xA5
 
 
 def _sync(device: torch.device) -> None:
@@ -71,20 +70,9 @@ def _on(pairs: list[tuple[str, torch.Tensor]], device: torch.device) -> list[tup
 
 def stage_on(replica: Any, loader_map: Any, hf: list, device: torch.device) -> dict:
     """``bitexact.stage_all`` with the staging buffers on ``device``."""
-    by_name = dict(hf)
-    staged: dict[str, torch.Tensor] = {}
-    for group in loader_map.groups:
-        sizes = [replica.layouts[p].num_bytes for p in group.param_names]
-        staging = torch.full((sum(sizes),), _FILL, dtype=torch.uint8, device=device)
-        destinations, offset = {}, 0
-        for param, size in zip(group.param_names, sizes, strict=True):
-            destinations[param] = staging[offset : offset + size]
-            offset += size
-        replica.load_into([(name, by_name[name]) for name in sorted(group.hf_names)], destinations)
-        if staged.keys() & destinations.keys():
-            raise AssertionError(f"groups overlap on {sorted(staged.keys() & destinations)}")
-        staged.update(destinations)
-    return staged
+    from p2pweights.testing.bitexact import stage_all
+
+    return stage_all(replica, loader_map, hf, device)
 
 
 def engine_path_on(folder: Path, spec: Any, previous: list, staged: dict, info: dict, device):

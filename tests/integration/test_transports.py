@@ -196,18 +196,23 @@ def test_hung_engine_times_out(kind: str, monkeypatch: pytest.MonkeyPatch) -> No
             os.kill(pid, signal.SIGSTOP)
             start = time.monotonic()
             mib = 1 << 20
+            # 16 x 2 MiB into the same 2 MiB of the region: more than loopback socket
+            # buffers take, so the writes cannot complete while the engine is stopped
             with pytest.raises(TransferError, match=r"rank 0 .*not done after 2 s"):
                 client.write(
                     target,
                     [
-                        Write(staging.data_ptr() + i * mib, region.address + i * mib, mib)
-                        for i in range(2)
+                        Write(staging.data_ptr() + (i % 4) * 2 * mib, region.address, 2 * mib)
+                        for i in range(16)
                     ],
                     timeout_s=2,
                 )
             elapsed = time.monotonic() - start
             assert 1.9 < elapsed < 5
-        os.kill(pid, signal.SIGCONT)
+            # resume the engine while the trainer's side is still open, so the abandoned
+            # writes drain before the connection closes; the engine then still answers
+            os.kill(pid, signal.SIGCONT)
+            assert set(engine.digests()) == set(_engine_weights())
         assert engine.stop() == 0
     finally:
         if engine.process.is_alive():

@@ -50,9 +50,14 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def stage_all(
-    replica: ModelReplica, loader_map: LoaderMap, hf: Sequence[tuple[str, torch.Tensor]]
+    replica: ModelReplica,
+    loader_map: LoaderMap,
+    hf: Sequence[tuple[str, torch.Tensor]],
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Stage every group of ``loader_map`` through ``replica.load_into``, one buffer per group.
+
+    The buffers are on ``device`` (host memory, or a GPU's as device staging does).
 
     Returns parameter name -> its staged bytes. Buffers start filled with 0xA5 so a
     byte the loader does not write shows up as a mismatch.
@@ -61,7 +66,7 @@ def stage_all(
     staged: dict[str, torch.Tensor] = {}
     for group in loader_map.groups:
         sizes = [replica.layouts[p].num_bytes for p in group.param_names]
-        staging = torch.full((sum(sizes),), _FILL, dtype=torch.uint8)
+        staging = torch.full((sum(sizes),), _FILL, dtype=torch.uint8, device=device)
         destinations, offset = {}, 0
         for param, size in zip(group.param_names, sizes, strict=True):
             destinations[param] = staging[offset : offset + size]
