@@ -43,6 +43,9 @@ class CheckpointFormat(Protocol):
     def engine_specs(self, specs: Mapping[str, InputSpec]) -> dict[str, InputSpec]:
         """What the loaders receive for the trainer's ``specs``."""
 
+    def converts(self, name: str) -> bool:
+        """Whether ``convert`` changes this trainer tensor (else it passes unchanged)."""
+
     def convert(self, name: str, tensor: torch.Tensor) -> Named:
         """The loader inputs for one trainer tensor."""
 
@@ -57,6 +60,9 @@ class AsGiven:
 
     def engine_specs(self, specs: Mapping[str, InputSpec]) -> dict[str, InputSpec]:
         return dict(specs)
+
+    def converts(self, name: str) -> bool:
+        return False
 
     def convert(self, name: str, tensor: torch.Tensor) -> Named:
         return [(name, tensor)]
@@ -87,6 +93,9 @@ class QuantizeToBlockFp8:
             out[name] = InputSpec(spec.shape, FP8)
             out[name + SCALE_SUFFIX] = InputSpec(self.fmt.scale_shape(spec.shape), torch.float32)
         return out
+
+    def converts(self, name: str) -> bool:
+        return name in self.names
 
     def convert(self, name: str, tensor: torch.Tensor) -> Named:
         if name not in self.names:

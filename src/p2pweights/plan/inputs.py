@@ -162,9 +162,12 @@ class ConvertingCollector:
     ) -> list[tuple[Hashable, ParamGroup, list[tuple[str, torch.Tensor]]]]:
         ready = []
         for fmt, collector in self._collectors:
-            started = time.perf_counter()
-            converted = fmt.convert(name, tensor)
-            self.convert_s += time.perf_counter() - started
+            if fmt.converts(name):
+                started = time.perf_counter()
+                converted = fmt.convert(name, tensor)
+                self.convert_s += time.perf_counter() - started
+            else:
+                converted = [(name, tensor)]
             for converted_name, converted_tensor in converted:
                 ready += collector.add(converted_name, converted_tensor)
         return ready
