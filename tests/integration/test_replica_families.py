@@ -29,7 +29,7 @@ from p2pweights.errors import ConfigError
 from p2pweights.replica.model_replica import ModelReplica
 from p2pweights.replica.probe import HfTensorSpec
 from p2pweights.replica.sglang_env import RankSpec, load_real_rank_model
-from p2pweights.testing import synthetic_weights, write_model_dir
+from p2pweights.testing import model_config, synthetic_weights, write_model_dir
 from p2pweights.testing.bitexact import as_bytes, engine_path_model, stage_all, state_mismatches
 
 pytestmark = pytest.mark.integration
@@ -227,7 +227,7 @@ def _check_draft(
     model's checkpoint and skips the embedding and head, which the engine shares with
     the target. Every rank's staged bytes and engine path equal sglang's draft loader."""
     info = {**info, "speculative_algorithm": "NEXTN"}
-    mtp_layer = f"model.layers.{model_config_of(model)['num_hidden_layers']}."
+    mtp_layer = f"model.layers.{model_config(model)['num_hidden_layers']}."
     for rank in range(info["tp_size"]):
         spec = RankSpec.from_server_info(info, rank)
         replica = ModelReplica(folder, spec, server_args_fields=info, role="draft")
@@ -286,12 +286,6 @@ def test_draft_whose_end_update_fails_in_sglang_is_refused(model_dirs: dict[str,
             server_args_fields=info,
             role="draft",
         )
-
-
-def model_config_of(name: str) -> dict[str, Any]:
-    from p2pweights.testing import model_config
-
-    return model_config(name)
 
 
 def test_deepseek_groups_mla_and_experts(model_dirs: dict[str, Path], weights: dict) -> None:
@@ -379,8 +373,6 @@ FP8_CASES = [
 
 @pytest.fixture(scope="module")
 def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], Path]:
-    from p2pweights.testing import model_config
-
     dirs = {}
     for block in ([128, 128], [64, 64]):
         config = model_config("deepseek-v3-fp8-tiny")

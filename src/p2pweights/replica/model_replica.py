@@ -101,11 +101,11 @@ class ModelReplica:
         # Parameters an update need not feed: those sglang's own weight check skips (an
         # fp8 attention's k_scale / v_scale, not checkpoint weights), and a draft's
         # embedding and head, which its loader skips: the engine shares the target's.
-        shared = _shared_with_target(self.model) if role == "draft" else set()
+        shared = sglang_env.shared_with_target(self.model) if role == "draft" else set()
         self.optional_params: frozenset[str] = frozenset(
             name
             for name, param in self.model.named_parameters()
-            if getattr(param, "_skip_weight_check", False) or id(param) in shared
+            if getattr(param, "_skip_weight_check", False) or name in shared
         )
         # (hf name, shape, dtype) -> the parameters it writes; filled by the probe.
         self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], Written] = {}
@@ -219,9 +219,10 @@ class ModelReplica:
         """Server args, parallel override and default dtype of this rank, for loader calls.
 
         With ``destinations``, the named parameters view them meanwhile
-        (``_params_viewing``). Tensors a loader derives into module attributes are
-        undone on exit, before the parameters are pointed back at meta
-        (``_derived_tensors_kept``), so probing and staging leave the replica as it was.
+        (``_params_viewing``). The model's ``post_load_weights``, which derives tensors
+        from the loaded parameters into module attributes, is skipped
+        (``_post_load_deferred``), so probing and staging leave the replica as it was
+        without walking its modules on every call.
         """
         from sglang.srt.model_loader.utils import set_default_torch_dtype
 
@@ -232,7 +233,6 @@ class ModelReplica:
             set_default_torch_dtype(self.model_config.dtype),
             _params_viewing(params, self.layouts, destinations or {}),
             _post_load_deferred(self.model),
-            _derived_tensors_kept(self.model),
         ):
             yield
 
@@ -290,12 +290,6 @@ class ModelReplica:
                     f"the destination of {name!r} must be a flat contiguous uint8 tensor "
                     f"of {layout.num_bytes} bytes, got {dest.dtype} {tuple(dest.shape)}"
                 )
-
-
-def _shared_with_target(draft: nn.Module) -> set[int]:
-    """Parameters a draft takes from the target (``set_embed_and_head``), by identity."""
-    get = getattr(draft, "get_embed_and_head", None)
-    return {id(p) for p in get() if isinstance(p, torch.nn.Parameter)} if get else set()
 
 
 def _layout_of(name: str, param: torch.Tensor) -> ParamLayout:
@@ -358,13 +352,11 @@ def _skipped(*args: Any, **kwargs: Any) -> None:
 
 @contextlib.contextmanager
 def _derived_tensors_kept(model: nn.Module) -> Iterator[None]:
-    """Undo what ``load_weights`` derives into plain module attributes.
+    """Undo what ``post_load_weights`` derives into plain module attributes.
 
-    Some loaders end with ``post_load_weights``, which derives tensors from the
-    loaded parameters into attributes (DeepSeek MLA's ``w_kc`` / ``w_vc``). Run on
-    staging views, those would alias the staging buffer (and, as views, pin the
-    parameter so the next ``swap_tensors`` fails). The engine recomputes them at
-    ``end_weight_update``; the replica keeps its own (meta) values.
+    It derives tensors from the parameters into attributes (DeepSeek MLA's ``w_kc`` /
+    ``w_vc``); the draft check runs it once on the meta replica and keeps the replica's
+    own values.
     """
     saved = [
         (module, name, value)

@@ -62,6 +62,7 @@ __all__ = [
     "end_update",
     "model_config_for",
     "modules_with_quant_method",
+    "shared_with_target",
     "ROLES",
     "role_scope",
     "build_role_model",
@@ -560,6 +561,13 @@ def modules_with_quant_method(model: nn.Module) -> Iterator[tuple[str, nn.Module
     for name, module in model.named_modules():
         if id(module) in visited:
             yield name, module, module.quant_method
+
+
+def shared_with_target(draft: nn.Module) -> set[str]:
+    """Names of a draft's parameters the engine takes from its target (``set_embed_and_head``)."""
+    get = getattr(draft, "get_embed_and_head", None)
+    shared = {id(p) for p in get() if isinstance(p, torch.nn.Parameter)} if get else set()
+    return {name for name, p in draft.named_parameters() if id(p) in shared}
 
 
 def begin_update(model: nn.Module, spec: RankSpec, device: torch.device | str = "cpu") -> None:

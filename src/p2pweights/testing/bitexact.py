@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2pweights.replica.sglang_env import RankSpec, begin_update, end_update, load_real_rank_model
+from p2pweights.replica.sglang_env import (
+    RankSpec,
+    begin_update,
+    end_update,
+    load_real_rank_model,
+    shared_with_target,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -127,7 +133,7 @@ def engine_path_model(
     params = dict(model.named_parameters())
     optional = {name for name, p in params.items() if getattr(p, "_skip_weight_check", False)}
     if role == "draft":  # its embedding and head are the target's in the engine
-        optional |= {"model.embed_tokens.weight", "lm_head.weight"}
+        optional |= shared_with_target(model)
     missing = sorted(set(params) - set(staged) - optional)
     if missing:
         raise AssertionError(f"no staged bytes for parameters {missing}")
