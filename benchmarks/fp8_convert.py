@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from p2pweights.convert.fp8_block import BlockFp8Format, quantize
+from p2pweights.source.fp8_block import BlockFp8Format, quantize
 
 
 def _median_seconds(step, repeats: int, device: torch.device) -> float:

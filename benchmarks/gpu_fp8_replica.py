@@ -103,7 +103,7 @@ def sglang_branches(reference: Any) -> dict[str, Any]:
     from sglang.srt.layers.quantization import fp8, fp8_utils
     from sglang.srt.utils import is_cuda
 
-    from p2pweights.replica.reload_layout import _storage_device
+    from p2pweights.replica.sglang.reload_layout import _storage_device
 
     out: dict[str, Any] = {
         "is_cuda()": is_cuda(),
@@ -214,9 +214,10 @@ def stub_report() -> dict[str, Any]:
 def check_rank(
     folder: Path, info: dict, rank: int, hf: list, previous: list, device: torch.device
 ) -> dict[str, Any]:
-    from p2pweights.replica.model_replica import ModelReplica
-    from p2pweights.replica.probe import HfTensorSpec
-    from p2pweights.replica.sglang_env import RankSpec, begin_update, load_real_rank_model
+    from p2pweights.replica.ranks import RankSpec
+    from p2pweights.replica.sglang.model_replica import ModelReplica
+    from p2pweights.replica.sglang.probe import HfTensorSpec
+    from p2pweights.replica.sglang.reference import begin_update, load_real_rank_model
     from p2pweights.testing.bitexact import as_bytes, stage_all, state_mismatches
 
     result: dict[str, Any] = {"checks": {}, "details": {}, "seconds": {}}
@@ -339,7 +340,7 @@ def _quantize_reciprocal_scalar(weight: torch.Tensor, fmt: Any) -> tuple:
     scalar's reciprocal (``div_true_kernel_cuda``: "may lose one bit of precision"); on
     the CPU it divides. Run on the CPU, this emulates what ``quantize`` does on CUDA.
     """
-    from p2pweights.convert import fp8_block as f
+    from p2pweights.source import fp8_block as f
 
     blocks, (rows, cols) = f._blocks(weight.float(), fmt)
     amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=f._MIN_AMAX)
@@ -373,7 +374,7 @@ def quantize_cases(
     device: torch.device, folder: Path, hf_cpu: list, hf_dev: list, bf16_cpu: list
 ) -> tuple[dict[str, bool], dict[str, Any]]:
     """(d) the sender's quantization on the device vs on the CPU, bit for bit."""
-    from p2pweights.convert.fp8_block import BlockFp8Format, quantize
+    from p2pweights.source.fp8_block import BlockFp8Format, quantize
     from p2pweights.testing.bitexact import as_bytes
 
     out: dict[str, bool] = {}

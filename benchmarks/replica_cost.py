@@ -58,8 +58,8 @@ def run_case(model: str, info: dict[str, int], engine_rank: int) -> dict[str, fl
 
     import torch
 
-    from p2pweights.plan.inputs import InputSpec
     from p2pweights.replica.registry import replica_for
+    from p2pweights.source.inputs import InputSpec
     from p2pweights.testing import model_config, write_model_dir
     from p2pweights.testing.synthetic import hf_checkpoint_names_and_shapes
 

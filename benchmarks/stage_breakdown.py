@@ -44,7 +44,7 @@ from _common import (
 )
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.local_engine import LocalEngine
-from p2pweights.replica.model_replica import ModelReplica
+from p2pweights.replica.sglang.model_replica import ModelReplica
 from p2pweights.session import WeightSyncSession
 from p2pweights.testing import save_safetensors
 

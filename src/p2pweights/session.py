@@ -27,21 +27,21 @@ from typing import TypeVar
 import torch
 
 from p2pweights.config import SyncConfig
-from p2pweights.convert.checkpoint_format import CheckpointFormat, unify
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, Fleet
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, TransferError
 from p2pweights.plan.assignment import Target, assign_targets
-from p2pweights.plan.inputs import (
+from p2pweights.replica.registry import ReplicaHandle, replica_for
+from p2pweights.report import UpdateReport
+from p2pweights.source.checkpoint_format import CheckpointFormat, unify
+from p2pweights.source.inputs import (
     ConvertingCollector,
     InputSpec,
     ParamGroup,
     check_input,
     describe_inputs,
 )
-from p2pweights.replica.registry import ReplicaHandle, replica_for
-from p2pweights.report import UpdateReport
 from p2pweights.transfer.buffers import StagingBuffers
 from p2pweights.transfer.pipeline import PipelineStats, UpdatePipeline
 from p2pweights.transfer.transports import Transport, create_transport

@@ -34,12 +34,14 @@ def expected_checksums(
     """
     from sglang.srt.utils.weight_checker import WeightChecker
 
-    from p2pweights.replica import sglang_env
+    from p2pweights.replica.ranks import RankSpec
+    from p2pweights.replica.sglang import env as sglang_env
+    from p2pweights.replica.sglang import reference
     from p2pweights.testing.engine_checkpoint import engine_checkpoint
 
-    spec = sglang_env.RankSpec.from_server_info(server_info, engine_rank)
+    spec = RankSpec.from_server_info(server_info, engine_rank)
     folder = config_path(server_info, model_path).parent
-    model = sglang_env.load_real_rank_model(
+    model = reference.load_real_rank_model(
         folder,
         spec,
         engine_checkpoint(folder, hf_tensors()),

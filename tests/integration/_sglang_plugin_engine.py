@@ -69,7 +69,8 @@ def main(folder: str, port: int) -> None:
     facts = _loader_facts()
 
     import p2pweights.sglang_plugin as plugin
-    from p2pweights.replica.sglang_env import RankSpec, load_real_rank_model
+    from p2pweights.replica.ranks import RankSpec
+    from p2pweights.replica.sglang.reference import load_real_rank_model
     from p2pweights.testing import synthetic_weights
 
     model = load_real_rank_model(

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.plan.inputs import InputSpec
-from p2pweights.replica.model_replica import ModelReplica
-from p2pweights.replica.probe import HfTensorSpec
-from p2pweights.replica.sglang_env import RankSpec, load_real_rank_model
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang.model_replica import ModelReplica
+from p2pweights.replica.sglang.probe import HfTensorSpec
+from p2pweights.replica.sglang.reference import load_real_rank_model
+from p2pweights.source.inputs import InputSpec
 from p2pweights.testing import synthetic_weights, write_model_dir
 
 pytestmark = pytest.mark.integration

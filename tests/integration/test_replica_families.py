@@ -26,9 +26,10 @@ import pytest
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.replica.model_replica import ModelReplica
-from p2pweights.replica.probe import HfTensorSpec
-from p2pweights.replica.sglang_env import RankSpec, load_real_rank_model
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang.model_replica import ModelReplica
+from p2pweights.replica.sglang.probe import HfTensorSpec
+from p2pweights.replica.sglang.reference import load_real_rank_model
 from p2pweights.testing import model_config, synthetic_weights, write_model_dir
 from p2pweights.testing.bitexact import as_bytes, engine_path_model, stage_all, state_mismatches
 
@@ -425,7 +426,7 @@ def test_fp8_replica_materializes_only_modules_that_read_values(
 
 def test_batch_probe_equals_name_by_name(model_dirs: dict[str, Path], weights: dict) -> None:
     """Where each name loads alone (no loader pairs names), both probes agree exactly."""
-    from p2pweights.replica.probe import _probe_batch, _probe_one
+    from p2pweights.replica.sglang.probe import _probe_batch, _probe_one
 
     info = {"tp_size": 4, "ep_size": 2}
     replica = ModelReplica(

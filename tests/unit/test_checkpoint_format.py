@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pweights.convert.checkpoint_format import AS_GIVEN, QuantizeToBlockFp8, unify
-from p2pweights.convert.fp8_block import FP8, BlockFp8Format
 from p2pweights.errors import ConfigError
-from p2pweights.plan.inputs import ConvertingCollector, InputSpec, ParamGroup
+from p2pweights.source.checkpoint_format import AS_GIVEN, QuantizeToBlockFp8, unify
+from p2pweights.source.fp8_block import FP8, BlockFp8Format
+from p2pweights.source.inputs import ConvertingCollector, InputSpec, ParamGroup
 
 BF16 = torch.bfloat16
 FMT = BlockFp8Format((64, 64))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pweights.convert.fp8_block import FP8, BlockFp8Format, dequantize, quantize
 from p2pweights.errors import ConfigError
+from p2pweights.source.fp8_block import FP8, BlockFp8Format, dequantize, quantize
 
 
 def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:

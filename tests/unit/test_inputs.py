@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.plan.inputs import (
+from p2pweights.source.inputs import (
     GroupCollector,
     InputSpec,
     ParamGroup,

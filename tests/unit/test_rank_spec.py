@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from p2pweights.errors import ConfigError
-from p2pweights.replica.sglang_env import RankSpec, parallel_fields
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang.env import parallel_fields
 
 # (server_info, engine_rank, expected fields)
 CASES = [
@@ -129,14 +130,14 @@ def test_parallel_fields_groups_match_widths() -> None:
     ],
 )
 def test_unreproducible_expert_placement_names_the_server_arg(arg: str, value: object) -> None:
-    from p2pweights.replica.sglang_env import check_reproducible_layout
+    from p2pweights.replica.sglang.env import check_reproducible_layout
 
     with pytest.raises(ConfigError, match=arg):
         check_reproducible_layout({"tp_size": 8, "ep_size": 8, arg: value})
 
 
 def test_default_expert_placement_is_accepted() -> None:
-    from p2pweights.replica.sglang_env import check_reproducible_layout
+    from p2pweights.replica.sglang.env import check_reproducible_layout
 
     check_reproducible_layout(
         {

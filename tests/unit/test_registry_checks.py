@@ -8,8 +8,8 @@ import pytest
 
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import LayoutMismatchError
-from p2pweights.plan.inputs import ParamGroup
 from p2pweights.replica.registry import ReplicaHandle
+from p2pweights.source.inputs import ParamGroup
 
 
 def _pub(names: list[str], role: str = "target") -> RankPublication:

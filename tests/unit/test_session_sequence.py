@@ -14,12 +14,12 @@ import torch
 
 from p2pweights import ConfigError, SyncConfig, TransferError, WeightSyncSession
 from p2pweights import session as session_module
-from p2pweights.convert.checkpoint_format import AS_GIVEN
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, Fleet
 from p2pweights.engines.published import RankPublication, WeightRegion
-from p2pweights.plan.inputs import ParamGroup
+from p2pweights.source.checkpoint_format import AS_GIVEN
+from p2pweights.source.inputs import ParamGroup
 from p2pweights.transfer.buffers import staged_bytes
 
 PARAMS = {"qkv": 64, "o": 32}

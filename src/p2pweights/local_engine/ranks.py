@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.replica import sglang_env
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang import env as sglang_env
+from p2pweights.replica.sglang import reference
 from p2pweights.transfer.buffers import aligned, staged_bytes
 from p2pweights.transfer.transports import Publisher, create_publisher
 
@@ -104,7 +106,7 @@ class _Runner:
     def __init__(
         self,
         model: torch.nn.Module,
-        spec: sglang_env.RankSpec,
+        spec: RankSpec,
         role: str,
         transport: str,
         shared: Iterable[torch.nn.Parameter] = (),
@@ -131,12 +133,12 @@ class _Runner:
 
     @torch.no_grad()
     def begin_update(self) -> None:
-        sglang_env.begin_update(self.model, self.spec)
+        reference.begin_update(self.model, self.spec)
 
     @torch.no_grad()
     def end_update(self, run_post_load: bool) -> None:
         # Bytes that arrived by writes, not load_weights, need post_load_weights (as in sglang).
-        sglang_env.end_update(self.model, self.spec, run_post_load=run_post_load)
+        reference.end_update(self.model, self.spec, run_post_load=run_post_load)
 
     def check(self, action: str, **options: Any) -> dict[str, Any] | None:
         with sglang_env.rank_scope(self.spec), torch.no_grad(), _chunks_stay_on_host():
@@ -154,7 +156,7 @@ class EngineRank:
     def __init__(
         self,
         server_info: dict[str, Any],
-        spec: sglang_env.RankSpec,
+        spec: RankSpec,
         weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
         transport: str,
     ):
@@ -163,7 +165,7 @@ class EngineRank:
         self.spec = spec
 
         def load(role: str) -> torch.nn.Module:
-            return sglang_env.load_real_rank_model(
+            return reference.load_real_rank_model(
                 server_info["model_path"],
                 spec,
                 weights(),

@@ -12,7 +12,8 @@ import torch
 
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.local_engine.server import create_app
-from p2pweights.replica import sglang_env
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang import env as sglang_env
 from p2pweights.testing.engine_checkpoint import engine_checkpoint
 from p2pweights.testing.synthetic import synthetic_weights, write_model_dir
 
@@ -91,7 +92,7 @@ def serve(
     ranks = [
         EngineRank(
             server_info,
-            sglang_env.RankSpec.from_server_info(server_info, r),
+            RankSpec.from_server_info(server_info, r),
             hf_weights,
             transport,
         )

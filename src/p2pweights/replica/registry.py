@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from p2pweights.convert.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
-from p2pweights.convert.fp8_block import FP8, BlockFp8Format
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, LayoutMismatchError
-from p2pweights.plan.inputs import InputSpec, ParamGroup
+from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
+from p2pweights.source.fp8_block import FP8, BlockFp8Format
+from p2pweights.source.inputs import InputSpec, ParamGroup
 from p2pweights.transfer.buffers import staged_bytes
 
 LAYOUT_SERVER_ARGS = (
@@ -86,7 +86,7 @@ def replica_for(
 
     ``role="draft"``: the rank's same-model speculative draft runner.
     """
-    from p2pweights.replica.sglang_env import RankSpec
+    from p2pweights.replica.ranks import RankSpec
 
     path = config_path(server_info, model_path)
     spec = RankSpec.from_server_info(dict(server_info), engine_rank)
@@ -123,7 +123,7 @@ class ReplicaHandle:
     def replica(self) -> Any:
         with self._lock:
             if self._replica is None:
-                from p2pweights.replica.model_replica import ModelReplica
+                from p2pweights.replica.sglang.model_replica import ModelReplica
 
                 self._replica = ModelReplica.from_server_info(
                     self.config_path, self.server_info, self.spec, self.role
@@ -186,7 +186,7 @@ class ReplicaHandle:
 
     def checkpoint_format(self, inputs: Mapping[str, InputSpec]) -> CheckpointFormat:
         """How this layout's loaders want the trainer's tensors (see ``convert``)."""
-        from p2pweights.replica.probe import HfTensorSpec
+        from p2pweights.replica.sglang.probe import HfTensorSpec
 
         fmt = BlockFp8Format.from_quantization_config(self.replica.quantization_config)
         if fmt is None:
@@ -208,7 +208,7 @@ class ReplicaHandle:
         Raises ``ConfigError`` if some parameter of this layout is fed by none of the
         inputs: it would keep stale bytes while the update reports success.
         """
-        from p2pweights.replica.probe import HfTensorSpec
+        from p2pweights.replica.sglang.probe import HfTensorSpec
 
         specs = [HfTensorSpec(name, s.shape, s.dtype) for name, s in inputs.items()]
         loader_map = self.replica.loader_map(specs)

@@ -20,19 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2pweights.replica.sglang_env import (
-    RankSpec,
-    begin_update,
-    end_update,
-    load_real_rank_model,
-    shared_with_target,
-)
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang.env import shared_with_target
+from p2pweights.replica.sglang.reference import begin_update, end_update, load_real_rank_model
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from p2pweights.replica.model_replica import ModelReplica
-    from p2pweights.replica.probe import LoaderMap
+    from p2pweights.replica.sglang.model_replica import ModelReplica
+    from p2pweights.replica.sglang.probe import LoaderMap
 
 __all__ = ["as_bytes", "stage_all", "model_state", "engine_path_model", "state_mismatches"]
 

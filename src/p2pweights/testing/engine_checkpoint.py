@@ -28,9 +28,9 @@ def engine_checkpoint(
     config = json.loads((folder / "config.json").read_text())
     if not config.get("quantization_config"):
         return pairs
-    from p2pweights.convert.checkpoint_format import unify
-    from p2pweights.plan.inputs import describe_inputs
     from p2pweights.replica.registry import replica_for
+    from p2pweights.source.checkpoint_format import unify
+    from p2pweights.source.inputs import describe_inputs
 
     # One TP-1 rank loads every weight (all experts), so it names every quantized one;
     # a same-model MTP draft's loader names those of the MTP layer.

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from p2pweights.errors import ConfigError
 
 if TYPE_CHECKING:
-    from p2pweights.replica.model_replica import ModelReplica
+    from p2pweights.replica.sglang.model_replica import ModelReplica
 
 logger = logging.getLogger(__name__)
 

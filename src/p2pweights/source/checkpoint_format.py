@@ -23,9 +23,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from p2pweights.convert.fp8_block import FP8, SCALE_SUFFIX, BlockFp8Format, quantize
 from p2pweights.errors import ConfigError
-from p2pweights.plan.inputs import InputSpec
+from p2pweights.source.fp8_block import FP8, SCALE_SUFFIX, BlockFp8Format, quantize
+from p2pweights.source.inputs import InputSpec
 
 __all__ = ["CheckpointFormat", "AS_GIVEN", "AsGiven", "QuantizeToBlockFp8", "unify"]
 

@@ -17,7 +17,7 @@ import torch
 from p2pweights.errors import ConfigError
 
 if TYPE_CHECKING:
-    from p2pweights.convert.checkpoint_format import CheckpointFormat
+    from p2pweights.source.checkpoint_format import CheckpointFormat
 
 
 @dataclass(frozen=True)

@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2pweights.replica import sglang_env
-from p2pweights.replica.parameters import meta_like, parameter_like, repoint
+from p2pweights.replica.sglang import env as sglang_env
+from p2pweights.replica.sglang.parameters import meta_like, parameter_like, repoint
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from p2pweights.replica.sglang_env import RankSpec
+    from p2pweights.replica.ranks import RankSpec
 
 logger = logging.getLogger(__name__)
 

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.replica import sglang_env
-from p2pweights.replica.parameters import repoint
-from p2pweights.replica.sglang_env import RankSpec
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang import env as sglang_env
+from p2pweights.replica.sglang.parameters import repoint
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from p2pweights.plan.inputs import ParamGroup
-    from p2pweights.replica.probe import HfTensorSpec, LoaderMap, Written
+    from p2pweights.replica.sglang.probe import HfTensorSpec, LoaderMap, Written
+    from p2pweights.source.inputs import ParamGroup
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ class ModelReplica:
 
     def probe(self, inputs: Mapping[str, Any]) -> list[ParamGroup]:
         """Groups for HF name -> (shape, dtype) specs, as ``plan.inputs.ParamGroup``."""
-        from p2pweights.plan.inputs import ParamGroup
-        from p2pweights.replica.probe import HfTensorSpec
+        from p2pweights.replica.sglang.probe import HfTensorSpec
+        from p2pweights.source.inputs import ParamGroup
 
         specs = [HfTensorSpec(name, tuple(s.shape), s.dtype) for name, s in inputs.items()]
         return [
@@ -156,7 +156,7 @@ class ModelReplica:
 
     def _to_reload_layout(self) -> None:
         """Start-up postprocess, then the restore a session's begin runs, module by module."""
-        from p2pweights.replica.reload_layout import to_reload_layout
+        from p2pweights.replica.sglang.reload_layout import to_reload_layout
 
         try:
             # a draft is postprocessed under its speculative MoE flags, as at start-up
@@ -238,7 +238,7 @@ class ModelReplica:
 
     def loader_map(self, hf_specs: Iterable[HfTensorSpec]) -> LoaderMap:
         """Which HF names feed which parameters, probed once per set of names (cached)."""
-        from p2pweights.replica.probe import probe_loader
+        from p2pweights.replica.sglang.probe import probe_loader
 
         key = tuple(hf_specs)
         found = self._loader_maps.get(key)
@@ -259,7 +259,7 @@ class ModelReplica:
         parameter the given HF tensors feed must have a destination; the inputs are
         checked against the probe before any byte is written.
         """
-        from p2pweights.replica.probe import HfTensorSpec, probe_loader
+        from p2pweights.replica.sglang.probe import HfTensorSpec, probe_loader
 
         self._check_destinations(destinations)
         specs = [HfTensorSpec.of(name, tensor) for name, tensor in hf_tensors]

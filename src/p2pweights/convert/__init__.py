@@ -1,1 +1,0 @@
-"""Turning the trainer's tensors into the engine's checkpoint format before the loaders run."""
