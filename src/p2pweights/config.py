@@ -10,7 +10,9 @@ import os
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from p2pweights.errors import ConfigError
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -40,7 +42,19 @@ def parse_bytes(value: int | str) -> int:
     return int(float(number) * _UNITS[(unit or "B").lower()])
 
 
-class MooncakeConfig(BaseModel):
+class _Config(BaseModel):
+    """Validation errors surface as ``ConfigError`` (one error tree for users to catch)."""
+
+    model_config = _FROZEN
+
+    def __init__(self, **data: object) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid {type(self).__name__}: {exc}") from exc
+
+
+class MooncakeConfig(_Config):
     """Write over the Mooncake transfer engine (the transport sglang publishes for)."""
 
     model_config = _FROZEN
@@ -54,7 +68,7 @@ class MooncakeConfig(BaseModel):
     """The address other hosts reach this trainer's transfer engine at."""
 
 
-class NixlConfig(BaseModel):
+class NixlConfig(_Config):
     """Write over NIXL (engines publishing with the NIXL plugin or sglang PR #35712)."""
 
     model_config = _FROZEN
@@ -69,7 +83,7 @@ class NixlConfig(BaseModel):
 TransportConfig = Annotated[MooncakeConfig | NixlConfig, Field(discriminator="kind")]
 
 
-class SyncConfig(BaseModel):
+class SyncConfig(_Config):
     """Everything a ``WeightSyncSession`` needs besides the engines and the tensors."""
 
     model_config = _FROZEN
@@ -80,12 +94,23 @@ class SyncConfig(BaseModel):
     """Size of each of the two staging buffers (grown to the largest parameter group)."""
     transfer_timeout_s: float = 30.0
     """A write still running after this many seconds fails the update."""
+    control_timeout_s: float = 15.0
+    """Bound on each update-session call to an engine (pause, flush, begin, end, version,
+    continue): a hung engine outside the writes fails the update after this long (its
+    state is then unknown and asked again before it is written)."""
     http_timeout_s: float = 60.0
-    """Timeout of each control-plane HTTP call to an engine."""
+    """Bound on reading what an engine serves (server info, published weights at connect)
+    and on its weight checker (which hashes every weight)."""
     pause_mode: Literal["retract", "abort", "in_place"] = "retract"
     """How engines pause generation before the update (sglang's /pause_generation mode)."""
     check_weight_update_equal: bool = False
     """Ask each engine's weight checker to compare the first update with its own weights."""
+    check_finite: bool = False
+    """Refuse, before it is staged, any tensor holding NaN or Inf (reads every byte once
+    more, on the tensor's own device; off by default)."""
+    allow_sglang_mismatch: bool = False
+    """Connect to engines whose sglang release differs from the trainer's (a warning
+    instead of an error; the replica runs the trainer's copy of sglang's model code)."""
     api_key: str | None = None
     """Sent as ``Authorization: Bearer <key>`` when the engines require one."""
     trainer_rank: int = 0
@@ -101,7 +126,7 @@ class SyncConfig(BaseModel):
             raise ValueError(f"buffer_bytes must be at least 1 MiB, got {size}")
         return size
 
-    @field_validator("transfer_timeout_s", "http_timeout_s")
+    @field_validator("transfer_timeout_s", "http_timeout_s", "control_timeout_s")
     @classmethod
     def _positive(cls, value: float) -> float:
         if value <= 0:
@@ -117,6 +142,6 @@ class SyncConfig(BaseModel):
 
     def model_post_init(self, _context: object) -> None:
         if not 0 <= self.trainer_rank < self.num_trainer_ranks:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer_rank {self.trainer_rank} is outside 0..{self.num_trainer_ranks - 1}"
             )

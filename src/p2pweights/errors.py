@@ -6,6 +6,8 @@
     ├── ConfigError            bad configuration or bad input, raised before any byte is written
     ├── PlanError              no valid assignment of trainer ranks to engine ranks
     ├── EngineError            an engine's HTTP API failed or answered something unusable
+    │   ├── EngineUnreachable    no answer at all (refused connection, timeout): state unknown
+    │   ├── EngineStateError     an engine was left mid-update (paused, weights incomplete)
     │   └── LayoutMismatchError  the replica's bytes do not fit what the engine published
     ├── TransportError         a transport could not be set up or connected
     └── TransferError          a write failed, timed out or was refused; fails the update
@@ -31,6 +33,18 @@ class PlanError(P2PWeightsError):
 
 class EngineError(P2PWeightsError):
     """A rollout engine's API failed or answered something p2pweights cannot use."""
+
+
+class EngineUnreachable(EngineError):
+    """The engine gave no answer (connection refused, reset or timed out).
+
+    Unlike an answered refusal, the call may or may not have taken effect, so the
+    engine's update state is unknown until it is asked again.
+    """
+
+
+class EngineStateError(EngineError):
+    """Engines were left paused or mid-update; the message says which and why."""
 
 
 class LayoutMismatchError(EngineError):

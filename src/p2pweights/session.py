@@ -1,18 +1,27 @@
 """``WeightSyncSession``: connect to engines once, then push every training step's weights.
 
-The session only sequences. Connecting (``engines.fleet``), planning
-(``plan.assignment``), the replicas (``replica``), grouping inputs
-(``plan.inputs``), staging and writing (``transfer.pipeline``) live elsewhere.
+The session only sequences. Connecting and each engine's update state
+(``engines``), the rank assignment and the byte plan (``plan``), the replicas
+(``replica``), the trainer's tensors (``source``) and staging and writing
+(``transfer``) live elsewhere.
 
-One update, as sglang expects it::
+One update, as sglang expects it, each step acting only on engines that need it
+(``engines.update_session`` keeps every engine's state from its own answers)::
 
-    pause_generation -> flush_cache -> begin_weight_update -> writes
-    -> update_weight_version -> end_weight_update -> continue_generation
+    open:   pause_generation -> flush_cache -> begin_weight_update
+            -> update_weight_version("p2pweights-updating:<v>")
+    write:  every engine rank's bytes
+    close:  end_weight_update
+    check:  weights_checker compare (first update, when asked)
+    finish: update_weight_version("<v>") -> continue_generation
 
 With several sending trainer ranks, trainer rank 0 drives the engines' update
-session; after each step (open, write, close) all ranks ``agree`` on whether every
-one of them succeeded, so the others write only inside the open session and all
-ranks fail together.
+session; after each step all ranks ``agree`` on whether every one of them succeeded,
+so the others write only inside the open session and all ranks fail together.
+
+After a failed update the engines stay paused: the next ``update`` rewrites every
+weight and resumes them, ``abort()`` gives up (ends open sessions, resumes the
+engines whose weights are whole), and ``close()`` does the same as ``abort()``.
 """
 
 from __future__ import annotations
@@ -20,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -28,24 +36,19 @@ import torch
 
 from p2pweights.config import SyncConfig
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.fleet import ConnectedEngine, Fleet
+from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet
 from p2pweights.engines.published import RankPublication
+from p2pweights.engines.update_session import AbortReport
 from p2pweights.errors import ConfigError, TransferError
 from p2pweights.plan.assignment import Target, assign_targets
-from p2pweights.replica.registry import ReplicaHandle, replica_for
+from p2pweights.plan.byte_plan import BytePlan, aligned, build_byte_plan
+from p2pweights.replica.registry import ReplicaHandle, config_path, replica_for
 from p2pweights.report import UpdateReport
-from p2pweights.source.checkpoint_format import CheckpointFormat, unify
-from p2pweights.source.inputs import (
-    ConvertingCollector,
-    InputSpec,
-    ParamGroup,
-    check_input,
-    describe_inputs,
-)
-from p2pweights.transfer.buffers import StagingBuffers
-from p2pweights.transfer.pipeline import PipelineStats, UpdatePipeline
-from p2pweights.transfer.transports import Transport, create_transport
-from p2pweights.transfer.writers import EngineWriter
+from p2pweights.source.checkpoint_format import unify
+from p2pweights.source.inputs import describe_inputs
+from p2pweights.source.stream import UpdateSource
+from p2pweights.transfer.executor import RunResult, TransferExecutor
+from p2pweights.transfer.transports import create_transport
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,18 +79,13 @@ class WeightSyncSession:
             )
         self._agree = agree or (lambda ok: ok)
         self._staging_device = torch.device(staging_device)
-        self._transport: Transport | None = None
+        self._executor: TransferExecutor | None = None
         self._fleet = Fleet([])
         self._replicas: dict[Hashable, ReplicaHandle] = {}
         self._targets: dict[Hashable, list[RankPublication]] = {}
-        self._writers: dict[str, EngineWriter] = {}
-        self._buffers: StagingBuffers | None = None
-        self._unfinished: list[Future[None]] = []
-        self._groups: dict[Hashable, list[ParamGroup]] | None = None
-        self._formats: dict[Hashable, CheckpointFormat] = {}
-        self._inputs: dict[str, InputSpec] = {}
+        self._source: UpdateSource | None = None
+        self._plan: BytePlan | None = None
         self._next_version = 1
-        self._session_open = False  # engines paused inside begin/end (after a failed update)
         self._snapshot_taken = False
         self._checked = False
 
@@ -100,10 +98,13 @@ class WeightSyncSession:
     def connect(self, engines: Sequence[str | EngineEndpoint]) -> None:
         """Read every engine's layout and published weights; prepare this rank's targets.
 
-        Refuses, before any byte moves, engines published for another transport and
-        engines whose published parameter sizes differ from the replica's. Engines are
-        ordered by URL, so every trainer rank plans the same way whatever order it lists
-        them in. A failed connect leaves the session unconnected.
+        Refuses, before any byte moves, engines published for another transport,
+        engines on another sglang release (unless ``allow_sglang_mismatch``), layouts
+        that cannot be written and engines whose published parameter sizes differ
+        from the replica's. Engines are ordered by URL, so every trainer rank plans
+        the same way whatever order it lists them in. An engine a previous session
+        left mid-update is adopted: the next update rewrites it whole. A failed
+        connect leaves the session unconnected.
         """
         if not engines:
             raise ConfigError("connect() needs at least one engine URL")
@@ -111,44 +112,54 @@ class WeightSyncSession:
         if len({e.url for e in endpoints}) != len(endpoints):
             raise ConfigError("each engine may be listed once")
         self._disconnect()
+        config = self.config
         fleet = Fleet.connect(
-            endpoints, self.config.transport.kind, self.config.http_timeout_s, self.config.api_key
+            endpoints,
+            ConnectOptions(
+                config.transport.kind,
+                config.http_timeout_s,
+                config.control_timeout_s,
+                config.api_key,
+                config.allow_sglang_mismatch,
+            ),
         )
         try:
-            if self._transport is None:
-                self._transport = create_transport(self.config.transport)
-            targets = self._plan(fleet)
+            if self._executor is None:
+                transport = create_transport(config.transport)
+                self._executor = TransferExecutor(
+                    transport, self._staging_device, config.transfer_timeout_s
+                )
+            targets = self._assign(fleet)
+            pubs = [pub for key_pubs in targets.values() for pub in key_pubs]
+            self._executor.connect(pubs)
+            if targets:  # an idle trainer rank stages nothing
+                self._executor.reserve(max(config.buffer_bytes, self._largest_param(targets)))
         except BaseException:
-            fleet.close()
+            fleet.close_clients()
             raise
         self._fleet, self._targets = fleet, targets
-        self._writers = {
-            url: EngineWriter(url, self._transport, self.config.transfer_timeout_s)
-            for url in sorted({pub.engine_url for pubs in targets.values() for pub in pubs})
-        }
         self._next_version = max(self._next_version, fleet.next_numeric_version())
         logger.info(
             "connected to %d engine(s); trainer rank %d writes %d engine rank(s), %d replica(s)",
             len(fleet.engines),
-            self.config.trainer_rank,
+            config.trainer_rank,
             sum(len(pubs) for pubs in targets.values()),
             len(targets),
         )
 
-    def _plan(self, fleet: Fleet) -> dict[Hashable, list[RankPublication]]:
-        """This trainer rank's targets by replica, each checked and connected."""
-        assert self._transport is not None
+    def _assign(self, fleet: Fleet) -> dict[Hashable, list[RankPublication]]:
+        """This trainer rank's targets by replica, each checked against its replica."""
         handles = {
             (e.index, rank): self._replica(e, rank)
             for e in fleet.engines
             for rank in range(e.num_ranks)
         }
-        plan = assign_targets(
+        assignment = assign_targets(
             self.config.num_trainer_ranks,
             [Target(i, rank, layout_key=h.key) for (i, rank), h in handles.items()],
         )
         targets: dict[Hashable, list[RankPublication]] = {}
-        for target in plan[self.config.trainer_rank]:
+        for target in assignment[self.config.trainer_rank]:
             engine = fleet.engines[target.engine_index]
             # the sender of an engine rank also writes its speculative draft, if any
             pubs = [engine.publications[target.engine_rank]]
@@ -157,7 +168,6 @@ class WeightSyncSession:
             for pub in pubs:
                 handle = self._replica(engine, target.engine_rank, pub.role)
                 handle.check_published(pub)
-                self._transport.connect(pub)
                 targets.setdefault(handle.key, []).append(pub)
         return targets
 
@@ -165,40 +175,62 @@ class WeightSyncSession:
         handle = replica_for(engine.server_info, rank, engine.endpoint.model_path, role)
         return self._replicas.setdefault(handle.key, handle)
 
+    def _largest_param(self, targets: Mapping[Hashable, object]) -> int:
+        """The staging size known at connect: no group is smaller than its largest parameter."""
+        return max(
+            (
+                aligned(self._replicas[key].param_bytes(name))
+                for key in targets
+                for name in self._replicas[key].replica.layouts
+            ),
+            default=0,
+        )
+
     # -- update --------------------------------------------------------------------------------
 
     def update(self, named_tensors: NamedTensors, *, version: str | None = None) -> UpdateReport:
         """Write ``(hf_name, tensor)`` pairs (checkpoint names) into every connected engine.
 
         Returns once every engine runs the new weights; raises if any write failed,
-        was refused or is still running after ``transfer_timeout_s``. A Mapping or a
-        sequence is checked whole before any byte is written; an iterator is checked
-        tensor by tensor (the first update always reads it whole to probe the loaders).
-        Tensors must stay unchanged until ``update`` returns: bytes are loaded from
-        them when their staging buffer is flushed, not when they are yielded.
-        After a failed update the engines stay paused in their update session; the
-        next ``update`` rewrites every weight and then resumes them.
+        was refused or is still running after ``transfer_timeout_s``, or an engine
+        did not answer an update-session call within ``control_timeout_s``. A
+        Mapping or a sequence is checked whole before any byte is written (the first
+        update also against the engine's checkpoint); an iterator is checked tensor
+        by tensor. Tensors must stay unchanged until ``update`` returns: bytes are
+        loaded from them when their staging buffer is flushed.
+
+        After a failed update the engines stay paused (their weight version says
+        ``p2pweights-updating:<version>``); the next ``update`` rewrites every weight
+        and resumes them, or ``abort()`` gives up.
         """
-        if not self._fleet.engines:
+        if not self._fleet.engines or self._executor is None:
             raise ConfigError("call connect(engines) before update()")
         started = time.perf_counter()
         stages: dict[str, float] = {}
-        self._settle_failed_writes()
         tensors = _pairs(named_tensors)
-        if self._groups is None or not isinstance(tensors, Iterator):
+        whole = not isinstance(tensors, Iterator)
+        if self._plan is None or whole:
             tensors = list(tensors)
-            with _timed(stages, "probe" if self._groups is None else "check_inputs"):
+            with _timed(stages, "probe" if self._plan is None else "check_inputs"):
                 self._prepare(tensors)
         version = version or str(self._next_version)
         with _timed(stages, "control_plane"):
-            self._step("open", self._open_update)
-        stats = self._step("write", lambda: self._write_all(tensors, stages))
+            self._step("open", lambda: self._open(version))
+        result = self._step("write", lambda: self._write(tensors, whole, stages))
+        if self._leader:
+            self._fleet.writes_landed(lambda url: True)  # every rank's writes landed
+        with _timed(stages, "control_plane"):
+            self._step("close", self._close)
+        if self.config.check_weight_update_equal and not self._checked:
+            with _timed(stages, "verify"):
+                self._step("check", self._check)
+        with _timed(stages, "control_plane"):
+            self._step("finish", lambda: self._finish(version))
         self._next_version = _next_version_after(version, self._next_version)
-        self._step("close", lambda: self._close_update(version, stages))
-        stages["load"], stages["wait"] = stats.load_s, stats.wait_s
+        stages["load"], stages["wait"] = result.load_s, result.wait_s
         report = UpdateReport(
             version=version,
-            bytes_by_target=dict(stats.bytes_by_target),
+            bytes_by_target=dict(result.bytes_by_target),
             stage_seconds=stages,
             seconds=time.perf_counter() - started,
         )
@@ -210,9 +242,11 @@ class WeightSyncSession:
         error: BaseException | None = None
         try:
             result = action()
-        except BaseException as exc:
+        except Exception as exc:  # an interrupt propagates at once: no rank waits for it
             error = exc
         if not self._agree(error is None):
+            if name == "write" and self._leader:
+                self._fleet.writes_landed(self._landed_alone)
             if error is not None:
                 raise error
             raise TransferError(
@@ -222,132 +256,160 @@ class WeightSyncSession:
         return result
 
     def _prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Check the whole input; on the first update also probe the loaders."""
-        specs = describe_inputs(tensors)
-        if self._groups is None:
-            keys = sorted(self._targets, key=str)
-            formats = unify({key: self._replicas[key].checkpoint_format(specs) for key in keys})
-            groups = {
-                key: self._replicas[key].groups(formats[key].engine_specs(specs)) for key in keys
-            }
-            for key in keys:
-                self._replicas[key].check_writable(groups[key], self._targets[key])
-            self._formats, self._groups = formats, groups
-            self._inputs = specs
-            self._ensure_buffers()
-        for name, tensor in tensors:
-            check_input(name, tensor, self._inputs)
-        missing = sorted(set(self._inputs) - set(specs))
-        if missing:
-            raise ConfigError(
-                f"this update lacks {len(missing)} HF tensor(s) the first update sent: "
-                f"{', '.join(missing[:8])}"
-            )
-
-    def _ensure_buffers(self) -> None:
-        """Staging buffers that hold the largest group of any of this rank's replicas."""
-        assert self._groups is not None and self._transport is not None
-        if not self._targets:
-            return  # an idle trainer rank stages nothing
-        largest = max(
-            (
-                self._replicas[key].group_bytes(group)
-                for key, groups in self._groups.items()
-                for group in groups
-            ),
-            default=0,
-        )
-        size = max(self.config.buffer_bytes, largest)
-        if self._buffers is None or self._buffers.capacity_bytes < size:
-            self._buffers = StagingBuffers(size, self._staging_device, self._transport.register)
-
-    def _write_all(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], stages: dict[str, float]
-    ) -> PipelineStats:
-        assert self._groups is not None
-        if self._buffers is None:
-            return PipelineStats()  # an idle trainer rank writes nothing
-        pipeline = UpdatePipeline(
-            self._buffers,
-            self._writers,
-            self.config.transfer_timeout_s,
-            lambda key, inputs, views: self._replicas[key].load_into(inputs, views),
-        )
-        collector = ConvertingCollector(self._groups, self._formats)
-        try:
-            streamed = isinstance(tensors, Iterator)  # a list was checked whole in _prepare
-            for name, tensor in tensors:
-                if streamed:
-                    check_input(name, tensor, self._inputs)
-                for key, group, inputs in collector.add(name, tensor):
-                    sizes = self._replicas[key].group_sizes(group)
-                    pipeline.stage(key, sizes, inputs, self._targets[key])
-            collector.raise_if_incomplete()
-            return pipeline.finish()
-        except BaseException:
-            # Running writes may still read the buffers: keep them until those return.
-            self._unfinished = pipeline.abort()
-            raise
-        finally:
-            if collector.convert_s:
-                stages["convert"] = collector.convert_s
-
-    def _settle_failed_writes(self) -> None:
-        """Before reusing the buffers, let the writes of a failed update return."""
-        if not self._unfinished:
+        """Check the whole input; on the first update also probe the loaders and plan."""
+        if self._source is not None and self._plan is not None:
+            self._source.check_whole(tensors)
             return
-        _, running = wait(self._unfinished, timeout=self.config.transfer_timeout_s)
-        if running:
-            raise TransferError(
-                f"{len(running)} write(s) of the last, failed update are still running after "
-                f"transfer_timeout_s={self.config.transfer_timeout_s}; an engine is stuck. "
-                f"close() this session and connect a new one"
-            )
-        self._unfinished = []
+        specs = describe_inputs(tensors)
+        self._check_against_checkpoints(specs)
+        keys = sorted(self._targets, key=str)
+        formats = unify({key: self._replicas[key].checkpoint_format(specs) for key in keys})
+        groups = {key: self._replicas[key].groups(formats[key].engine_specs(specs)) for key in keys}
+        plan = build_byte_plan(
+            {key: [(g.hf_names, g.param_names) for g in groups[key]] for key in keys},
+            {key: _ParamBytes(self._replicas[key]) for key in keys},
+            self._targets,
+            self.config.buffer_bytes,
+        )
+        source = UpdateSource(
+            specs,
+            {key: [g.hf_names for g in groups[key]] for key in keys},
+            formats,
+            finite=self.config.check_finite,
+        )
+        source.check_whole(tensors)
+        assert self._executor is not None
+        if self._targets:
+            self._executor.reserve(plan.buffer_bytes)
+        self._source, self._plan = source, plan
 
-    def _open_update(self) -> None:
-        if not self._leader or self._session_open:
-            return  # after a failed update the engines are still paused and open
-        check = self.config.check_weight_update_equal and not self._snapshot_taken
-        self._fleet.open_update(self.config.pause_mode, snapshot=check)
-        self._snapshot_taken = self._snapshot_taken or check
-        self._session_open = True
+    def _check_against_checkpoints(self, specs: Mapping[str, object]) -> None:
+        """The first update must match the checkpoint each engine's config describes."""
+        from p2pweights.source.expected import check_first_update, expected_checkpoint
 
-    def _close_update(self, version: str, stages: dict[str, float]) -> None:
+        folders = {
+            config_path(e.server_info, e.endpoint.model_path).parent for e in self._fleet.engines
+        }
+        for folder in sorted(folders):
+            check_first_update(specs, expected_checkpoint(folder))  # type: ignore[arg-type]
+
+    def _open(self, version: str) -> None:
         if not self._leader:
             return
-        with _timed(stages, "control_plane"):
-            self._fleet.close_update(version)
-        if self.config.check_weight_update_equal and not self._checked:
-            with _timed(stages, "verify"):
-                self._fleet.compare()
-            self._checked = True
-        with _timed(stages, "control_plane"):
-            self._fleet.resume()
-        self._session_open = False
+        snapshot = self.config.check_weight_update_equal and not self._snapshot_taken
+        self._fleet.open(self.config.pause_mode, version, snapshot)
+        self._snapshot_taken = self._snapshot_taken or snapshot
 
-    # -- teardown ------------------------------------------------------------------------------
+    def _write(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool, stages: dict[str, float]
+    ) -> RunResult:
+        assert self._executor is not None and self._source is not None and self._plan is not None
+        self._last_run: RunResult | None = None
+        if self._leader:
+            self._fleet.mark_written()
+        if not self._targets:
+            # an idle trainer rank writes nothing, but a stream must still be consumed whole
+            for _ in self._source.ready(tensors, self._plan, checked=checked):
+                pass
+            return RunResult()
+        try:
+            result = self._executor.run(
+                self._plan,
+                self._source.ready(tensors, self._plan, checked=checked),
+                lambda key, inputs, views: self._replicas[key].load_into(inputs, views),
+            )
+        finally:
+            if self._source.convert_s:
+                stages["convert"] = self._source.convert_s
+        self._last_run = result
+        result.raise_if_failed()
+        return result
+
+    def _landed_alone(self, url: str) -> bool:
+        """After a failed write step: whether ``url`` surely got all its bytes. Only a lone
+        trainer rank knows (with several, another rank may have failed it)."""
+        run = getattr(self, "_last_run", None)
+        return self.config.num_trainer_ranks == 1 and run is not None and run.complete(url)
+
+    def _close(self) -> None:
+        if self._leader:
+            self._fleet.close()
+
+    def _check(self) -> None:
+        self._checked = True  # once: later updates send other weights than the snapshot's
+        if self._leader:
+            self._fleet.compare()
+
+    def _finish(self, version: str) -> None:
+        if self._leader:
+            self._fleet.finish(version)
+
+    # -- giving up and teardown ----------------------------------------------------------------
+
+    def abort(self, *, resume_incomplete: bool = False) -> AbortReport:
+        """Give up on an update: end open update sessions and resume the engines this
+        session paused whose weights are whole.
+
+        An engine whose writes did not all land stays paused, its weight version
+        saying ``p2pweights-updating:<version>``, unless ``resume_incomplete`` (then it
+        serves torn weights, and still shows that version). Returns what happened to
+        each engine, including those that could not be reached; it does not raise.
+        Only trainer rank 0 drives the engines; on other ranks this returns an empty
+        report.
+        """
+        report = AbortReport()
+        if self._executor is not None:
+            try:
+                self._executor.settle()  # a failed update's writes must not land after this
+            except TransferError as exc:
+                logger.warning("abort: %s", exc)
+        if self._leader and self._fleet.engines:
+            report = self._fleet.abort(resume_incomplete)
+            if not report.ok:
+                logger.warning("p2pweights abort: %s", report)
+        return report
 
     def _disconnect(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._fleet.close()
-        self._writers, self._targets, self._groups = {}, {}, None
-        self._session_open = self._snapshot_taken = self._checked = False
+        if self._executor is not None:
+            self._executor.disconnect()
+        self._fleet.close_clients()
+        self._targets, self._plan, self._source = {}, None, None
+        self._snapshot_taken = self._checked = False
 
     def close(self) -> None:
-        """Release connections, writer threads and the transport (and its registrations)."""
+        """``abort()``, then release connections, writer threads and the transport."""
+        try:
+            self.abort()
+        except Exception as exc:  # closing must not hide the error that led here
+            logger.warning("p2pweights close: abort failed: %r", exc)
         self._disconnect()
-        self._buffers = None
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._executor is not None:
+            transport = self._executor.transport
+            self._executor.close()
+            transport.close()
+            self._executor = None
 
     def __enter__(self) -> WeightSyncSession:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _ParamBytes(Mapping[str, int]):
+    """A replica's parameter sizes, read lazily (the plan asks for the ones it stages)."""
+
+    def __init__(self, handle: ReplicaHandle):
+        self._handle = handle
+
+    def __getitem__(self, name: str) -> int:
+        return self._handle.param_bytes(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._handle.replica.layouts)
+
+    def __len__(self) -> int:
+        return len(self._handle.replica.layouts)
 
 
 def _pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:

@@ -1,13 +1,22 @@
-"""The session's sequencing, with fakes that record the order of events (unit level only).
+"""The session's sequencing against fake engines that enforce sglang's update rules.
 
-The engines' HTTP client, the replicas and the transport are replaced by recorders;
-real engines and transports are exercised in tests/integration.
+``FakeEngine`` keeps what a real sglang server keeps (paused or not, an update session
+open or not, the weight version, the weight bytes) and refuses what sglang refuses:
+``begin_weight_update`` while a session is open, ``end_weight_update`` without one.
+A write into an engine with no open session is recorded as a violation. Failures are
+injected at every step in three ways: an answered refusal (nothing happened), no
+answer before anything happened, and an answer lost after the step took effect.
+
+The replicas and the transport are stand-ins too (unit level only); real engines,
+sglang model code and real transports are exercised in tests/integration.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,51 +25,131 @@ from p2pweights import ConfigError, SyncConfig, TransferError, WeightSyncSession
 from p2pweights import session as session_module
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.fleet import ConnectedEngine, Fleet
 from p2pweights.engines.published import RankPublication, WeightRegion
+from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.errors import EngineError, EngineUnreachable, P2PWeightsError
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
-from p2pweights.transfer.buffers import staged_bytes
 
 PARAMS = {"qkv": 64, "o": 32}
 GROUPS = [ParamGroup(frozenset({"q", "k", "v"}), ("qkv",)), ParamGroup(frozenset({"o"}), ("o",))]
 
+# -- a fake sglang engine ----------------------------------------------------------------------
+
 
 @dataclass
-class Recorder:
-    events: list[str] = field(default_factory=list)
-    fail_writes: int = 0
+class FakeEngine:
+    url: str
+    reports_state: bool = True  # the p2pweights local engine does; released sglang does not
+    paused: bool = False
+    open: bool = False
     version: str = "default"
+    memory: dict[str, torch.Tensor] = field(
+        default_factory=lambda: {n: torch.zeros(s, dtype=torch.uint8) for n, s in PARAMS.items()}
+    )
+    events: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    inject: dict[str, str] = field(default_factory=dict)
+    """step -> "answered" | "silent" | "lost"; one-shot."""
+    dead: bool = False
+
+    def call(self, step: str, effect) -> object:
+        if self.dead:
+            raise EngineUnreachable(f"engine {self.url}: {step}: connection refused")
+        kind = self.inject.pop(step, None)
+        if kind == "answered":
+            raise EngineError(f"engine {self.url}: /{step} failed: injected refusal")
+        if kind == "silent":
+            raise EngineUnreachable(f"engine {self.url}: /{step} got no answer (injected)")
+        result = effect()
+        self.events.append(step)
+        if kind == "lost":
+            raise EngineUnreachable(f"engine {self.url}: /{step} answer lost (injected)")
+        return result
+
+    def begin(self) -> None:
+        if self.open:
+            raise EngineError(
+                f"engine {self.url}: /begin_weight_update failed: a weight-update session is "
+                "already open; call end_weight_update() first"
+            )
+        self.open = True
+
+    def end(self) -> None:
+        if not self.open:
+            raise EngineError(
+                f"engine {self.url}: /end_weight_update failed: no weight-update session is "
+                "open; call begin_weight_update() first"
+            )
+        self.open = False
+
+    def set(self, **state) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    @property
+    def running(self) -> bool:
+        return not self.paused and not self.open
 
 
 class FakeClient:
-    def __init__(self, url: str, rec: Recorder):
-        self.url, self.rec = url, rec
+    """The EngineClient methods connect and the update session call, on a FakeEngine."""
 
-    def __getattr__(self, route):
-        def call(*args, **kwargs):
-            self.rec.events.append(f"{route}{list(args) if args else ''}")
-            if route == "update_weight_version":
-                self.rec.version = args[0]
-            return {"success": True}
+    def __init__(self, engine: FakeEngine):
+        self.engine = engine
+        self.url = engine.url
 
-        return call
+    def server_info(self):
+        return {"tp_size": 1, "version": "0.5.23"}
+
+    def publication(self, rank, role="target"):
+        regions = {n: WeightRegion(t.data_ptr(), t.numel()) for n, t in self.engine.memory.items()}
+        return RankPublication(self.url, rank, "mooncake", regions, session_id="s")
 
     def weight_version(self):
-        return self.rec.version
+        return self.engine.call("model_info", lambda: self.engine.version)
+
+    def engine_state(self):
+        state = {"paused": self.engine.paused, "update_open": self.engine.open}
+        reported = self.engine.call("server_info", lambda: state)
+        return reported if self.engine.reports_state else None
+
+    def pause_generation(self, mode):
+        self.engine.call("pause", lambda: self.engine.set(paused=True))
+
+    def flush_cache(self):
+        self.engine.call("flush", lambda: None)
+
+    def begin_weight_update(self, selector="all"):
+        self.engine.call("begin", self.engine.begin)
+
+    def end_weight_update(self):
+        self.engine.call("end", self.engine.end)
+
+    def update_weight_version(self, version):
+        step = "version_marker" if version.startswith(UPDATING_PREFIX) else "version"
+        self.engine.call(step, lambda: self.engine.set(version=version))
+
+    def weights_checker(self, action, **options):
+        return self.engine.call(action, lambda: {"success": True})
+
+    def continue_generation(self):
+        self.engine.call("continue", lambda: self.engine.set(paused=False))
 
     def close(self):
         pass
 
 
+# -- stand-ins for the replica and the transport ---------------------------------------------
+
+
 class FakeHandle:
     key = "layout"
     spec = "tp1"
+    config_path = Path("/nonexistent/config.json")
+    replica = SimpleNamespace(layouts=dict(PARAMS))
 
     def check_published(self, pub):
-        pass
-
-    def check_writable(self, groups, pubs):
         pass
 
     def checkpoint_format(self, specs):
@@ -69,148 +158,240 @@ class FakeHandle:
     def groups(self, specs):
         return GROUPS
 
-    def group_sizes(self, group):
-        return {p: PARAMS[p] for p in group.param_names}
-
-    def group_bytes(self, group):
-        return staged_bytes(self.group_sizes(group).values())
+    def param_bytes(self, name):
+        return PARAMS[name]
 
     def load_into(self, inputs, views):
+        # every parameter gets the first input's value (its bytes encode the update)
         for view in views.values():
-            view.fill_(len(inputs))
+            view.fill_(int(inputs[0][1][0]))
 
 
 class FakeTransport:
-    def __init__(self, rec: Recorder):
-        self.rec = rec
+    def __init__(self, engines: dict[str, FakeEngine]):
+        self.engines = engines
 
     def register(self, buffer):
-        self.rec.events.append("register")
+        pass
 
     def connect(self, pub):
         pass
 
     def write(self, target, writes, timeout_s):
-        self.rec.events.append(f"write x{len(writes)}")
-        if self.rec.fail_writes:
-            self.rec.fail_writes -= 1
-            raise TransferError(f"engine {target.engine_url} rank 0: refused")
+        engine = self.engines[target.engine_url]
+        if engine.dead:
+            raise TransferError(f"engine {target.engine_url} rank 0: peer gone")
+        if not engine.open:
+            engine.violations.append("write outside an open update session")
+        if engine.inject.pop("write", None):
+            raise TransferError(f"engine {target.engine_url} rank 0: injected write failure")
         for w in writes:
             ctypes.memmove(w.dst_address, w.src_address, w.num_bytes)
+        engine.events.append(f"write x{len(writes)}")
 
     def close(self):
         pass
 
 
 @pytest.fixture
-def rec(monkeypatch) -> Recorder:
-    rec = Recorder()
-    memory = {n: torch.zeros(size, dtype=torch.uint8) for n, size in PARAMS.items()}
-    rec.memory = memory  # type: ignore[attr-defined]
+def engines(monkeypatch) -> dict[str, FakeEngine]:
+    engines: dict[str, FakeEngine] = {}
 
-    def fake_connect(endpoints, kind, timeout_s, api_key):
-        engines = []
-        for i, endpoint in enumerate(endpoints):
-            regions = {n: WeightRegion(t.data_ptr(), t.numel()) for n, t in memory.items()}
-            pub = RankPublication(endpoint.url, 0, kind, regions, session_id="s")
-            engines.append(
-                ConnectedEngine(i, endpoint, FakeClient(endpoint.url, rec), {"tp_size": 1}, [pub])
-            )
-        return Fleet(engines)
+    def client_for(url, **kwargs):
+        return FakeClient(engines.setdefault(url, FakeEngine(url)))
 
-    monkeypatch.setattr(fleet_module.Fleet, "connect", staticmethod(fake_connect))
+    monkeypatch.setattr(fleet_module, "EngineClient", client_for)
     monkeypatch.setattr(session_module, "replica_for", lambda *a: FakeHandle())
-    monkeypatch.setattr(session_module, "create_transport", lambda config: FakeTransport(rec))
-    return rec
+    monkeypatch.setattr(session_module, "create_transport", lambda config: FakeTransport(engines))
+    monkeypatch.setattr(
+        session_module.WeightSyncSession, "_check_against_checkpoints", lambda self, specs: None
+    )
+    monkeypatch.setattr(fleet_module, "check_sglang_version", lambda *a: None)
+    return engines
 
 
-def _tensors():
-    return [(n, torch.ones(2)) for n in ("q", "k", "v", "o")]
+def _tensors(value: int):
+    return [(n, torch.full((2,), value, dtype=torch.uint8)) for n in ("q", "k", "v", "o")]
+
+
+def _holds(engine: FakeEngine, value: int) -> bool:
+    return all(bool((t == value).all()) for t in engine.memory.values())
 
 
 def _control(events):
-    return [e for e in events if not e.startswith(("write", "register"))]
+    return [e for e in events if not e.startswith("write")]
 
 
-def test_update_session_order(rec):
-    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
+CONFIG = SyncConfig(buffer_bytes="1MiB")
+
+
+def test_update_session_order(engines):
+    with WeightSyncSession(CONFIG) as session:
         session.connect(["http://e0/"])
-        report = session.update(_tensors())
-    assert _control(rec.events) == [
-        "pause_generation['retract']",
-        "flush_cache",
-        "begin_weight_update['all']",
-        "update_weight_version['1']",
-        "end_weight_update",
-        "continue_generation",
-    ]
-    assert rec.events.count("register") == 2  # two staging buffers, once
+        report = session.update(_tensors(7))
+    engine = engines["http://e0"]
+    control = [e for e in _control(engine.events) if e not in ("model_info", "server_info")]
+    assert control == ["pause", "flush", "begin", "version_marker", "end", "version", "continue"]
     assert report.bytes_by_target == {("http://e0", 0): 96}
-    # one load call for the whole buffer got all four inputs, and the bytes were written
-    assert rec.memory["qkv"].tolist() == [4] * 64
-    assert rec.memory["o"].tolist() == [4] * 32
+    assert _holds(engine, 7) and engine.running and engine.version == "1"
+    assert engine.violations == []
 
 
-def test_check_snapshots_once_and_compares_once(rec):
+def test_check_snapshots_once_and_compares_once(engines):
     config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True, pause_mode="in_place")
     with WeightSyncSession(config) as session:
         session.connect(["http://e0"])
-        session.update(_tensors())
-        session.update(_tensors())
-    control = _control(rec.events)
-    assert control.count("weights_checker['snapshot']") == 1
-    assert control.count("weights_checker['compare']") == 1
-    assert "flush_cache" not in control  # in_place keeps requests; sglang cannot flush then
-    assert control.index("weights_checker['reset_tensors']") < control.index(
-        "begin_weight_update['all']"
-    )
+        session.update(_tensors(1))
+        session.update(_tensors(2))
+    events = engines["http://e0"].events
+    assert events.count("snapshot") == 1 and events.count("compare") == 1
+    assert "flush" not in events  # in_place keeps requests; sglang cannot flush then
+    assert events.index("reset_tensors") < events.index("begin")
 
 
-def test_failed_write_keeps_session_open_and_retry_resumes(rec):
-    rec.fail_writes = 1
-    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
+STEPS = ["pause", "flush", "begin", "version_marker", "write", "end", "compare", "version"]
+STEPS += ["continue"]
+KINDS = ["answered", "silent", "lost"]
+
+
+def _cases():
+    for step in STEPS:
+        for kind in KINDS if step != "write" else ["failed"]:
+            for reports_state in (True, False):
+                yield pytest.param(
+                    step,
+                    kind,
+                    reports_state,
+                    id=f"{step}-{kind}-{'state' if reports_state else 'sglang'}",
+                )
+
+
+def _fail_once(engines, url, step, kind, reports_state):
+    engine = engines.setdefault(url, FakeEngine(url, reports_state=reports_state))
+    engine.inject[step] = kind
+    return engine
+
+
+@pytest.mark.parametrize(("step", "kind", "reports_state"), list(_cases()))
+def test_failure_at_any_step_then_retry_converges(engines, step, kind, reports_state):
+    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    engine = _fail_once(engines, "http://e0", step, kind, reports_state)
+    with WeightSyncSession(config) as session:
         session.connect(["http://e0"])
-        with pytest.raises(TransferError, match="http://e0 rank 0"):
-            session.update(_tensors())
-        assert "update_weight_version['1']" not in rec.events
-        rec.events.clear()
-        report = session.update(_tensors())
-    # no second pause/begin: the engines are still inside the session the failure left open
-    assert _control(rec.events) == [
-        "update_weight_version['1']",
-        "end_weight_update",
-        "continue_generation",
-    ]
-    assert report.version == "1"
+        with pytest.raises(P2PWeightsError):
+            session.update(_tensors(3))
+        report = session.update(_tensors(4))
+        assert _holds(engine, 4), "the retry rewrote every weight"
+        assert engine.running and engine.version == report.version
+        assert engine.violations == []
 
 
-def test_versions_continue_from_the_engine_and_never_go_back(rec):
-    rec.version = "41"
-    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
+@pytest.mark.parametrize(("step", "kind", "reports_state"), list(_cases()))
+@pytest.mark.parametrize("give_up", ["abort", "close"])
+def test_failure_at_any_step_then_giving_up_leaves_engines_running(
+    engines, step, kind, reports_state, give_up
+):
+    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    engine = _fail_once(engines, "http://e0", step, kind, reports_state)
+    session = WeightSyncSession(config)
+    session.connect(["http://e0"])
+    with pytest.raises(P2PWeightsError):
+        session.update(_tensors(3))
+    report = session.abort() if give_up == "abort" else session.close()
+    assert not engine.open and engine.violations == []
+    if step == "write":  # torn: never resumed on our own, and visibly so
+        assert engine.paused and engine.version == f"{UPDATING_PREFIX}1"
+        if report is not None:
+            assert not report.ok and "did not all land" in report.outcomes["http://e0"]
+            session.abort(resume_incomplete=True)
+            assert engine.running
+    else:
+        assert engine.running
+        if report is not None:
+            assert report.ok, str(report)
+    session.close()
+
+
+def test_one_engine_failing_its_writes_does_not_tear_the_others(engines):
+    torn = _fail_once(engines, "http://bad", "write", "failed", True)
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://bad", "http://good"])
+        with pytest.raises(TransferError, match="http://bad rank 0"):
+            session.update(_tensors(5))
+        good = engines["http://good"]
+        assert _holds(good, 5) and good.open  # every byte landed; it waits for the retry
+        report = session.abort()
+    assert good.running and good.violations == []
+    assert torn.paused and torn.version.startswith(UPDATING_PREFIX)
+    assert report.outcomes["http://good"] == "resumed"
+    assert report.left_paused == ["http://bad"]
+
+
+def test_a_dead_engine_is_reported_by_abort_and_the_others_resume(engines):
+    steps = []
+
+    def agree(ok):  # called after each step; engine b dies once the update session is open
+        steps.append(ok)
+        if len(steps) == 5:  # open, write, close, finish of update 1; open of update 2
+            engines["http://b"].dead = True
+        return ok
+
+    with WeightSyncSession(CONFIG, agree=agree) as session:
+        session.connect(["http://a", "http://b"])
+        session.update(_tensors(1))
+        with pytest.raises(P2PWeightsError, match="http://b"):
+            session.update(_tensors(2))
+        report = session.abort()
+    assert engines["http://a"].running and _holds(engines["http://a"], 2)
+    assert report.outcomes["http://b"].startswith("unreachable")
+    assert report.left_paused == ["http://b"]
+
+
+def test_a_new_session_adopts_an_engine_left_mid_update_and_rewrites_it(engines):
+    engine = _fail_once(engines, "http://e0", "write", "failed", False)
+    first = WeightSyncSession(CONFIG)
+    first.connect(["http://e0"])
+    with pytest.raises(TransferError):
+        first.update(_tensors(1))
+    # the trainer dies here: no abort, no close; the engine stays open and paused
+    assert engine.open and engine.paused and engine.version == f"{UPDATING_PREFIX}1"
+    with WeightSyncSession(CONFIG) as second:
+        second.connect(["http://e0"])
+        report = second.update(_tensors(2))
+    assert _holds(engine, 2) and engine.running and engine.version == report.version
+    assert engine.violations == []
+
+
+def test_versions_continue_from_the_engine_and_never_go_back(engines):
+    engines["http://e0"] = FakeEngine("http://e0", version="41")
+    with WeightSyncSession(CONFIG) as session:
         session.connect(["http://e0"])
-        assert session.update(_tensors()).version == "42"
-        assert session.update(_tensors(), version="7").version == "7"
-        assert session.update(_tensors()).version == "43"
-        assert session.update(_tensors(), version="step-9").version == "step-9"
-        assert session.update(_tensors()).version == "44"
+        assert session.update(_tensors(1)).version == "42"
+        assert session.update(_tensors(1), version="7").version == "7"
+        assert session.update(_tensors(1)).version == "43"
+        assert session.update(_tensors(1), version="step-9").version == "step-9"
+        assert session.update(_tensors(1)).version == "44"
 
 
-def test_other_rank_failure_fails_this_rank(rec):
+def test_other_rank_failure_fails_this_rank(engines):
     votes = iter([True, False])  # open agreed; another rank's write failed
     config = SyncConfig(buffer_bytes="1MiB", trainer_rank=1, num_trainer_ranks=2)
     with WeightSyncSession(config, agree=lambda ok: ok and next(votes)) as session:
         session.connect(["http://e0"])
         with pytest.raises(TransferError, match="another trainer rank failed the 'write' step"):
-            session.update(_tensors())
-    assert _control(rec.events) == []  # only trainer rank 0 drives the engines
+            session.update(_tensors(1))
+    control = [e for e in engines["http://e0"].events if e not in ("model_info", "server_info")]
+    assert control == []  # only trainer rank 0 drives the engines
 
 
-def test_usage_errors(rec):
+def test_usage_errors(engines):
     with pytest.raises(ConfigError, match="agree="):
         WeightSyncSession(SyncConfig(num_trainer_ranks=2))
-    session = WeightSyncSession(SyncConfig(buffer_bytes="1MiB"))
+    session = WeightSyncSession(CONFIG)
     with pytest.raises(ConfigError, match="connect"):
-        session.update(_tensors())
+        session.update(_tensors(1))
     with pytest.raises(ConfigError, match="once"):
         session.connect(["http://e0", EngineEndpoint("http://e0/")])
+    with pytest.raises(ConfigError, match="buffer_bytes"):
+        SyncConfig(buffer_bytes="lots")
     session.close()

@@ -1,7 +1,13 @@
 """A small synchronous client for the sglang HTTP routes a weight update uses.
 
 Every failure raises ``EngineError`` naming the engine URL and the route, with
-the engine's own message when it sent one.
+the engine's own message when it sent one; ``EngineUnreachable`` when no answer
+came (the call may or may not have taken effect).
+
+Two time bounds: ``timeout_s`` for reading what an engine serves (server info,
+publications, the weight checker, which hashes every weight) and ``control_timeout_s``
+for each update-session call (pause, flush, begin, end, version, continue), so a hung
+engine outside the writes costs at most that long.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any
 import httpx
 
 from p2pweights.engines.published import RankPublication, parse_publication
-from p2pweights.errors import EngineError
+from p2pweights.errors import EngineError, EngineUnreachable
 
 _FLUSH_RETRY_S = 0.2
 
@@ -21,10 +27,18 @@ _FLUSH_RETRY_S = 0.2
 class EngineClient:
     """Talks to one sglang engine (one HTTP server, any number of ranks)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 60.0, api_key: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 60.0,
+        api_key: str | None = None,
+        control_timeout_s: float | None = None,
+    ):
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout_s = timeout_s
+        self._control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
     def close(self) -> None:
@@ -40,6 +54,14 @@ class EngineClient:
 
     def weight_version(self) -> str:
         return str(self.model_info().get("weight_version"))
+
+    def engine_state(self) -> dict[str, bool] | None:
+        """``{"paused", "update_open"}`` where the engine reports them (the p2pweights
+        local engine does; released sglang does not), else None."""
+        state = self._json("GET", "/server_info", control=True).get("p2pweights_engine_state")
+        if not isinstance(state, dict):
+            return None
+        return {"paused": bool(state.get("paused")), "update_open": bool(state.get("update_open"))}
 
     def publication(self, rank: int, role: str = "target") -> RankPublication:
         """What engine rank ``rank`` published about its weights (addresses, transport handle).
@@ -65,13 +87,13 @@ class EngineClient:
     # -- the update session --------------------------------------------------------------------
 
     def pause_generation(self, mode: str) -> None:
-        self._json("POST", "/pause_generation", json={"mode": mode})
+        self._json("POST", "/pause_generation", json={"mode": mode}, control=True)
 
     def flush_cache(self) -> None:
         """Flush the radix cache; sglang refuses while requests run, so retry until timeout."""
-        deadline = time.monotonic() + self._timeout_s
+        deadline = time.monotonic() + self._control_timeout_s
         while True:
-            response = self._send("GET", "/flush_cache")
+            response = self._send("GET", "/flush_cache", control=True)
             if response.status_code == 200:
                 return
             if time.monotonic() > deadline:
@@ -79,18 +101,20 @@ class EngineClient:
             time.sleep(_FLUSH_RETRY_S)
 
     def begin_weight_update(self, selector: str = "all") -> None:
-        self._checked("/begin_weight_update", {"selector": selector})
+        self._checked("/begin_weight_update", {"selector": selector}, control=True)
 
     def end_weight_update(self) -> None:
-        self._checked("/end_weight_update", {})
+        self._checked("/end_weight_update", {}, control=True)
 
     def update_weight_version(self, new_version: str) -> None:
         self._checked(
-            "/update_weight_version", {"new_version": new_version, "abort_all_requests": False}
+            "/update_weight_version",
+            {"new_version": new_version, "abort_all_requests": False},
+            control=True,
         )
 
     def continue_generation(self) -> None:
-        self._json("POST", "/continue_generation", json={"torch_empty_cache": False})
+        self._json("POST", "/continue_generation", json={"torch_empty_cache": False}, control=True)
 
     def weights_checker(self, action: str, **options: Any) -> dict[str, Any]:
         """Run the engine's weight checker (snapshot, reset_tensors, compare, checksum)."""
@@ -98,14 +122,25 @@ class EngineClient:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _send(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
+    def _send(
+        self, method: str, route: str, *, control: bool = False, **kwargs: Any
+    ) -> httpx.Response:
+        timeout = self._control_timeout_s if control else self._timeout_s
         try:
-            return self._http.request(method, route, **kwargs)
+            return self._http.request(method, route, timeout=timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise EngineUnreachable(
+                f"engine {self.url}: {method} {route} got no answer within {timeout:g} s "
+                f"({'control_timeout_s' if control else 'http_timeout_s'}); the engine may be "
+                f"hung or overloaded"
+            ) from exc
         except httpx.HTTPError as exc:
-            raise EngineError(f"engine {self.url}: {method} {route} failed: {exc!r}") from exc
+            raise EngineUnreachable(f"engine {self.url}: {method} {route} failed: {exc!r}") from exc
 
-    def _json(self, method: str, route: str, **kwargs: Any) -> dict[str, Any]:
-        response = self._send(method, route, **kwargs)
+    def _json(
+        self, method: str, route: str, *, control: bool = False, **kwargs: Any
+    ) -> dict[str, Any]:
+        response = self._send(method, route, control=control, **kwargs)
         if response.status_code != 200:
             raise self._error(route, response)
         try:
@@ -118,9 +153,11 @@ class EngineClient:
             raise EngineError(f"engine {self.url}: {route} answered {body!r}, expected an object")
         return body
 
-    def _checked(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+    def _checked(
+        self, route: str, payload: dict[str, Any], *, control: bool = False
+    ) -> dict[str, Any]:
         """POST ``payload``; the answer's ``success`` must be true."""
-        body = self._json("POST", route, json=payload)
+        body = self._json("POST", route, json=payload, control=control)
         if body.get("success") is False:
             raise EngineError(f"engine {self.url}: {route} failed: {body.get('message')}")
         return body

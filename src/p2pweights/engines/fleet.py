@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -11,9 +12,11 @@ from p2pweights.engines.client import EngineClient
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication
 from p2pweights.engines.speculative import has_model_draft
-from p2pweights.errors import EngineError
+from p2pweights.engines.update_session import AbortReport, EngineUpdate
+from p2pweights.errors import EngineError, EngineUnreachable
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 _PUBLISH_FLAGS = {
     "mooncake": "start sglang with --remote-instance-weight-loader-start-seed-via-transfer-engine",
@@ -33,6 +36,11 @@ class ConnectedEngine:
     publications: list[RankPublication]
     draft_publications: list[RankPublication] = field(default_factory=list)
     """Per rank, its same-model speculative draft runner's (empty without a draft)."""
+    update: EngineUpdate = field(init=False)
+    """Its update-session state (driven by the trainer rank that leads)."""
+
+    def __post_init__(self) -> None:
+        self.update = EngineUpdate(self.client)
 
     @property
     def url(self) -> str:
@@ -44,26 +52,72 @@ class ConnectedEngine:
 
 
 def num_engine_ranks(url: str, server_info: dict[str, Any]) -> int:
-    """The TP ranks; pipeline stages cannot be told apart (sglang #37216)."""
+    """The TP ranks; pipeline stages and in-server DP replicas cannot be told apart."""
     pp_size = int(server_info.get("pp_size") or 1)
     if pp_size > 1:
         raise EngineError(
             f"engine {url}: pp_size={pp_size}; sglang publishes weights keyed by TP rank only "
             f"(sglang issue #37216), so pipeline stages cannot be written. Use pp_size 1."
         )
+    dp_size = int(server_info.get("dp_size") or 1)
+    if dp_size > 1 and not server_info.get("enable_dp_attention"):
+        raise EngineError(
+            f"engine {url}: dp_size={dp_size} without DP attention runs {dp_size} model replicas "
+            f"in one server, but sglang publishes weights keyed by TP rank only, so only one "
+            f"replica's would be written while the update reports success. Start one server per "
+            f"replica (dp_size 1) and connect each, or use --enable-dp-attention."
+        )
     return int(server_info["tp_size"])
 
 
+def check_sglang_version(url: str, server_info: dict[str, Any], allow_mismatch: bool) -> None:
+    """The replica runs the trainer's sglang model code: it must be the engine's release."""
+    import importlib.metadata
+
+    try:
+        mine: str | None = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        mine = None
+    theirs = server_info.get("version")
+    if mine is not None and theirs == mine:
+        return
+    problem = (
+        f"engine {url} runs sglang {theirs or '(version not reported)'}, this trainer has "
+        f"{mine or 'no sglang'}; the replica runs the trainer's copy of sglang's model code, so "
+        f"a different release may lay bytes out differently"
+    )
+    if not allow_mismatch:
+        raise EngineError(
+            f"{problem}. Install sglang=={theirs} here (pip install 'sglang=={theirs}'), or pass "
+            f"SyncConfig(allow_sglang_mismatch=True) if you know both lay weights out alike"
+        )
+    logger.warning("%s (allowed by allow_sglang_mismatch)", problem)
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """What connecting needs from ``SyncConfig``."""
+
+    transport_kind: str
+    timeout_s: float
+    control_timeout_s: float
+    api_key: str | None = None
+    allow_sglang_mismatch: bool = False
+
+
 def connect_engine(
-    index: int,
-    endpoint: EngineEndpoint,
-    transport_kind: str,
-    timeout_s: float,
-    api_key: str | None,
+    index: int, endpoint: EngineEndpoint, options: ConnectOptions
 ) -> ConnectedEngine:
-    client = EngineClient(endpoint.url, timeout_s=timeout_s, api_key=endpoint.api_key or api_key)
+    transport_kind = options.transport_kind
+    client = EngineClient(
+        endpoint.url,
+        timeout_s=options.timeout_s,
+        control_timeout_s=options.control_timeout_s,
+        api_key=endpoint.api_key or options.api_key,
+    )
     try:
         server_info = client.server_info()
+        check_sglang_version(endpoint.url, server_info, options.allow_sglang_mismatch)
         ranks = range(num_engine_ranks(endpoint.url, server_info))
         publications = [client.publication(rank) for rank in ranks]
         drafts = (
@@ -83,7 +137,13 @@ def connect_engine(
                 f"SyncConfig(transport={_config_name(pub.backend)}(...)) or "
                 f"{_PUBLISH_FLAGS[transport_kind]}."
             )
-    return ConnectedEngine(index, endpoint, client, server_info, publications, drafts)
+    engine = ConnectedEngine(index, endpoint, client, server_info, publications, drafts)
+    try:
+        engine.update.adopt()
+    except Exception:
+        client.close()
+        raise
+    return engine
 
 
 def _config_name(backend: str) -> str:
@@ -105,26 +165,23 @@ def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
 
 
 class Fleet:
-    """The connected engines, driven together through their update session."""
+    """The connected engines, driven together through their update sessions.
+
+    Each step runs on every engine it concerns at once and raises, after all of
+    them returned, one error naming every engine that failed; each engine's
+    ``EngineUpdate`` keeps what it answered.
+    """
 
     def __init__(self, engines: list[ConnectedEngine]):
         self.engines = engines
 
     @classmethod
-    def connect(
-        cls,
-        endpoints: Sequence[EngineEndpoint],
-        transport_kind: str,
-        timeout_s: float,
-        api_key: str | None,
-    ) -> Fleet:
+    def connect(cls, endpoints: Sequence[EngineEndpoint], options: ConnectOptions) -> Fleet:
         """Connect every engine; if any fails, close the ones that did and raise."""
         connected: list[ConnectedEngine | None] = [None] * len(endpoints)
 
         def one(index: int) -> None:
-            connected[index] = connect_engine(
-                index, endpoints[index], transport_kind, timeout_s, api_key
-            )
+            connected[index] = connect_engine(index, endpoints[index], options)
 
         try:
             concurrently(one, range(len(endpoints)))
@@ -135,41 +192,65 @@ class Fleet:
             raise
         return cls([e for e in connected if e is not None])
 
+    def by_url(self, url: str) -> ConnectedEngine:
+        return next(e for e in self.engines if e.url == url)
+
     def each(self, call: Callable[[ConnectedEngine], object]) -> None:
         concurrently(call, self.engines)
 
-    def open_update(self, pause_mode: str, snapshot: bool) -> None:
-        """Pause, optionally snapshot + reset for the weight check, flush, begin."""
-        self.each(lambda e: e.client.pause_generation(pause_mode))
-        if snapshot:
-            self.each(lambda e: e.client.weights_checker("snapshot"))
-            self.each(lambda e: e.client.weights_checker("reset_tensors"))
-        if pause_mode != "in_place":
-            self.each(lambda e: e.client.flush_cache())
-        self.each(lambda e: e.client.begin_weight_update("all"))
+    def open(self, pause_mode: str, version: str, snapshot: bool) -> None:
+        """Open an update session on every engine (those already open stay open)."""
+        self.each(lambda e: e.update.open(pause_mode, version, snapshot=snapshot))
 
-    def close_update(self, version: str) -> None:
-        self.each(lambda e: e.client.update_weight_version(version))
-        self.each(lambda e: e.client.end_weight_update())
+    def mark_written(self) -> None:
+        for engine in self.engines:
+            engine.update.mark_written()
+
+    def writes_landed(self, complete: Callable[[str], bool]) -> None:
+        """``complete(url)``: whether every write of this update into the engine landed."""
+        for engine in self.engines:
+            if complete(engine.url):
+                engine.update.writes_landed()
+
+    def close(self) -> None:
+        """End every open update session."""
+        self.each(lambda e: e.update.close())
 
     def compare(self) -> None:
         """The engines' own weight check of this update against their snapshot."""
-        self.each(lambda e: e.client.weights_checker("compare"))
+        self.each(lambda e: e.update.compare())
 
-    def resume(self) -> None:
-        self.each(lambda e: e.client.continue_generation())
+    def finish(self, version: str) -> None:
+        """Give every engine the new version and resume it."""
+        self.each(lambda e: e.update.finish(version))
+
+    def abort(self, resume_incomplete: bool = False) -> AbortReport:
+        """End open sessions and resume what this session paused (see ``EngineUpdate.abort``)."""
+        report = AbortReport()
+
+        def one(engine: ConnectedEngine) -> None:
+            try:
+                report.outcomes[engine.url] = engine.update.abort(resume_incomplete)
+            except EngineUnreachable as exc:
+                report.outcomes[engine.url] = f"unreachable: {exc}"
+            except EngineError as exc:
+                report.outcomes[engine.url] = f"failed: {exc}"
+
+        concurrently(one, self.engines)
+        return report
 
     def next_numeric_version(self) -> int:
         """One past the largest numeric weight version the engines report (1 if none is)."""
         versions = []
         for engine in self.engines:
             try:
-                versions.append(int(engine.client.weight_version()))
+                version = engine.client.weight_version()
+                versions.append(int(version.rsplit(":", 1)[-1]))
             except (ValueError, EngineError):
                 continue
         return max(versions, default=0) + 1
 
-    def close(self) -> None:
+    def close_clients(self) -> None:
         for engine in self.engines:
             engine.client.close()
         self.engines = []

@@ -28,6 +28,12 @@ from p2pweights.local_engine.ranks import EngineRank
 logger = logging.getLogger(__name__)
 
 
+def _sglang_version() -> str:
+    import sglang
+
+    return str(sglang.__version__)
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
@@ -49,7 +55,16 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
 
     @app.get("/server_info")
     def get_server_info() -> dict[str, Any]:
-        return {**server_info, "weight_version": state["weight_version"]}
+        return {
+            **server_info,
+            "version": _sglang_version(),
+            "weight_version": state["weight_version"],
+            # not sglang's: what state a failure left this engine in, for tests and users
+            "p2pweights_engine_state": {
+                "paused": state["paused"],
+                "update_open": state["updating"],
+            },
+        }
 
     @app.get("/model_info")
     def model_info() -> dict[str, Any]:
@@ -98,6 +113,12 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
     @app.post("/begin_weight_update")
     def begin(body: dict[str, Any] = Body(default={})) -> dict[str, Any]:
         with lock:
+            if state["updating"]:  # sglang's rule and message
+                return {
+                    "success": False,
+                    "message": "a weight-update session is already open; "
+                    "call end_weight_update() first",
+                }
             state["selector"] = body.get("selector", "all")  # end runs on the same runners
             for rank in ranks:
                 rank.begin_update(state["selector"])
@@ -108,8 +129,11 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
     @app.post("/end_weight_update")
     def end(body: dict[str, Any] = Body(default={})) -> dict[str, Any]:
         with lock:
-            if not state["updating"]:
-                return {"success": False, "message": "no weight update in progress"}
+            if not state["updating"]:  # sglang's rule and message
+                return {
+                    "success": False,
+                    "message": "no weight-update session is open; call begin_weight_update() first",
+                }
             for rank in ranks:
                 rank.end_update(not state["loaded_in_session"], state["selector"])
             state["updating"] = False

@@ -13,12 +13,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-ALIGNMENT_BYTES = 256
-"""Every staged parameter starts at a multiple of this (cache lines, RDMA-friendly, dtype-safe)."""
+from p2pweights.plan.byte_plan import ALIGNMENT_BYTES, aligned
 
-
-def aligned(num_bytes: int) -> int:
-    return -(-num_bytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+__all__ = ["ALIGNMENT_BYTES", "aligned", "staged_bytes", "StagingBuffer", "StagingBuffers"]
 
 
 def staged_bytes(sizes: Iterable[int]) -> int:

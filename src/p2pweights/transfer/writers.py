@@ -1,11 +1,15 @@
-"""One writer thread per engine: a stuck engine delays only its own writes.
+"""One writer thread per engine rank: a stuck engine rank delays only its own writes.
 
 A ``WriteBatch`` is what one flush sends one engine rank: (source, destination,
 length) triples plus the parameter each write carries, so a failure names it.
+Writers of different ranks of one engine run at the same time (several NICs, or
+NVLink to several GPUs). Once a batch to a rank failed, later batches to that rank
+are skipped rather than sent (each would wait out its own timeout on a dead peer).
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -15,12 +19,19 @@ from p2pweights.transfer.transports.base import Transport, Write
 
 _MAX_NAMED = 4
 
+TargetKey = tuple[str, int]
+"""(engine URL, engine rank): what one writer serves."""
+
 
 @dataclass
 class WriteBatch:
     target: RankPublication
     writes: list[Write] = field(default_factory=list)
     params: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> TargetKey:
+        return (self.target.engine_url, self.target.engine_rank)
 
     @property
     def num_bytes(self) -> int:
@@ -38,25 +49,54 @@ class WriteBatch:
         return f"{self.target.where} parameters {names}{suffix}"
 
 
-class EngineWriter:
-    """Runs one engine's write batches in order on its own thread."""
+class FailedTargets:
+    """The engine ranks whose writes failed in this update, with the first error of each."""
 
-    def __init__(self, engine_url: str, transport: Transport, timeout_s: float):
-        self.engine_url = engine_url
+    def __init__(self) -> None:
+        self._errors: dict[TargetKey, BaseException] = {}
+        self._lock = threading.Lock()
+
+    def record(self, key: TargetKey, error: BaseException) -> None:
+        with self._lock:
+            self._errors.setdefault(key, error)
+
+    def get(self, key: TargetKey) -> BaseException | None:
+        with self._lock:
+            return self._errors.get(key)
+
+    def errors(self) -> dict[TargetKey, BaseException]:
+        with self._lock:
+            return dict(self._errors)
+
+    def engines(self) -> set[str]:
+        with self._lock:
+            return {url for url, _ in self._errors}
+
+
+class RankWriter:
+    """Runs one engine rank's write batches in order on its own thread."""
+
+    def __init__(self, key: TargetKey, transport: Transport, timeout_s: float):
+        self.key = key
         self._transport = transport
         self._timeout_s = timeout_s
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"p2pw-writer-{engine_url}")
+        url, rank = key
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"p2pw-writer-{url}-r{rank}")
 
-    def submit(self, batch: WriteBatch) -> Future[None]:
-        return self._thread.submit(self._run, batch)
+    def submit(self, batch: WriteBatch, failed: FailedTargets) -> Future[None]:
+        return self._thread.submit(self._run, batch, failed)
 
-    def _run(self, batch: WriteBatch) -> None:
+    def _run(self, batch: WriteBatch, failed: FailedTargets) -> None:
+        earlier = failed.get(self.key)
+        if earlier is not None:
+            raise TransferError(f"write to {batch.describe()} skipped: an earlier write failed")
         try:
             self._transport.write(batch.target, batch.writes, self._timeout_s)
-        except TransferError as exc:
-            raise TransferError(f"write to {batch.describe()} failed: {exc}") from exc
         except Exception as exc:  # a transport bug must still fail the update, named
-            raise TransferError(f"write to {batch.describe()} failed: {exc!r}") from exc
+            error = TransferError(f"write to {batch.describe()} failed: {exc}")
+            error.__cause__ = exc
+            failed.record(self.key, error)
+            raise error from exc
 
     def close(self) -> None:
         """Cancel queued batches and wait for the running one; transports bound it by

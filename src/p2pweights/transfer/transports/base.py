@@ -25,6 +25,8 @@ class Write:
     src_address: int
     dst_address: int
     num_bytes: int
+    dst_device: int | None = None
+    """The GPU the destination lives on, where the engine published it (NIXL needs it)."""
 
 
 class Transport(ABC):

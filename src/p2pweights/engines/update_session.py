@@ -1,0 +1,255 @@
+"""Each engine's weight-update state, recorded from the answers it actually gave.
+
+sglang's rules (0.5.21 - 0.5.23): ``begin_weight_update`` is refused while a session
+is open, ``end_weight_update`` and direct writes belong inside one, and generation
+stays paused from ``pause_generation`` to ``continue_generation``. An update drives
+every engine through::
+
+    running --pause--> paused --flush, begin--> open --writes, end--> closed
+            --(compare)--> version, continue --> running
+
+and a failure can stop it anywhere. So the session never keeps one flag for all
+engines: each ``EngineUpdate`` records its own phase from what its engine answered,
+and each step acts only where it is needed (open only engines that are not open,
+close only those that are). A call that got no answer at all leaves the phase
+``UNKNOWN``; the engine is asked (``p2pweights_engine_state`` where served) or
+handled by tolerant calls before it is written again.
+
+Torn weights are made visible. Once an engine is open, its weight version is set to
+``p2pweights-updating:<version>`` and stays so until the update completed there
+(every write landed, ``end_weight_update`` ran, the check passed); only then does it
+get ``<version>`` and resume. An engine whose writes did not all land is never
+resumed by p2pweights on its own (``abort(resume_incomplete=True)`` overrides), and
+a later session that connects to an engine whose version still says
+``p2pweights-updating:`` adopts it as incomplete and rewrites it whole before
+resuming it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from p2pweights.engines.client import EngineClient
+from p2pweights.errors import EngineError, EngineStateError, EngineUnreachable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["UPDATING_PREFIX", "Phase", "EngineUpdate", "AbortReport", "updating_version"]
+
+UPDATING_PREFIX = "p2pweights-updating:"
+"""An engine's weight version while an update to it has not completed."""
+
+_ALREADY_OPEN = "already open"  # sglang's refusal of a second begin_weight_update
+_NOT_OPEN = "no weight-update session is open"  # its refusal of end without begin
+
+
+def updating_version(version: str) -> str:
+    """The weight version an engine shows while ``version`` is being written into it."""
+    return f"{UPDATING_PREFIX}{version}"
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    """Generating (as far as this session knows)."""
+    PAUSED = "paused"
+    """Generation paused; no update session open."""
+    OPEN = "open"
+    """Paused inside an update session (begin answered)."""
+    CLOSED = "closed"
+    """Paused; the update session was ended (end answered)."""
+    UNKNOWN = "unknown"
+    """A call got no answer: it may or may not have taken effect."""
+
+
+@dataclass
+class EngineUpdate:
+    """One engine's update state and the update steps that move it."""
+
+    client: EngineClient
+    phase: Phase = Phase.RUNNING
+    paused_by_us: bool = False
+    """This session (or one it took over from) paused the engine, so it resumes it."""
+    incomplete: bool = False
+    """Writes went into the engine since its last complete update: its weights may be torn."""
+    last_error: str | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    # -- connect -------------------------------------------------------------------------------
+
+    def adopt(self) -> None:
+        """Read the state a previous session may have left the engine in."""
+        version = self.client.weight_version()
+        if version.startswith(UPDATING_PREFIX):
+            self.incomplete = self.paused_by_us = True
+            logger.warning(
+                "engine %s was left mid-update (weight version %r): its weights may be torn; "
+                "the next update rewrites it whole before resuming it",
+                self.url,
+                version,
+            )
+        reported = self.client.engine_state()
+        if reported is not None:
+            self._set_reported(reported)
+        elif self.incomplete:
+            self.phase = Phase.UNKNOWN  # paused, and maybe still open
+
+    # -- the update steps ----------------------------------------------------------------------
+
+    def open(self, pause_mode: str, version: str, snapshot: bool = False) -> None:
+        """Pause (if running), optionally snapshot for the weight check, flush, begin; then
+        show ``p2pweights-updating:<version>`` until the update completes here."""
+        self._probe_if_unknown()
+        if self.phase in (Phase.RUNNING, Phase.UNKNOWN):
+            self.paused_by_us = True  # even if the answer is lost: resuming is then ours
+            self._call(lambda c: c.pause_generation(pause_mode))
+            if self.phase is Phase.RUNNING:
+                self.phase = Phase.PAUSED
+        if snapshot:
+            self._call(lambda c: c.weights_checker("snapshot"))
+            self._call(lambda c: c.weights_checker("reset_tensors"))
+        if self.phase is not Phase.OPEN:
+            if pause_mode != "in_place":
+                self._call(lambda c: c.flush_cache())
+            self._begin()
+        self._call(lambda c: c.update_weight_version(updating_version(version)))
+
+    def mark_written(self) -> None:
+        """Writes are about to go into the engine: its weights are torn until they all land."""
+        self.incomplete = True
+
+    def writes_landed(self) -> None:
+        """Every write of this update landed: the weights are whole again."""
+        self.incomplete = False
+
+    def close(self) -> None:
+        """End the update session (the engine re-derives and re-lays its weights)."""
+        self._probe_if_unknown()
+        if self.phase in (Phase.OPEN, Phase.UNKNOWN):
+            self._end()
+
+    def compare(self) -> None:
+        """The engine's own weight check against the snapshot its first update took."""
+        self._call(lambda c: c.weights_checker("compare"))
+
+    def finish(self, version: str) -> None:
+        """Show the new version and resume generation (the weights are whole)."""
+        if self.incomplete:
+            raise EngineStateError(
+                f"engine {self.url}: not resumed, its writes did not all land (internal error: "
+                "finish() before a complete close())"
+            )
+        self._call(lambda c: c.update_weight_version(version))
+        self._resume()
+
+    def abort(self, resume_incomplete: bool = False) -> str:
+        """End an open update session and resume the engine if this session paused it.
+
+        An engine whose writes did not all land stays paused (its weight version says
+        ``p2pweights-updating:``) unless ``resume_incomplete``. Returns what happened.
+        """
+        self._probe_if_unknown()
+        if self.phase in (Phase.OPEN, Phase.UNKNOWN):
+            self._end()
+        if not self.paused_by_us:
+            return "left as it was"
+        if self.incomplete and not resume_incomplete:
+            return "left paused: its writes did not all land (weights may be torn)"
+        self._resume()
+        return "resumed" + (" with incomplete weights" if self.incomplete else "")
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _call(self, action: Callable[[EngineClient], object]) -> None:
+        """Run one call; a call without an answer leaves the engine's state unknown."""
+        try:
+            action(self.client)
+        except EngineUnreachable as exc:
+            self.phase = Phase.UNKNOWN
+            self.last_error = str(exc)
+            raise
+        except EngineError as exc:
+            self.last_error = str(exc)
+            raise
+
+    def _begin(self) -> None:
+        was_unknown = self.phase is Phase.UNKNOWN
+        try:
+            self._call(lambda c: c.begin_weight_update("all"))
+        except EngineError as exc:
+            if not (was_unknown and _ALREADY_OPEN in str(exc)):
+                raise
+        self.phase = Phase.OPEN
+
+    def _end(self) -> None:
+        was_unknown = self.phase is Phase.UNKNOWN
+        try:
+            self._call(lambda c: c.end_weight_update())
+        except EngineError as exc:
+            if not (was_unknown and _NOT_OPEN in str(exc)):
+                raise
+        self.phase = Phase.CLOSED
+
+    def _resume(self) -> None:
+        self._call(lambda c: c.continue_generation())
+        self.phase = Phase.RUNNING
+        self.paused_by_us = False
+
+    def _probe_if_unknown(self) -> None:
+        """Ask an engine in an unknown state what it is doing, where it can say."""
+        if self.phase is not Phase.UNKNOWN:
+            return
+        reported = self.client.engine_state()  # raises EngineUnreachable if still silent
+        if reported is not None:
+            self._set_reported(reported)
+
+    def _set_reported(self, reported: dict[str, bool]) -> None:
+        if reported["update_open"]:
+            self.phase = Phase.OPEN
+        elif reported["paused"]:
+            self.phase = Phase.CLOSED if self.incomplete else Phase.PAUSED
+        else:
+            self.phase = Phase.RUNNING
+
+
+@dataclass
+class AbortReport:
+    """What ``WeightSyncSession.abort`` did to each engine."""
+
+    outcomes: dict[str, str] = field(default_factory=dict)
+    """Engine URL -> "resumed", "left paused: ...", "left as it was" or "unreachable: ..."."""
+
+    @property
+    def left_paused(self) -> list[str]:
+        return [
+            url
+            for url, what in self.outcomes.items()
+            if not what.startswith(("resumed", "left as"))
+        ]
+
+    @property
+    def ok(self) -> bool:
+        """Every engine this session paused runs again."""
+        return not self.left_paused
+
+    def raise_if_not_ok(self) -> None:
+        if not self.ok:
+            raise EngineStateError(
+                "engines not resumed: "
+                + "; ".join(f"{url}: {self.outcomes[url]}" for url in self.left_paused)
+            )
+
+    def __str__(self) -> str:
+        return "; ".join(f"{url}: {what}" for url, what in self.outcomes.items()) or "no engines"
+
+
+def describe_states(engines: Sequence[EngineUpdate]) -> str:
+    """``url: phase (incomplete)`` for messages."""
+    return "; ".join(
+        f"{e.url}: {e.phase.value}{' (incomplete)' if e.incomplete else ''}" for e in engines
+    )

@@ -1,0 +1,280 @@
+"""Executing a byte plan: two staging buffers, one writer per engine rank, writes in flight.
+
+``TransferExecutor`` lives as long as a session. It owns the staging buffers
+(allocated and registered with the transport once, at connect), a ``RankWriter``
+per engine rank, and the writes of a failed update that may still be running.
+
+``run`` stages each group as its inputs complete: the group's block is reserved in
+the current buffer and its planned writes are queued for every engine rank that
+needs it. When the buffer is full it is flushed: the replicas load the staged
+groups' bytes (sglang's own loaders, one call per replica and buffer), the batches
+go to the writers, and filling continues in the other buffer, reused only once
+every write reading it has returned. A failed or late write fails its engine rank,
+not the others: later batches to it are skipped while the other ranks get all
+their bytes, and ``RunResult`` says which engines received everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pweights.engines.published import RankPublication
+from p2pweights.errors import TransferError
+from p2pweights.plan.byte_plan import BytePlan, GroupPlan
+from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
+from p2pweights.transfer.transports.base import Transport, Write
+from p2pweights.transfer.writers import FailedTargets, RankWriter, TargetKey, WriteBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HfInput", "LoadFn", "ReadyGroup", "RunResult", "TransferExecutor"]
+
+HfInput = tuple[str, torch.Tensor]
+LoadFn = Callable[[Hashable, list[HfInput], dict[str, torch.Tensor]], None]
+"""``load(replica_key, hf_inputs, views)`` fills the views (param name -> flat uint8 view)
+with the bytes replica ``replica_key``'s loaders make of ``hf_inputs``."""
+ReadyGroup = tuple[GroupPlan, Sequence[HfInput]]
+"""A planned group whose inputs all arrived, with those inputs."""
+
+_MAX_FAILURES_NAMED = 4
+
+
+@dataclass
+class RunResult:
+    """What one update moved, where its time went, and which engine ranks failed."""
+
+    bytes_by_target: dict[TargetKey, int] = field(default_factory=lambda: defaultdict(int))
+    load_s: float = 0.0
+    wait_s: float = 0.0
+    num_flushes: int = 0
+    failures: dict[TargetKey, BaseException] = field(default_factory=dict)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(self.bytes_by_target.values())
+
+    def complete(self, engine_url: str) -> bool:
+        """Whether every write this trainer rank made into ``engine_url`` landed."""
+        return all(url != engine_url for url, _ in self.failures)
+
+    def raise_if_failed(self) -> None:
+        if not self.failures:
+            return
+        errors = list(self.failures.values())
+        named = "; ".join(str(e) for e in errors[:_MAX_FAILURES_NAMED])
+        more = len(errors) - _MAX_FAILURES_NAMED
+        raise TransferError(
+            f"{len(errors)} engine rank(s) did not receive all their bytes: {named}"
+            + (f" (and {more} more)" if more > 0 else "")
+        ) from errors[0]
+
+
+class TransferExecutor:
+    """Staging buffers, writers and in-flight writes of one session."""
+
+    def __init__(self, transport: Transport, staging_device: torch.device, timeout_s: float):
+        self._transport = transport
+        self._device = staging_device
+        self._timeout_s = timeout_s
+        self._buffers: StagingBuffers | None = None
+        self._writers: dict[TargetKey, RankWriter] = {}
+        self._unfinished: list[Future[None]] = []
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    @property
+    def buffer_bytes(self) -> int:
+        return 0 if self._buffers is None else self._buffers.capacity_bytes
+
+    def reserve(self, num_bytes: int) -> None:
+        """Staging buffers of at least ``num_bytes`` each, registered with the transport.
+
+        Called at connect with the best size known then; a larger plan grows them
+        (a new pair, registered again; the old pair is released).
+        """
+        if self._buffers is not None and self._buffers.capacity_bytes >= num_bytes:
+            return
+        self.settle()
+        if self._buffers is not None:
+            logger.info(
+                "staging buffers grow from %d to %d bytes (a parameter group needs it)",
+                self._buffers.capacity_bytes,
+                num_bytes,
+            )
+        self._buffers = StagingBuffers(num_bytes, self._device, self._transport.register)
+
+    def connect(self, targets: Iterable[RankPublication]) -> None:
+        """Make these engine ranks writable: transport connections and a writer each."""
+        for pub in targets:
+            self._transport.connect(pub)
+            key = (pub.engine_url, pub.engine_rank)
+            if key not in self._writers:
+                self._writers[key] = RankWriter(key, self._transport, self._timeout_s)
+
+    def disconnect(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+    def run(self, plan: BytePlan, ready: Iterable[ReadyGroup], load: LoadFn) -> RunResult:
+        """Stage and write every group ``ready`` yields; returns once all writes returned.
+
+        A write that fails or is late fails its engine rank (``RunResult.failures``);
+        any other exception (bad input, a loader error, an interrupt) stops the run,
+        and writes still running are kept for ``settle``.
+        """
+        self.settle()
+        if self._buffers is None or self._buffers.capacity_bytes < plan.buffer_bytes:
+            raise TransferError(
+                f"staging buffers of {self.buffer_bytes} bytes cannot hold the plan's largest "
+                f"group ({plan.buffer_bytes} bytes); reserve() them first"
+            )
+        update = _Run(self._buffers, self._writers, self._timeout_s, load)
+        try:
+            for group, inputs in ready:
+                update.stage(group, inputs)
+            result = update.finish()
+        except BaseException:
+            self._unfinished = update.abort() + update.late
+            raise
+        self._unfinished = update.late  # late writes still read the buffers
+        return result
+
+    def settle(self) -> None:
+        """Before the buffers are reused or released, let a failed update's writes return."""
+        if not self._unfinished:
+            return
+        _, running = wait(self._unfinished, timeout=self._timeout_s)
+        if running:
+            raise TransferError(
+                f"{len(running)} write(s) of the last, failed update are still running after "
+                f"transfer_timeout_s={self._timeout_s}; an engine is stuck. close() this "
+                f"session and connect a new one"
+            )
+        self._unfinished = []
+
+    def close(self) -> None:
+        """Stop the writers (a running write returns within its timeout) and drop the buffers."""
+        self.disconnect()
+        self._unfinished = []
+        self._buffers = None
+
+
+class _Run:
+    """One update's staging state: what is staged in the current buffer, batches, futures."""
+
+    def __init__(
+        self,
+        buffers: StagingBuffers,
+        writers: dict[TargetKey, RankWriter],
+        timeout_s: float,
+        load: LoadFn,
+    ):
+        self._buffers = buffers
+        self._writers = writers
+        self._timeout_s = timeout_s
+        self._load = load
+        buffers.reset()
+        self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
+        self._batches: dict[TargetKey, WriteBatch] = {}
+        self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
+        self._failed = FailedTargets()
+        self.result = RunResult()
+        self.late: list[Future[None]] = []
+        """Writes given up on after the timeout that have not returned yet."""
+
+    def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
+        buffer = self._buffers.current
+        if buffer.capacity_bytes - buffer.used_bytes < group.block_bytes:
+            buffer = self._flush()
+        base = buffer.reserve(group.block_bytes)
+        assert base is not None  # the plan sized the buffers for its largest block
+        staged_inputs, views = self._staged.setdefault(group.key, ([], {}))
+        staged_inputs.extend(inputs)
+        start = buffer.address + base
+        for slot in group.slots:
+            views[slot.param] = buffer.view(base + slot.offset, slot.num_bytes)
+        for tw in group.targets:
+            key = (tw.target.engine_url, tw.target.engine_rank)
+            batch = self._batches.get(key)
+            if batch is None:
+                batch = self._batches[key] = WriteBatch(tw.target)
+            for w in tw.writes:
+                slot = group.slots[w.slot]
+                batch.add(
+                    Write(start + slot.offset, w.dst_address, slot.num_bytes, w.dst_device),
+                    slot.param,
+                )
+
+    def _flush(self) -> StagingBuffer:
+        """Load and send the current buffer; return the other one once its writes returned."""
+        started = time.perf_counter()
+        for key, (inputs, views) in self._staged.items():
+            self._load(key, inputs, views)
+        self._staged = {}
+        if self._buffers.current.tensor.is_cuda:
+            # Loaders copy asynchronously on the GPU; writers must read finished bytes.
+            torch.cuda.current_stream(self._buffers.current.tensor.device).synchronize()
+        self.result.load_s += time.perf_counter() - started
+        index = self._buffers.current_index
+        for key, batch in self._batches.items():
+            if self._failed.get(key) is not None:
+                continue  # this rank already failed; the others carry on
+            future = self._writers[key].submit(batch, self._failed)
+            self._pending[index].append((future, batch))
+            self.result.bytes_by_target[key] += batch.num_bytes
+        self._batches = {}
+        self.result.num_flushes += 1
+        buffer = self._buffers.swap()
+        self._wait(self._pending[1 - index])
+        buffer.used_bytes = 0
+        return buffer
+
+    def finish(self) -> RunResult:
+        if self._batches or self._staged:
+            self._flush()
+        for index in (0, 1):
+            self._wait(self._pending[index])
+        self._buffers.current.used_bytes = 0
+        self.result.failures = self._failed.errors()
+        return self.result
+
+    def abort(self) -> list[Future[None]]:
+        """Cancel queued writes; return those already running (they still read the buffers)."""
+        running = []
+        for pending in self._pending.values():
+            for future, _ in pending:
+                if not future.cancel() and not future.done():
+                    running.append(future)
+            pending.clear()
+        return running
+
+    def _wait(self, pending: list[tuple[Future[None], WriteBatch]]) -> None:
+        """Wait for one buffer's writes; failures are recorded per engine rank, not raised."""
+        if not pending:
+            return
+        started = time.perf_counter()
+        _, not_done = wait([future for future, _ in pending], timeout=self._timeout_s)
+        self.result.wait_s += time.perf_counter() - started
+        for future, batch in pending:
+            if future in not_done:
+                self.late.append(future)
+                self._failed.record(
+                    batch.key,
+                    TransferError(
+                        f"write to {batch.describe()} still running after "
+                        f"transfer_timeout_s={self._timeout_s}"
+                    ),
+                )
+            elif future.exception() is not None:
+                self._failed.record(batch.key, future.exception())  # type: ignore[arg-type]
+        pending.clear()

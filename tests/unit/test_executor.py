@@ -1,0 +1,181 @@
+"""The executor and the byte plan with an in-process fake transport (unit level only).
+
+The fake copies bytes with ctypes.memmove from the staging buffer into tensors
+standing for engine memory, so these tests check the byte plan, buffer reuse,
+the one-writer-per-engine-rank rule and failure reporting. Real transports between
+processes are tested in tests/integration.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+import torch
+
+from p2pweights.engines.published import RankPublication, WeightRegion
+from p2pweights.errors import LayoutMismatchError, TransferError
+from p2pweights.plan.byte_plan import ALIGNMENT_BYTES, aligned, build_byte_plan
+from p2pweights.transfer.executor import TransferExecutor
+from p2pweights.transfer.transports.base import Transport, Write
+
+
+class CopyingTransport(Transport):
+    """Copies in-process; records which thread wrote to which engine."""
+
+    name = "fake"
+
+    def __init__(self, delay_s: float = 0.0, fail_on: str | None = None):
+        self.delay_s = delay_s
+        self.fail_on = fail_on
+        self.registered: list[int] = []
+        self.threads: dict[str, set[str]] = {}
+        self.lock = threading.Lock()
+
+    def register(self, buffer: torch.Tensor) -> None:
+        self.registered.append(buffer.data_ptr())
+
+    def connect(self, target: RankPublication) -> None:
+        pass
+
+    def write(self, target, writes, timeout_s):
+        with self.lock:
+            key = (target.engine_url, target.engine_rank)
+            self.threads.setdefault(key, set()).add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        if self.fail_on == target.engine_url:
+            raise TransferError(f"engine {target.engine_url} rank {target.engine_rank}: status -1")
+        for w in writes:
+            ctypes.memmove(w.dst_address, w.src_address, w.num_bytes)
+
+    def close(self) -> None:
+        pass
+
+
+def _engine(url: str, rank: int, params: dict[str, torch.Tensor]) -> RankPublication:
+    regions = {
+        n: WeightRegion(t.data_ptr(), t.numel() * t.element_size()) for n, t in params.items()
+    }
+    return RankPublication(url, rank, "fake", regions, session_id="x")
+
+
+def _params(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{i}": torch.randn(300 + 17 * i, generator=g).to(torch.bfloat16) for i in range(12)}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _run(transport, buffer_bytes, source, targets, timeout_s=5.0, loads=None):
+    """One group per parameter (each fed by the HF tensor of the same name), one replica."""
+    plan = build_byte_plan(
+        {"replica": [(frozenset({n}), (n,)) for n in source]},
+        {"replica": {n: _nbytes(t) for n, t in source.items()}},
+        {"replica": targets},
+        buffer_bytes,
+    )
+    executor = TransferExecutor(transport, torch.device("cpu"), timeout_s)
+    executor.connect(targets)
+    executor.reserve(plan.buffer_bytes)
+    calls = [] if loads is None else loads
+
+    def load(key, inputs, views):
+        calls.append((key, [name for name, _ in inputs]))
+        for name, value in inputs:
+            views[name].copy_(value.view(torch.uint8))
+
+    ready = ((plan.group("replica", i), [(n, source[n])]) for i, n in enumerate(source))
+    return executor, executor.run(plan, ready, load)
+
+
+def test_bytes_land_bit_exact_across_flushes_and_targets():
+    transport = CopyingTransport(delay_s=0.01)
+    loads: list = []
+    source = _params(0)
+    engines = [{n: torch.zeros_like(t) for n, t in source.items()} for _ in range(2)]
+    targets = [_engine("http://a", 0, engines[0]), _engine("http://b", 0, engines[1])]
+    # a buffer holding about two parameters forces many flushes and buffer reuse
+    executor, result = _run(transport, 2 * aligned(600), source, targets, loads=loads)
+    for engine in engines:
+        for name, value in source.items():
+            assert torch.equal(engine[name].view(torch.uint8), value.view(torch.uint8)), name
+    assert result.num_flushes > 2 and not result.failures
+    # each group loaded once for both targets, in one call per flushed buffer
+    assert sorted(n for _, names in loads for n in names) == sorted(source)
+    assert len(loads) == result.num_flushes
+    assert result.bytes_written == 2 * sum(_nbytes(t) for t in source.values())
+    assert len(transport.registered) == 2  # both buffers registered once
+    executor.close()
+
+
+def test_one_writer_thread_per_engine_rank():
+    transport = CopyingTransport()
+    source = _params(1)
+    sinks = {
+        key: {n: torch.zeros_like(t) for n, t in source.items()}
+        for key in (("http://a", 0), ("http://a", 1), ("http://b", 0))
+    }
+    targets = [_engine(url, rank, sinks[(url, rank)]) for url, rank in sinks]
+    executor, _ = _run(transport, aligned(1000), source, targets)
+    assert all(len(threads) == 1 for threads in transport.threads.values())
+    assert len({next(iter(t)) for t in transport.threads.values()}) == 3
+    executor.close()
+
+
+def test_failed_write_fails_its_engine_rank_naming_it_and_the_others_get_every_byte():
+    source = _params(2)
+    sinks = [{n: torch.zeros_like(t) for n, t in source.items()} for _ in range(2)]
+    targets = [_engine(u, 3, sink) for u, sink in zip(("http://a", "http://b"), sinks, strict=True)]
+    executor, result = _run(CopyingTransport(fail_on="http://b"), 2 * aligned(700), source, targets)
+    assert result.complete("http://a") and not result.complete("http://b")
+    for name, value in source.items():
+        assert torch.equal(sinks[0][name].view(torch.uint8), value.view(torch.uint8))
+    with pytest.raises(TransferError, match=r"engine http://b rank 3 parameters p0, p1"):
+        result.raise_if_failed()
+    executor.close()
+
+
+_KEEP_ALIVE: list[object] = []  # the late write lands after its test ended; keep its memory
+
+
+def test_late_write_fails_the_update():
+    source = _params(3)
+    sink = {n: torch.zeros_like(t) for n, t in source.items()}
+    _KEEP_ALIVE.append(sink)
+    targets = [_engine("http://a", 0, sink)]
+    executor, result = _run(CopyingTransport(delay_s=1.5), 1 << 20, source, targets, timeout_s=0.3)
+    _KEEP_ALIVE.append(executor)
+    with pytest.raises(TransferError, match=r"http://a rank 0.*still running after"):
+        result.raise_if_failed()
+
+
+def test_plan_refuses_to_write_outside_published_region():
+    small = {"p0": torch.zeros(10, dtype=torch.bfloat16)}
+    target = _engine("http://a", 1, small)
+    with pytest.raises(LayoutMismatchError, match=r"http://a rank 1 parameter 'p0'.*outside"):
+        build_byte_plan({"r": [(frozenset({"x"}), ("p0",))]}, {"r": {"p0": 40}}, {"r": [target]}, 1)
+    with pytest.raises(LayoutMismatchError, match=r"did not publish parameter 'zz'"):
+        build_byte_plan({"r": [(frozenset({"x"}), ("zz",))]}, {"r": {"zz": 20}}, {"r": [target]}, 1)
+
+
+def test_plan_slots_are_aligned_and_buffers_hold_the_largest_group():
+    sizes = {"a": 10, "b": ALIGNMENT_BYTES + 1, "c": 3 * ALIGNMENT_BYTES}
+    plan = build_byte_plan(
+        {"r": [(frozenset({"x", "y"}), ("a", "b")), (frozenset({"z"}), ("c",))]},
+        {"r": sizes},
+        {"r": []},
+        ALIGNMENT_BYTES,
+    )
+    first = plan.group("r", 0)
+    assert [(s.param, s.offset) for s in first.slots] == [("a", 0), ("b", ALIGNMENT_BYTES)]
+    assert first.block_bytes == 3 * ALIGNMENT_BYTES
+    assert plan.buffer_bytes == 3 * ALIGNMENT_BYTES  # grown past the configured size
+
+
+def test_write_carries_its_destination_device():
+    w = Write(1, 2, 3, dst_device=5)
+    assert (w.src_address, w.dst_address, w.num_bytes, w.dst_device) == (1, 2, 3, 5)
