@@ -1,17 +1,17 @@
 """Configuration objects: what a user sets, validated once, frozen afterwards.
 
-Environment variables are read here and nowhere else:
-``SGLANG_REMOTE_INSTANCE_NIXL_BACKEND`` fills ``NixlConfig.backend`` when it is left unset.
+``SGLANG_REMOTE_INSTANCE_NIXL_BACKEND`` fills ``NixlConfig.backend`` when it is left unset
+(through ``p2pweights.environment``, the one module that reads environment variables).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from p2pweights import environment
 from p2pweights.errors import ConfigError
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -74,9 +74,7 @@ class NixlConfig(_Config):
     model_config = _FROZEN
 
     kind: Literal["nixl"] = "nixl"
-    backend: str = Field(
-        default_factory=lambda: os.environ.get("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "UCX")
-    )
+    backend: str = Field(default_factory=environment.nixl_backend)
     """The NIXL plugin; defaults to $SGLANG_REMOTE_INSTANCE_NIXL_BACKEND, else "UCX"."""
 
 

@@ -307,6 +307,9 @@ def test_failure_at_any_step_then_giving_up_leaves_engines_running(
             assert engine.running
     else:
         assert engine.running
+        # whole weights show their version: the old one if no byte was written
+        written = STEPS.index(step) > STEPS.index("write")
+        assert engine.version == ("1" if written else "default")
         if report is not None:
             assert report.ok, str(report)
     session.close()
@@ -323,7 +326,8 @@ def test_one_engine_failing_its_writes_does_not_tear_the_others(engines):
         report = session.abort()
     assert good.running and good.violations == []
     assert torn.paused and torn.version.startswith(UPDATING_PREFIX)
-    assert report.outcomes["http://good"] == "resumed"
+    assert report.outcomes["http://good"] == "resumed (weight version 1)"
+    assert good.version == "1"  # whole: it shows the version its weights are
     assert report.left_paused == ["http://bad"]
 
 

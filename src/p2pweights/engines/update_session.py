@@ -74,7 +74,12 @@ class EngineUpdate:
     """This session (or one it took over from) paused the engine, so it resumes it."""
     incomplete: bool = False
     """Writes went into the engine since its last complete update: its weights may be torn."""
+    holds: str | None = None
+    """The version its weights are, while they are whole (None: not known)."""
+    shows_updating: bool = False
+    """Its weight version says ``p2pweights-updating:`` (set by this session or found)."""
     last_error: str | None = field(default=None, repr=False)
+    _version: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -85,8 +90,10 @@ class EngineUpdate:
     def adopt(self) -> None:
         """Read the state a previous session may have left the engine in."""
         version = self.client.weight_version()
+        self.holds = version
         if version.startswith(UPDATING_PREFIX):
-            self.incomplete = self.paused_by_us = True
+            self.incomplete = self.paused_by_us = self.shows_updating = True
+            self.holds = None
             logger.warning(
                 "engine %s was left mid-update (weight version %r): its weights may be torn; "
                 "the next update rewrites it whole before resuming it",
@@ -117,6 +124,8 @@ class EngineUpdate:
             if pause_mode != "in_place":
                 self._call(lambda c: c.flush_cache())
             self._begin()
+        self._version = version
+        self.shows_updating = True  # even if the answer is lost, it may show it
         self._call(lambda c: c.update_weight_version(updating_version(version)))
 
     def mark_written(self) -> None:
@@ -126,6 +135,7 @@ class EngineUpdate:
     def writes_landed(self) -> None:
         """Every write of this update landed: the weights are whole again."""
         self.incomplete = False
+        self.holds = self._version
 
     def close(self) -> None:
         """End the update session (the engine re-derives and re-lays its weights)."""
@@ -145,6 +155,7 @@ class EngineUpdate:
                 "finish() before a complete close())"
             )
         self._call(lambda c: c.update_weight_version(version))
+        self.holds, self.shows_updating = version, False
         self._resume()
 
     def abort(self, resume_incomplete: bool = False) -> str:
@@ -156,12 +167,19 @@ class EngineUpdate:
         self._probe_if_unknown()
         if self.phase in (Phase.OPEN, Phase.UNKNOWN):
             self._end()
+        if self.shows_updating and not self.incomplete and self.holds is not None:
+            # whole weights: show what they are (the old version if nothing was written)
+            holds = self.holds
+            self._call(lambda c: c.update_weight_version(holds))
+            self.shows_updating = False
         if not self.paused_by_us:
             return "left as it was"
         if self.incomplete and not resume_incomplete:
             return "left paused: its writes did not all land (weights may be torn)"
         self._resume()
-        return "resumed" + (" with incomplete weights" if self.incomplete else "")
+        if self.incomplete:
+            return "resumed with incomplete weights"
+        return f"resumed (weight version {self.holds})"
 
     # -- plumbing ------------------------------------------------------------------------------
 

@@ -76,7 +76,6 @@ class MooncakeTransport(Transport):
         self._lock = threading.Lock()
         self._registered: list[tuple[int, int]] = []
         self._local = RegionIndex([])
-        self._targets: dict[tuple[str, int, str], RegionIndex] = {}
 
     @property
     def session_id(self) -> str:
@@ -107,15 +106,10 @@ class MooncakeTransport(Transport):
                 f"{where(target.engine_url, target.engine_rank)} published backend "
                 f"{target.backend!r}, not a Mooncake session; use the matching transport"
             )
-        key = (target.engine_url, target.engine_rank, target.peer)
-        if key not in self._targets:
-            index = RegionIndex([(r.address, r.num_bytes) for r in target.regions.values()])
-            with self._lock:
-                self._targets[key] = index
 
     def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
         self.connect(target)
-        self._check_bounds(target, writes)
+        # bounds: every destination was checked against the publication in the byte plan
         deadline = time.monotonic() + timeout_s
         session = target.peer
         pending: dict[int, int] = {}  # batch id -> index into writes
@@ -146,21 +140,6 @@ class MooncakeTransport(Transport):
         if failures or pending:
             self._raise(target, writes, failures, pending, timeout_s)
 
-    def _check_bounds(self, target: RankPublication, writes: Sequence[Write]) -> None:
-        remote = self._targets[(target.engine_url, target.engine_rank, target.peer)]
-        for i, w in enumerate(writes):
-            if not self._local.covers(w.src_address, w.num_bytes):
-                raise TransferError(
-                    f"{where(target.engine_url, target.engine_rank)}: "
-                    f"{_describe(i, w, 'source is not in a registered buffer')}; "
-                    f"register the staging buffer first"
-                )
-            if not remote.covers(w.dst_address, w.num_bytes):
-                raise TransferError(
-                    f"{where(target.engine_url, target.engine_rank)}: "
-                    f"{_describe(i, w, 'destination leaves the published regions')}"
-                )
-
     def _raise(
         self,
         target: RankPublication,
@@ -188,7 +167,6 @@ class MooncakeTransport(Transport):
                 self._engine.unregister_memory(address)
             self._registered.clear()
             self._local = RegionIndex([])
-            self._targets.clear()
 
 
 class MooncakePublisher(Publisher):

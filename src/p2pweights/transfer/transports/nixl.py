@@ -23,9 +23,7 @@ the process, which keeps that module (and the second library copies) out.
 from __future__ import annotations
 
 import base64
-import glob
 import logging
-import os
 import threading
 import time
 import uuid
@@ -36,6 +34,7 @@ import torch
 
 from p2pweights.config import NixlConfig
 from p2pweights.engines.published import RankPublication
+from p2pweights.environment import keep_ucx_efa_module_out
 from p2pweights.errors import ConfigError, TransferError, TransportError, where
 from p2pweights.transfer.transports.base import Publisher, Transport, Write
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
@@ -45,23 +44,13 @@ logger = logging.getLogger(__name__)
 _MEM_TYPES = ("DRAM", "VRAM")
 
 
-def _avoid_ucx_exit_crash(backend: str) -> None:
-    """Keep UCX's EFA module out unless asked for; see the module docstring."""
-    if backend != "UCX" or "UCX_MODULES" in os.environ:
-        return
-    drivers = glob.glob("/sys/class/infiniband/*/device/driver")
-    if any(os.path.basename(os.path.realpath(d)) == "efa" for d in drivers):
-        return
-    os.environ["UCX_MODULES"] = "^efa"
-    logger.debug("set UCX_MODULES=^efa (no EFA devices) to avoid a crash at process exit")
-
-
 def _new_agent(name: str, backend: str) -> Any:
     try:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError as exc:
         raise TransportError(f"cannot import nixl ({exc}); pip install 'nixl>=1.5'") from exc
-    _avoid_ucx_exit_crash(backend)
+    if backend == "UCX":
+        keep_ucx_efa_module_out()  # see the module docstring
     # Strict sync: write() may run in one thread per engine rank on the same agent.
     config = nixl_agent_config(
         backends=[backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
@@ -179,7 +168,7 @@ class NixlTransport(Transport):
         local_mem, local_descs = self._local_descs(target, writes)
         remote_descs = []
         for i, w in enumerate(writes):
-            device = remote.device_of(w)
+            device = w.dst_device if w.dst_device is not None else remote.device_of(w)
             if device is None:
                 raise TransferError(
                     f"{where(target.engine_url, target.engine_rank)}: write #{i} "

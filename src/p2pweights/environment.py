@@ -1,0 +1,44 @@
+"""Every environment variable p2pweights reads or sets, in this one module.
+
+=====================================  =====================================================
+``SGLANG_REMOTE_INSTANCE_NIXL_BACKEND``  The NIXL backend when ``NixlConfig.backend`` is not
+                                         given, and the NIXL plugin's on engine hosts
+                                         (default ``UCX``); the name sglang PR #35712 uses.
+``SGLANG_USE_CPU_ENGINE``                sglang's own CPU engine runs in this process: the
+                                         replica then needs no rope-kernel workaround.
+``UCX_MODULES``                          Set to ``^efa`` by the NIXL transport when unset and
+                                         the host has no EFA device (UCX's EFA module crashes
+                                         at process exit otherwise). Read, never overridden.
+=====================================  =====================================================
+
+Read when used, not at import, so a value set before the first session counts.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["nixl_backend", "sglang_cpu_engine", "keep_ucx_efa_module_out"]
+
+
+def nixl_backend() -> str:
+    return os.environ.get("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "UCX")
+
+
+def sglang_cpu_engine() -> bool:
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
+def keep_ucx_efa_module_out() -> None:
+    """``UCX_MODULES=^efa`` unless set or the host has EFA devices (see the table above)."""
+    if "UCX_MODULES" in os.environ:
+        return
+    drivers = glob.glob("/sys/class/infiniband/*/device/driver")
+    if any(os.path.basename(os.path.realpath(d)) == "efa" for d in drivers):
+        return
+    os.environ["UCX_MODULES"] = "^efa"
+    logger.debug("set UCX_MODULES=^efa (no EFA devices) to avoid a crash at process exit")
