@@ -216,8 +216,8 @@ def check_rank(
 ) -> dict[str, Any]:
     from p2pweights.replica.ranks import RankSpec
     from p2pweights.replica.sglang.model_replica import ModelReplica
-    from p2pweights.replica.sglang.probe import HfTensorSpec
     from p2pweights.replica.sglang.reference import begin_update, load_real_rank_model
+    from p2pweights.source.inputs import describe_inputs
     from p2pweights.testing.bitexact import as_bytes, stage_all, state_mismatches
 
     result: dict[str, Any] = {"checks": {}, "details": {}, "seconds": {}}
@@ -230,7 +230,7 @@ def check_rank(
     seconds["replica"] = time.perf_counter() - t
     details["materialized_modules"] = list(replica.materialized_modules)
     details["optional_params"] = sorted(replica.optional_params)
-    loader_map = replica.loader_map([HfTensorSpec.of(name, t) for name, t in hf])
+    loader_map = replica.loader_map(describe_inputs(hf))
 
     t = time.perf_counter()
     reference = load_real_rank_model(folder, spec, iter(hf), server_args_fields=info, device=device)

@@ -2,7 +2,7 @@
 into another process's GPU memory, through p2pweights' own staging pipeline.
 
 For each staging location, the same 1 GiB of parameters (16 x 64 MiB) goes through
-``UpdatePipeline`` (two staging buffers, one writer thread) into an engine process
+``TransferExecutor`` (two staging buffers, one writer thread per engine rank) into an engine process
 whose weights are GPU tensors published by ``NixlPublisher``; the engine checks every
 byte after every update. The ceiling is the same bytes as one NIXL write from device
 memory. Needs a CUDA host and the ``nixl`` package; run on the lent H200 machine:
@@ -58,11 +58,10 @@ def _engine(conn, num_bytes: int, gpu: int) -> None:
 def main() -> None:
     from p2pweights.config import NixlConfig
     from p2pweights.engines.published import parse_publication
-    from p2pweights.transfer.buffers import StagingBuffers
-    from p2pweights.transfer.pipeline import UpdatePipeline
+    from p2pweights.plan.byte_plan import build_byte_plan
+    from p2pweights.transfer.executor import TransferExecutor
     from p2pweights.transfer.transports import Write
     from p2pweights.transfer.transports.nixl import NixlTransport
-    from p2pweights.transfer.writers import EngineWriter
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=1.0)
@@ -92,18 +91,25 @@ def main() -> None:
         for name, tensor in inputs:
             views[name].copy_(tensor)
 
+    names = sorted(pub.regions)
+    plan = build_byte_plan(
+        {"r": [(frozenset({n}), (n,)) for n in names]},
+        {"r": {n: pub.regions[n].num_bytes for n in names}},
+        {"r": [pub]},
+        args.buffer_mib * 2**20,
+    )
     for staging in ("cuda:0", "cpu"):
-        buffers = StagingBuffers(args.buffer_mib * 2**20, torch.device(staging), transport.register)
-        writer = EngineWriter(URL, transport, 60.0)
+        executor = TransferExecutor(transport, torch.device(staging), 60.0)
+        executor.connect([pub])
+        executor.reserve(plan.buffer_bytes)
         times, load_s, wait_s, ok = [], [], [], []
         for rep in range(args.reps + 1):
             source = _source(num_bytes, rep, "cuda:0")
             torch.cuda.synchronize()
-            pipeline = UpdatePipeline(buffers, {URL: writer}, 60.0, load)
             started = time.perf_counter()
-            for name, tensor in source.items():
-                pipeline.stage("r", {name: tensor.numel()}, [(name, tensor)], [pub])
-            stats = pipeline.finish()
+            ready = ((plan.group("r", i), [(n, source[n])]) for i, n in enumerate(names))
+            stats = executor.run(plan, ready, load)
+            stats.raise_if_failed()
             elapsed = time.perf_counter() - started
             here.send(rep)
             ok.append(here.recv())
@@ -111,7 +117,7 @@ def main() -> None:
                 times.append(elapsed)
                 load_s.append(stats.load_s)
                 wait_s.append(stats.wait_s)
-        writer.close()
+        executor.disconnect()
         median = statistics.median(times)
         results[staging] = {
             "median_s": median,

@@ -66,8 +66,8 @@ def child(args: argparse.Namespace) -> int:
         after_connect = rss_bytes()
         first = session.update(tensors)
         warm = [session.update(tensors) for _ in range(args.repeats)]
-        buffers = session._buffers  # the two staging buffers (their size after any growth)
-        buffer_bytes = 2 * buffers.capacity_bytes if buffers is not None else 0
+        executor = session._executor  # the two staging buffers (their size after any growth)
+        buffer_bytes = 2 * executor.buffer_bytes if executor is not None else 0
         peak, after = peak_rss_bytes(), rss_bytes()
     print(
         json.dumps(

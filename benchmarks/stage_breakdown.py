@@ -109,8 +109,8 @@ def profiled_update(session: WeightSyncSession, tensors: list) -> tuple[Any, pst
 
 def update_without_writes(session: WeightSyncSession, tensors: list) -> Any:
     """One update whose writes are skipped: the load stage with no transport running."""
-    transport = session._transport
-    assert transport is not None
+    assert session._executor is not None
+    transport = session._executor.transport
     original = transport.write
     transport.write = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:

@@ -53,6 +53,12 @@ class _Config(BaseModel):
         except ValidationError as exc:
             raise ConfigError(f"invalid {type(self).__name__}: {exc}") from exc
 
+    def __setattr__(self, name: str, value: object) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError(f"{type(self).__name__} is frozen: {exc}") from exc
+
 
 class MooncakeConfig(_Config):
     """Write over the Mooncake transfer engine (the transport sglang publishes for)."""

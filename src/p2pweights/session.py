@@ -181,7 +181,7 @@ class WeightSyncSession:
             (
                 aligned(self._replicas[key].param_bytes(name))
                 for key in targets
-                for name in self._replicas[key].replica.layouts
+                for name in self._replicas[key].layouts
             ),
             default=0,
         )
@@ -406,10 +406,10 @@ class _ParamBytes(Mapping[str, int]):
         return self._handle.param_bytes(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._handle.replica.layouts)
+        return iter(self._handle.layouts)
 
     def __len__(self) -> int:
-        return len(self._handle.replica.layouts)
+        return len(self._handle.layouts)
 
 
 def _pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:

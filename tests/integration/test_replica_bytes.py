@@ -17,9 +17,8 @@ import torch
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang.model_replica import ModelReplica
-from p2pweights.replica.sglang.probe import HfTensorSpec
 from p2pweights.replica.sglang.reference import load_real_rank_model
-from p2pweights.source.inputs import InputSpec
+from p2pweights.source.inputs import InputSpec, describe_inputs
 from p2pweights.testing import synthetic_weights, write_model_dir
 
 pytestmark = pytest.mark.integration
@@ -51,7 +50,7 @@ def test_staged_bytes_equal_sglang_loader(
     spec = RankSpec.from_server_info({"tp_size": tp_size}, rank)
     hf = weights[model]
     replica = ModelReplica(model_dirs[model], spec)
-    loader_map = replica.loader_map([HfTensorSpec.of(name, t) for name, t in hf])
+    loader_map = replica.loader_map(describe_inputs(hf))
     real = dict(load_real_rank_model(model_dirs[model], spec, iter(hf)).named_parameters())
 
     assert set(replica.layouts) == set(real)
@@ -88,14 +87,14 @@ def test_staged_bytes_equal_sglang_loader(
 
 def test_fused_and_tied_groups(model_dirs: dict[str, Path], weights: dict) -> None:
     replica = ModelReplica(model_dirs["qwen3-tiny-tied"], RankSpec.derive(tp_size=2, engine_rank=1))
-    specs = [HfTensorSpec.of(name, t) for name, t in weights["qwen3-tiny-tied"]]
+    specs = describe_inputs(weights["qwen3-tiny-tied"])
     # a tied lm_head and a rotary buffer a trainer may send anyway feed nothing
-    extra = [
-        HfTensorSpec("lm_head.weight", (1000, 256), torch.bfloat16),
-        HfTensorSpec("model.layers.0.self_attn.rotary_emb.inv_freq", (16,), torch.float32),
-    ]
-    loader_map = replica.loader_map(specs + extra)
-    assert set(loader_map.unused) == {spec.name for spec in extra}
+    extra = {
+        "lm_head.weight": InputSpec((1000, 256), torch.bfloat16),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": InputSpec((16,), torch.float32),
+    }
+    loader_map = replica.loader_map({**specs, **extra})
+    assert set(loader_map.unused) == set(extra)
     qkv = loader_map.group_of_param("model.layers.1.self_attn.qkv_proj.weight")
     assert qkv.hf_names == {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"}
     gate_up = loader_map.group_of_param("model.layers.0.mlp.gate_up_proj.weight")
@@ -182,7 +181,7 @@ def test_from_server_info_and_demo_size(tmp_path: Path) -> None:
     assert 150e6 < total_bytes < 250e6  # half of about 390 MB at TP 2
     assert replica.layouts["model.embed_tokens.weight"].shape == (16032, 1024)  # 32003 padded
     groups = replica.probe(
-        {"model.layers.0.self_attn.q_proj.weight": HfTensorSpec("q", (2048, 1024), torch.bfloat16)}
+        {"model.layers.0.self_attn.q_proj.weight": InputSpec((2048, 1024), torch.bfloat16)}
     )
     assert [g.param_names for g in groups] == [("model.layers.0.self_attn.qkv_proj.weight",)]
 
@@ -217,9 +216,7 @@ def test_probe_reports_buffers_a_loader_writes(model_dirs: dict[str, Path], weig
     replica.model.load_weights = load_with_shadow
     try:
         specs = {name: InputSpec(tuple(t.shape), t.dtype) for name, t in weights["qwen3-tiny"]}
-        loader_map = replica.loader_map(
-            [HfTensorSpec(n, s.shape, s.dtype) for n, s in specs.items()]
-        )
+        loader_map = replica.loader_map(specs)
         assert loader_map.buffer_writes == {"model.norm.weight": {"model.norm.shadow"}}
         with pytest.raises(ConfigError, match=r"module buffers \['model.norm.shadow'\]"):
             handle.groups(specs)

@@ -28,8 +28,8 @@ import torch
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang.model_replica import ModelReplica
-from p2pweights.replica.sglang.probe import HfTensorSpec
 from p2pweights.replica.sglang.reference import load_real_rank_model
+from p2pweights.source.inputs import describe_inputs
 from p2pweights.testing import model_config, synthetic_weights, write_model_dir
 from p2pweights.testing.bitexact import as_bytes, engine_path_model, stage_all, state_mismatches
 
@@ -146,7 +146,7 @@ def _check_rank(
     spec = RankSpec.from_server_info(info, rank)
     where = f"{folder.name} {dict(info)} rank {rank}"
     replica = ModelReplica(folder, spec, server_args_fields=info)
-    loader_map = replica.loader_map([HfTensorSpec.of(name, t) for name, t in hf])
+    loader_map = replica.loader_map(describe_inputs(hf))
     reference = load_real_rank_model(folder, spec, iter(hf), server_args_fields=info)
     real = dict(reference.named_parameters())
 
@@ -236,7 +236,7 @@ def _check_draft(
         assert {"model.embed_tokens.weight", "lm_head.weight"} <= replica.optional_params
         others = replica.optional_params - {"model.embed_tokens.weight", "lm_head.weight"}
         assert all(name.endswith(("k_scale", "v_scale")) for name in others)  # fp8 attention
-        loader_map = replica.loader_map([HfTensorSpec.of(name, t) for name, t in hf])
+        loader_map = replica.loader_map(describe_inputs(hf))
         assert set(loader_map.unfed_params) == replica.optional_params
         used = set(loader_map.feeds) - set(loader_map.unused)
         assert used and all(name.startswith(mtp_layer) for name in used), sorted(used)[:4]
@@ -296,7 +296,7 @@ def test_deepseek_groups_mla_and_experts(model_dirs: dict[str, Path], weights: d
         model_dirs["deepseek-v3-tiny"], RankSpec.from_server_info(info, 1), server_args_fields=info
     )
     hf, _ = weights["deepseek-v3-tiny"]
-    loader_map = replica.loader_map([HfTensorSpec.of(name, t) for name, t in hf])
+    loader_map = replica.loader_map(describe_inputs(hf))
     fused = loader_map.group_of_param("model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight")
     assert fused.hf_names == {
         "model.layers.1.self_attn.q_a_proj.weight",
@@ -433,7 +433,7 @@ def test_batch_probe_equals_name_by_name(model_dirs: dict[str, Path], weights: d
         model_dirs["glm4-moe-tiny"], RankSpec.from_server_info(info, 3), server_args_fields=info
     )
     hf, _ = weights["glm4-moe-tiny"]
-    specs = [HfTensorSpec.of(name, t) for name, t in hf]
+    specs = describe_inputs(hf)
     batch = _probe_batch(replica, specs)
     assert batch is not None
-    assert batch == {spec.name: _probe_one(replica, spec) for spec in specs}
+    assert batch == {name: _probe_one(replica, name, spec) for name, spec in specs.items()}

@@ -7,8 +7,9 @@ import torch
 
 from p2pweights.errors import ConfigError
 from p2pweights.source.checkpoint_format import AS_GIVEN, QuantizeToBlockFp8, unify
+from p2pweights.source.collect import ConvertingCollector
 from p2pweights.source.fp8_block import FP8, BlockFp8Format
-from p2pweights.source.inputs import ConvertingCollector, InputSpec, ParamGroup
+from p2pweights.source.inputs import InputSpec, ParamGroup
 
 BF16 = torch.bfloat16
 FMT = BlockFp8Format((64, 64))
@@ -73,7 +74,8 @@ def test_collector_converts_once_per_format_and_releases_groups() -> None:
 
     counting = Counting(fp8.fmt, fp8.names)
     collector = ConvertingCollector(
-        groups, {"fp8-a": counting, "fp8-b": counting, "bf16": AS_GIVEN}
+        {key: [g.hf_names for g in gs] for key, gs in groups.items()},
+        {"fp8-a": counting, "fp8-b": counting, "bf16": AS_GIVEN},
     )
     weight = torch.randn(128, 64).bfloat16()
     ready = collector.add("q.weight", weight)

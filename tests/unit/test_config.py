@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from p2pweights import MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.config import parse_bytes
 
 
@@ -50,13 +50,15 @@ def test_buffer_bytes_accepts_strings():
     ],
 )
 def test_rejected(kwargs):
-    with pytest.raises(pydantic.ValidationError):
+    # one error tree for users: pydantic's ValidationError surfaces as ConfigError (chained)
+    with pytest.raises(ConfigError) as raised:
         SyncConfig(**kwargs)
+    assert isinstance(raised.value.__cause__, pydantic.ValidationError)
 
 
 def test_frozen():
     config = SyncConfig()
-    with pytest.raises(pydantic.ValidationError):
+    with pytest.raises(ConfigError, match="frozen"):
         config.buffer_bytes = 2**30  # type: ignore[misc]
 
 

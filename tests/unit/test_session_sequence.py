@@ -399,3 +399,19 @@ def test_usage_errors(engines):
     with pytest.raises(ConfigError, match="buffer_bytes"):
         SyncConfig(buffer_bytes="lots")
     session.close()
+
+
+def test_a_bad_tensor_in_a_streamed_update_leaves_a_visible_torn_engine(engines):
+    def stream():
+        yield from _tensors(6)[:3]  # q, k, v: the qkv group is complete and staged
+        yield "o", torch.zeros(3, dtype=torch.uint8)  # the wrong shape
+
+    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(5))
+        with pytest.raises(ConfigError, match="'o' has shape"):
+            session.update(stream())
+        engine = engines["http://e0"]
+        assert engine.paused and engine.version == f"{UPDATING_PREFIX}2"
+        report = session.update(iter(_tensors(7)))
+    assert _holds(engine, 7) and engine.running and engine.version == report.version

@@ -1,17 +1,18 @@
 """Replicas kept per shard layout for the whole trainer process.
 
-Two engine ranks whose bytes are laid out the same way (same model, same rank
-parallelism, same byte-relevant server arguments) share one replica and one
-loader probe, across engines and across reconnects. sglang is imported only
-when a replica is first built.
+Two engine ranks whose bytes are laid out the same way share one replica and one
+loader probe, across engines and across reconnects: same model, same rank
+parallelism, same runner, same byte-relevant server arguments (``layout_key``
+says which count). sglang is imported when a handle is first asked for, and a
+replica is built on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,47 +21,15 @@ import torch
 
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, LayoutMismatchError
-from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
-from p2pweights.source.fp8_block import FP8, BlockFp8Format
+from p2pweights.replica.base import ParamLayout, Replica
+from p2pweights.replica.layout_key import LayoutKey, layout_args
+from p2pweights.replica.ranks import RankSpec
+from p2pweights.source.checkpoint_format import CheckpointFormat
 from p2pweights.source.inputs import InputSpec, ParamGroup
-from p2pweights.transfer.buffers import staged_bytes
 
-LAYOUT_SERVER_ARGS = (
-    "dtype",
-    "quantization",
-    "tp_size",
-    "ep_size",
-    "pp_size",
-    "dp_size",
-    "enable_dp_attention",
-    "enable_dp_lm_head",
-    "moe_dense_tp_size",
-    "moe_runner_backend",
-    "moe_a2a_backend",
-    "disable_shared_experts_fusion",
-    "ep_num_redundant_experts",
-    "moe_dp_size",
-    "attn_cp_size",
-    "shared_experts_tp_size",
-    "enable_shared_experts_attn_tp",
-    "speculative_moe_runner_backend",
-    "speculative_moe_a2a_backend",
-    "speculative_algorithm",
-    "speculative_draft_model_quantization",
-    "speculative_enable_w4a4_mxfp4_megamoe",
-    "enforce_shared_experts_fusion",
-    "enable_w4a4_mxfp4_megamoe",
-    "fp8_gemm_runner_backend",
-    "fp4_gemm_runner_backend",
-    "bf16_gemm_backend",
-    "kv_cache_dtype",
-    "quantization_param_path",
-    "rl_quant_profile",
-    "enable_fp32_lm_head",
-)
-"""Server arguments that change which bytes a rank holds or how they are laid out."""
+__all__ = ["ReplicaHandle", "config_path", "replica_for"]
 
-_HANDLES: dict[Hashable, ReplicaHandle] = {}
+_HANDLES: dict[LayoutKey, ReplicaHandle] = {}
 _LOCK = threading.Lock()
 
 
@@ -86,64 +55,69 @@ def replica_for(
 
     ``role="draft"``: the rank's same-model speculative draft runner.
     """
-    from p2pweights.replica.ranks import RankSpec
+    from p2pweights.replica.sglang import compat
+    from p2pweights.replica.sglang.env import server_args_names
 
+    compat.check_sglang()
     path = config_path(server_info, model_path)
-    spec = RankSpec.from_server_info(dict(server_info), engine_rank)
-    layout_args = tuple((k, _hashable(server_info.get(k))) for k in LAYOUT_SERVER_ARGS)
-    key = (hashlib.sha256(path.read_bytes()).hexdigest(), spec, layout_args, role)
+    spec = RankSpec.from_server_info(server_info, engine_rank)
+    key = LayoutKey(
+        config_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        rank=spec,
+        role=role,
+        sglang_version=compat.SGLANG_VERSION,
+        server_args=layout_args(server_info, server_args_names()),
+    )
+    info = dict(server_info)
     with _LOCK:
         handle = _HANDLES.get(key)
         if handle is None:
-            handle = _HANDLES[key] = ReplicaHandle(key, path, dict(server_info), spec, role)
+            build = functools.partial(_sglang_replica, path, info, spec, role)
+            handle = _HANDLES[key] = ReplicaHandle(key, build)
     return handle
 
 
-def _quantizable(spec: InputSpec) -> bool:
-    return len(spec.shape) >= 2 and spec.dtype.is_floating_point and spec.dtype != FP8
+def _sglang_replica(path: Path, server_info: dict[str, Any], spec: RankSpec, role: str) -> Replica:
+    from p2pweights.replica.sglang.model_replica import ModelReplica
 
-
-def _hashable(value: Any) -> Hashable:
-    return json.dumps(value, sort_keys=True, default=str)
+    return ModelReplica.from_server_info(path, server_info, spec, role)
 
 
 @dataclass(eq=False)
 class ReplicaHandle:
-    """One shard layout: its replica (built on first use) and its loader probe."""
+    """One shard layout: its replica, built on first use, and the checks against engines.
+
+    What the rest of the library uses of a replica: its ``layouts``, the
+    ``checkpoint_format`` and ``groups`` of the trainer's inputs, ``load_into``, and
+    the check of what engines published (``check_published``; the byte plan checks
+    every write of an update).
+    """
 
     key: Hashable
-    config_path: Path
-    server_info: dict[str, Any]
-    spec: Any
-    role: str = "target"
-    _replica: Any = field(default=None, repr=False)
+    """Equal for ranks that share this replica (a ``LayoutKey`` for sglang replicas)."""
+    build: Callable[[], Replica] = field(repr=False)
+    """Makes the replica; called once, on first use."""
+    _replica: Replica | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
-    def replica(self) -> Any:
+    def replica(self) -> Replica:
         with self._lock:
             if self._replica is None:
-                from p2pweights.replica.sglang.model_replica import ModelReplica
-
-                self._replica = ModelReplica.from_server_info(
-                    self.config_path, self.server_info, self.spec, self.role
-                )
+                self._replica = self.build()
             return self._replica
 
+    @property
+    def layouts(self) -> Mapping[str, ParamLayout]:
+        """Parameter name -> how the engine rank lays it out (shape, dtype, bytes)."""
+        return self.replica.layouts
+
     def param_bytes(self, name: str) -> int:
-        return int(self.replica.param_layouts[name].num_bytes)
-
-    def group_sizes(self, group: ParamGroup) -> dict[str, int]:
-        """Parameter name -> bytes, for the parameters of ``group``."""
-        return {name: self.param_bytes(name) for name in group.param_names}
-
-    def group_bytes(self, group: ParamGroup) -> int:
-        """Staging bytes ``group`` takes, alignment included."""
-        return staged_bytes(self.group_sizes(group).values())
+        return int(self.layouts[name].num_bytes)
 
     def check_published(self, pub: RankPublication) -> None:
         """Refuse an engine rank whose published parameters differ from this replica's."""
-        layouts = self.replica.param_layouts
+        layouts = self.layouts
         where = f"engine {pub.engine_url} rank {pub.engine_rank}"
         if pub.role != "target":
             where += f" ({pub.role})"
@@ -169,38 +143,9 @@ class ReplicaHandle:
                 f"{where} published parameters the replica does not have: {', '.join(extra[:8])}"
             )
 
-    def check_writable(self, groups: Sequence[ParamGroup], pubs: Sequence[RankPublication]) -> None:
-        """Before any write: every parameter these groups stage has a published region.
-
-        ``check_published`` lets a parameter the update need not feed go unpublished
-        (a draft's shared head); if this update's inputs do feed one, refuse it here.
-        """
-        for pub in pubs:
-            for group in groups:
-                missing = [name for name in group.param_names if name not in pub.regions]
-                if missing:
-                    raise LayoutMismatchError(
-                        f"{pub.where} did not publish parameter(s) {missing}, which this "
-                        f"update's HF tensors {sorted(group.hf_names)[:4]} feed; nothing written"
-                    )
-
     def checkpoint_format(self, inputs: Mapping[str, InputSpec]) -> CheckpointFormat:
-        """How this layout's loaders want the trainer's tensors (see ``convert``)."""
-        from p2pweights.replica.sglang.probe import HfTensorSpec
-
-        fmt = BlockFp8Format.from_quantization_config(self.replica.quantization_config)
-        if fmt is None:
-            return AS_GIVEN
-        # sglang's loaders refuse to downcast, so every matrix is probed as fp8 (an
-        # upcast into a high-precision parameter is allowed): the probe then says
-        # which names this engine holds in fp8.
-        specs = [
-            HfTensorSpec(name, s.shape, FP8 if _quantizable(s) else s.dtype)
-            for name, s in inputs.items()
-        ]
-        feeds = self.replica.loader_map(specs).feeds
-        dtypes = {name: layout.dtype for name, layout in self.replica.param_layouts.items()}
-        return QuantizeToBlockFp8.choose(fmt, inputs, feeds, dtypes)
+        """How this layout's loaders want the trainer's tensors (see ``CheckpointFormat``)."""
+        return self.replica.checkpoint_format(inputs)
 
     def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
         """Parameter groups for these HF inputs (the replica caches the probe).
@@ -208,28 +153,10 @@ class ReplicaHandle:
         Raises ``ConfigError`` if some parameter of this layout is fed by none of the
         inputs: it would keep stale bytes while the update reports success.
         """
-        from p2pweights.replica.sglang.probe import HfTensorSpec
-
-        specs = [HfTensorSpec(name, s.shape, s.dtype) for name, s in inputs.items()]
-        loader_map = self.replica.loader_map(specs)
-        unfed = [p for p in loader_map.unfed_params if p not in self.replica.optional_params]
-        if unfed:
-            raise ConfigError(
-                f"no HF tensor of this update feeds {len(unfed)} parameter(s) of the engine "
-                f"layout ({self.spec}): {', '.join(unfed[:8])}; send every checkpoint tensor"
-            )
-        if loader_map.buffer_writes:
-            # only parameters are written and published; a buffer the loader itself
-            # fills (not one the engine derives at end_weight_update) would go stale
-            name, buffers = next(iter(sorted(loader_map.buffer_writes.items())))
-            raise ConfigError(
-                f"the loader of engine layout ({self.spec}) writes HF tensor {name!r} into "
-                f"module buffers {sorted(buffers)}; p2pweights writes parameters only (the "
-                f"engine publishes no buffer), so these would keep stale values"
-            )
-        return [ParamGroup(g.hf_names, g.param_names) for g in loader_map.groups]
+        return self.replica.groups(inputs)
 
     def load_into(
         self, inputs: Sequence[tuple[str, torch.Tensor]], views: Mapping[str, torch.Tensor]
     ) -> None:
-        self.replica.load_into(list(inputs), dict(views))
+        """Write the bytes ``inputs`` make into ``views`` (param name -> flat uint8 view)."""
+        self.replica.load_into(inputs, views)

@@ -7,8 +7,7 @@ tensor is held only until every group that reads it has been loaded.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +16,7 @@ import torch
 from p2pweights.errors import ConfigError
 
 if TYPE_CHECKING:
-    from p2pweights.source.checkpoint_format import CheckpointFormat
+    pass
 
 
 @dataclass(frozen=True)
@@ -30,10 +29,15 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """Parameters loaded together, and the HF names they are loaded from."""
+    """Parameters loaded together, and the HF names they are loaded from.
+
+    The replica's loader probe makes them: HF names whose parameters overlap (q, k
+    and v of one fused ``qkv_proj``) form one group, staged by one loader call.
+    """
 
     hf_names: frozenset[str]
     param_names: tuple[str, ...]
+    """In the replica's parameter order."""
 
 
 def describe_inputs(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, InputSpec]:
@@ -69,109 +73,3 @@ def check_input(name: str, tensor: torch.Tensor, known: Mapping[str, InputSpec])
             f"HF tensor {name!r} has shape {tuple(tensor.shape)}, "
             f"the first update sent {spec.shape}"
         )
-
-
-class GroupCollector:
-    """Collects one update's HF tensors and releases each group once its inputs are complete."""
-
-    def __init__(self, groups: Mapping[Hashable, Sequence[ParamGroup]]):
-        self._groups = groups
-        self._waiting: dict[tuple[Hashable, int], set[str]] = {}
-        self._readers: dict[str, list[tuple[Hashable, int]]] = {}
-        for key, key_groups in groups.items():
-            for index, group in enumerate(key_groups):
-                self._waiting[(key, index)] = set(group.hf_names)
-                for hf_name in group.hf_names:
-                    self._readers.setdefault(hf_name, []).append((key, index))
-        self._open_reads = {name: len(readers) for name, readers in self._readers.items()}
-        self._held: dict[str, torch.Tensor] = {}
-        self._seen: set[str] = set()
-
-    def add(
-        self, name: str, tensor: torch.Tensor
-    ) -> list[tuple[Hashable, ParamGroup, list[tuple[str, torch.Tensor]]]]:
-        """Take one tensor; return the groups it completes, each with all its inputs."""
-        if name in self._seen:
-            raise ConfigError(f"HF tensor {name!r} was given twice in one update")
-        self._seen.add(name)
-        readers = self._readers.get(name, [])
-        if readers:
-            self._held[name] = tensor
-        ready = []
-        for key, index in readers:
-            waiting = self._waiting[(key, index)]
-            waiting.discard(name)
-            if not waiting:
-                group = self._groups[key][index]
-                inputs = [(n, self._held[n]) for n in sorted(group.hf_names)]
-                ready.append((key, group, inputs))
-                for n in group.hf_names:
-                    self._open_reads[n] -= 1
-                    if self._open_reads[n] == 0:
-                        del self._held[n]
-        return ready
-
-    def missing(self) -> dict[str, list[str]]:
-        """For each incomplete group (by its first parameter): the HF names it still waits for."""
-        return {
-            self._groups[key][index].param_names[0]: sorted(names)
-            for (key, index), names in self._waiting.items()
-            if names
-        }
-
-    def raise_if_incomplete(self) -> None:
-        missing = self.missing()
-        if missing:
-            lines = [
-                f"{param} (needs {', '.join(names)})" for param, names in sorted(missing.items())
-            ]
-            raise ConfigError(
-                "the update ended before every input of these parameters arrived: "
-                + "; ".join(lines[:8])
-                + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
-            )
-
-
-class ConvertingCollector:
-    """Group collection for layouts whose loaders read different checkpoint formats.
-
-    Layouts sharing a format share one ``GroupCollector``, and each trainer tensor is
-    converted once per format (e.g. quantized to fp8 once for every fp8 rank), right
-    before the groups it completes are handed on.
-    """
-
-    def __init__(
-        self,
-        groups: Mapping[Hashable, Sequence[ParamGroup]],
-        formats: Mapping[Hashable, CheckpointFormat],
-    ):
-        by_format: dict[Hashable, dict[Hashable, Sequence[ParamGroup]]] = {}
-        converters: dict[Hashable, CheckpointFormat] = {}
-        for key, key_groups in groups.items():
-            fmt = formats[key]
-            by_format.setdefault(fmt.key, {})[key] = key_groups
-            converters[fmt.key] = fmt
-        self._collectors = [
-            (converters[fmt_key], GroupCollector(layouts)) for fmt_key, layouts in by_format.items()
-        ]
-        self.convert_s = 0.0
-        """Seconds spent converting tensors (e.g. fp8 quantization)."""
-
-    def add(
-        self, name: str, tensor: torch.Tensor
-    ) -> list[tuple[Hashable, ParamGroup, list[tuple[str, torch.Tensor]]]]:
-        ready = []
-        for fmt, collector in self._collectors:
-            if fmt.converts(name):
-                started = time.perf_counter()
-                converted = fmt.convert(name, tensor)
-                self.convert_s += time.perf_counter() - started
-            else:
-                converted = [(name, tensor)]
-            for converted_name, converted_tensor in converted:
-                ready += collector.add(converted_name, converted_tensor)
-        return ready
-
-    def raise_if_incomplete(self) -> None:
-        for _, collector in self._collectors:
-            collector.raise_if_incomplete()

@@ -1,18 +1,21 @@
 """Everything that touches sglang's process-global state, in one place.
 
 A replica runs sglang's own model code inside the trainer process. That code reads
-its configuration from two process globals: the published ``ServerArgs`` (through
-``sglang.srt.runtime_context``) and the parallel context (``get_parallel()``), which
-says which rank of which group this process is. The trainer is none of those ranks,
+its configuration from the active ``sglang.srt.runtime_context`` context: the
+``ServerArgs`` and config bags, the MoE runtime flags, and the parallel context
+(``get_parallel()``), which says which rank of which group this process is. The
+trainer is none of those ranks and must not replace the process's own sglang
+configuration (a colocated trainer may run an sglang engine in this process too),
 so this module
 
-* publishes the engine's server arguments once per distinct set (``ensure_server_args``),
+* builds one context per replica from the engine's server arguments without
+  touching the process's (``replica_context``) and activates it around every
+  replica operation (``in_context``); an engine process instead publishes its
+  server arguments process-wide (``ensure_server_args``: the local engine, the
+  reference models of bit-exact checks),
 * states one engine rank's parallelism as a scoped override with stand-in group
   objects (``rank_scope``), so construction and loaders shard for that rank,
-* builds a model the way sglang's ``DefaultModelLoader`` does (``build_model``), and
-* gives the reference: a real CPU model of the rank filled by sglang's own loader
-  and startup postprocess (``load_real_rank_model``), plus the begin/end update
-  steps sglang's ``WeightUpdater`` runs (``begin_update`` / ``end_update``).
+* builds a model the way sglang's ``DefaultModelLoader`` does (``build_model``).
 
 sglang is imported lazily: ``import p2pweights`` must not pull it in.
 
@@ -36,12 +39,14 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from p2pweights import environment
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
 
@@ -53,6 +58,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "FakeGroup",
     "ensure_server_args",
+    "replica_context",
+    "in_context",
+    "server_args_names",
     "check_reproducible_layout",
     "initialize_moe_config",
     "rank_scope",
@@ -130,30 +138,29 @@ def parallel_fields(spec: RankSpec) -> dict[str, Any]:
 
 _published_key: tuple[tuple[str, str], ...] | None = None
 
+_CONTEXT_LOCK = threading.RLock()
+"""Held while a replica's context is active: sglang's ``use_context`` swaps process
+globals and does not isolate threads, so replica operations are serialized."""
+
 
 def ensure_server_args(server_args_fields: Mapping[str, Any]) -> None:
-    """Publish ``ServerArgs(**fields)`` for this process unless the same fields already are.
+    """Publish ``ServerArgs(**fields)`` process-wide unless the same fields already are.
 
-    ``server_args_fields`` is typically an engine's ``/server_info`` with ``model_path``
-    pointing at a local folder holding the model's ``config.json``. Keys that are not
-    ServerArgs fields (runtime state in ``/server_info``) are dropped. ``device``
-    defaults to ``"cuda"``, the engine's device: sglang resolves defaults from it,
-    and a replica never allocates on it.
+    For engine processes only (the local engine, the reference model of a bit-exact
+    check): it replaces this process's sglang configuration. A replica in a trainer
+    uses ``replica_context`` instead. ``server_args_fields`` is typically an engine's
+    ``/server_info`` with ``model_path`` pointing at a local folder holding the
+    model's ``config.json`` (see ``_fields_for_server_args``).
     """
     global _published_key
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
 
-    known = _server_args_names(ServerArgs)
-    fields = {k: v for k, v in server_args_fields.items() if k in known and v is not None}
-    if "model_path" not in fields:
-        raise ConfigError("server args need a model_path (a folder holding config.json)")
-    fields.setdefault("device", "cuda")
-    check_reproducible_layout(fields)
+    fields = _fields_for_server_args(server_args_fields)
     key = tuple(sorted((k, repr(v)) for k, v in fields.items()))
     if key == _published_key:
         return
+    server_args = _server_args(fields)
     try:
-        server_args = ServerArgs(**fields)
         set_global_server_args_for_scheduler(server_args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"sglang rejected the server args {fields}: {exc}") from exc
@@ -163,6 +170,73 @@ def ensure_server_args(server_args_fields: Mapping[str, Any]) -> None:
     initialize_moe_config()
     _published_key = key
     logger.debug("published sglang server args for %s", fields["model_path"])
+
+
+def replica_context(server_args_fields: Mapping[str, Any]) -> Any:
+    """A runtime context of its own for a replica of an engine with these server args.
+
+    sglang's ``create_context`` resolves the args into config bags without replacing
+    the active process config; the MoE flags are seeded inside it, as an engine's
+    scheduler seeds them after publishing. Activate it with ``in_context``.
+    """
+    from sglang.srt.runtime_context import create_context
+
+    fields = _fields_for_server_args(server_args_fields)
+    server_args = _server_args(fields)
+    try:
+        # the role of the process that runs the model (sglang's scheduler)
+        context = create_context(server_args, role="scheduler")
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"sglang rejected the server args {fields}: {exc}") from exc
+    with in_context(context):
+        initialize_moe_config()
+    return context
+
+
+@contextlib.contextmanager
+def in_context(context: Any) -> Iterator[None]:
+    """Make ``context`` sglang's active runtime context inside the block (nestable).
+
+    The previous context comes back on exit, so the process's own sglang
+    configuration, published or not, is never replaced.
+    """
+    from sglang.srt.runtime_context import use_context
+
+    with _CONTEXT_LOCK, use_context(context):
+        yield
+
+
+def server_args_names() -> frozenset[str]:
+    """The names of the installed sglang's ``ServerArgs`` fields."""
+    from sglang.srt.server_args import ServerArgs
+
+    return _server_args_names(ServerArgs)
+
+
+def _fields_for_server_args(server_args_fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ServerArgs`` fields among ``server_args_fields``, checked.
+
+    Keys that are not ServerArgs fields (runtime state in ``/server_info``) and None
+    values (sglang's default) are dropped. ``device`` defaults to ``"cuda"``, the
+    engine's device: sglang resolves defaults from it, and a replica never allocates
+    on it.
+    """
+    known = server_args_names()
+    fields = {k: v for k, v in server_args_fields.items() if k in known and v is not None}
+    if "model_path" not in fields:
+        raise ConfigError("server args need a model_path (a folder holding config.json)")
+    fields.setdefault("device", "cuda")
+    check_reproducible_layout(fields)
+    return fields
+
+
+def _server_args(fields: Mapping[str, Any]) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    try:
+        return ServerArgs(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"sglang rejected the server args {dict(fields)}: {exc}") from exc
 
 
 @functools.cache
@@ -225,7 +299,7 @@ def _current_server_args() -> Any:
 
 
 def model_config_for(role: str = "target") -> Any:
-    """sglang's ``ModelConfig`` of ``role`` for the published server args.
+    """sglang's ``ModelConfig`` of ``role`` for the active context's server args.
 
     The draft's is what sglang's draft worker makes: the draft checkpoint (for a
     same-model draft, the model itself) with ``is_draft_model=True``, which switches
@@ -281,7 +355,7 @@ def role_scope(role: str, building: bool = False) -> Iterator[None]:
 def build_role_model(
     spec: RankSpec, device: torch.device | str, role: str = "target"
 ) -> tuple[Any, nn.Module]:
-    """``(model_config, model)`` of ``role`` for the published server args (see build_model)."""
+    """``(model_config, model)`` of ``role`` for the active server args (see build_model)."""
     model_config = model_config_for(role)
     with role_scope(role, building=True):
         model = build_model(model_config, spec, device)
@@ -317,7 +391,7 @@ def _rope_without_forward_kernel(device: torch.device | str) -> Iterator[None]:
     from sglang.srt.layers.rotary_embedding import base, rope_variant
     from sglang.srt.utils import is_cuda
 
-    if is_cuda() or os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    if is_cuda() or environment.sglang_cpu_engine():
         yield
         return
     saved_is_cpu, saved_get_device = base._is_cpu, rope_variant.get_device

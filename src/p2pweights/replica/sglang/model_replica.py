@@ -11,6 +11,10 @@ staging buffer and runs the model's own ``load_weights``: whatever sharding, pad
 and fusing the engine's loader does, it does here into the staging memory, so the
 staged bytes are exactly what that rank's loader would write. The parameters are
 pointed back at meta storage afterwards, so a replica never holds the model.
+
+Each replica has its own sglang runtime context (``sglang_env.replica_context``),
+built from the engine's server args; every operation on the replica runs with it
+active and the process's own sglang configuration is left as it was.
 """
 
 from __future__ import annotations
@@ -18,57 +22,34 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from p2pweights.errors import ConfigError
+from p2pweights.replica.base import ParamLayout, bytes_spanned
+from p2pweights.replica.layout_key import ENGINE_LOCAL_ARGS
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import env as sglang_env
 from p2pweights.replica.sglang.parameters import repoint
+from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
+from p2pweights.source.fp8_block import FP8, BlockFp8Format
+from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from p2pweights.replica.sglang.probe import HfTensorSpec, LoaderMap, Written
-    from p2pweights.source.inputs import ParamGroup
+    from p2pweights.replica.sglang.probe import LoaderMap, Written
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParamLayout", "ModelReplica", "bytes_spanned"]
 
-_ENGINE_LOCAL_ARGS = frozenset(
-    {"model_path", "tokenizer_path", "host", "port", "nccl_port", "dist_init_addr", "base_gpu_id"}
-)
-"""``/server_info`` fields that describe the engine's host, not its bytes."""
-
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """How one sglang parameter lies in the engine's memory (reload layout)."""
-
-    name: str
-    """sglang's parameter name, as in ``model.named_parameters()`` and the published info."""
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    num_bytes: int
-    """Bytes from the first element to the end of the last one (``bytes_spanned``)."""
-
-
-def bytes_spanned(shape: Sequence[int], stride: Sequence[int], element_size: int) -> int:
-    """Bytes a tensor spans from its first element, holes included; 0 if it is empty."""
-    if any(size == 0 for size in shape):
-        return 0
-    last = sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
-    return (last + 1) * element_size
-
 
 class ModelReplica:
-    """One engine rank's sglang model on meta, with its parameter layouts.
+    """One engine rank's sglang model on meta, with its parameter layouts (a ``Replica``).
 
     ``model_path`` is a local folder with the model's ``config.json`` (what sglang's
     ``--model-path`` names); ``server_args_fields`` are the engine's other server args
@@ -85,19 +66,24 @@ class ModelReplica:
         server_args_fields: Mapping[str, Any] | None = None,
         role: str = "target",
     ) -> None:
+        from p2pweights.replica.sglang.compat import check_sglang
+
+        check_sglang()
         self.spec = spec
         self.role = role
-        self._server_args = sglang_env.server_args_for(model_path, dtype, server_args_fields)
-        self._activate()
-        self.model_config, self.model = sglang_env.build_role_model(
-            spec, torch.device("meta"), role
+        self._context = sglang_env.replica_context(
+            sglang_env.server_args_for(model_path, dtype, server_args_fields)
         )
-        self._to_reload_layout()
-        self.layouts: dict[str, ParamLayout] = {
-            name: _layout_of(name, param) for name, param in self.model.named_parameters()
-        }
-        if role == "draft":
-            self._check_end_update_runs()
+        with self._in_context():
+            self.model_config, self.model = sglang_env.build_role_model(
+                spec, torch.device("meta"), role
+            )
+            self._to_reload_layout()
+            self.layouts: dict[str, ParamLayout] = {
+                name: _layout_of(name, param) for name, param in self.model.named_parameters()
+            }
+            if role == "draft":
+                self._check_end_update_runs()
         # Parameters an update need not feed: those sglang's own weight check skips (an
         # fp8 attention's k_scale / v_scale, not checkpoint weights), and a draft's
         # embedding and head, which its loader skips: the engine shares the target's.
@@ -109,7 +95,7 @@ class ModelReplica:
         )
         # (hf name, shape, dtype) -> the parameters it writes; filled by the probe.
         self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], Written] = {}
-        self._loader_maps: dict[tuple[HfTensorSpec, ...], LoaderMap] = {}
+        self._loader_maps: dict[tuple[tuple[str, InputSpec], ...], LoaderMap] = {}
 
     @classmethod
     def from_server_info(
@@ -126,7 +112,7 @@ class ModelReplica:
         """
         path = Path(config_path)
         folder = path if path.is_dir() else path.parent
-        fields = {k: v for k, v in server_info.items() if k not in _ENGINE_LOCAL_ARGS}
+        fields = {k: v for k, v in server_info.items() if k not in ENGINE_LOCAL_ARGS}
         # a same-model draft's checkpoint is the engine's model: here, the trainer's copy
         draft = server_info.get("speculative_draft_model_path")
         if draft is not None and draft == server_info.get("model_path"):
@@ -134,25 +120,53 @@ class ModelReplica:
             fields.pop("speculative_draft_model_revision", None)
         return cls(folder, spec, fields.pop("dtype", "auto"), fields, role)
 
-    @property
-    def param_layouts(self) -> dict[str, ParamLayout]:
-        """Alias of ``layouts`` (sglang parameter name -> layout)."""
-        return self.layouts
+    def probe(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
+        """The probe's groups for these inputs, unchecked (``groups`` checks them)."""
+        return list(self.loader_map(inputs).groups)
 
-    def probe(self, inputs: Mapping[str, Any]) -> list[ParamGroup]:
-        """Groups for HF name -> (shape, dtype) specs, as ``plan.inputs.ParamGroup``."""
-        from p2pweights.replica.sglang.probe import HfTensorSpec
-        from p2pweights.source.inputs import ParamGroup
+    def checkpoint_format(self, inputs: Mapping[str, InputSpec]) -> CheckpointFormat:
+        """How this rank's loaders want the trainer's tensors (see ``CheckpointFormat``)."""
+        fmt = BlockFp8Format.from_quantization_config(self.quantization_config)
+        if fmt is None:
+            return AS_GIVEN
+        # sglang's loaders refuse to downcast, so every matrix is probed as fp8 (an
+        # upcast into a high-precision parameter is allowed): the probe then says
+        # which names this engine holds in fp8.
+        as_fp8 = {
+            name: InputSpec(spec.shape, FP8) if _quantizable(spec) else spec
+            for name, spec in inputs.items()
+        }
+        feeds = self.loader_map(as_fp8).feeds
+        dtypes = {name: layout.dtype for name, layout in self.layouts.items()}
+        return QuantizeToBlockFp8.choose(fmt, inputs, feeds, dtypes)
 
-        specs = [HfTensorSpec(name, tuple(s.shape), s.dtype) for name, s in inputs.items()]
-        return [
-            ParamGroup(hf_names=g.hf_names, param_names=g.param_names)
-            for g in self.loader_map(specs).groups
-        ]
+    def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
+        """Parameter groups for these HF inputs (the probe is cached).
 
-    def _activate(self) -> None:
-        """Re-publish this replica's server args if another replica published different ones."""
-        sglang_env.ensure_server_args(self._server_args)
+        Raises ``ConfigError`` if some parameter of this layout is fed by none of the
+        inputs: it would keep stale bytes while the update reports success.
+        """
+        loader_map = self.loader_map(inputs)
+        unfed = [p for p in loader_map.unfed_params if p not in self.optional_params]
+        if unfed:
+            raise ConfigError(
+                f"no HF tensor of this update feeds {len(unfed)} parameter(s) of the engine "
+                f"layout ({self.spec}): {', '.join(unfed[:8])}; send every checkpoint tensor"
+            )
+        if loader_map.buffer_writes:
+            # only parameters are written and published; a buffer the loader itself
+            # fills (not one the engine derives at end_weight_update) would go stale
+            name, buffers = next(iter(sorted(loader_map.buffer_writes.items())))
+            raise ConfigError(
+                f"the loader of engine layout ({self.spec}) writes HF tensor {name!r} into "
+                f"module buffers {sorted(buffers)}; p2pweights writes parameters only (the "
+                f"engine publishes no buffer), so these would keep stale values"
+            )
+        return list(loader_map.groups)
+
+    def _in_context(self) -> contextlib.AbstractContextManager[None]:
+        """This replica's sglang runtime context, active inside the block."""
+        return sglang_env.in_context(self._context)
 
     def _to_reload_layout(self) -> None:
         """Start-up postprocess, then the restore a session's begin runs, module by module."""
@@ -216,7 +230,7 @@ class ModelReplica:
     def loading_scope(
         self, destinations: Mapping[str, torch.Tensor] | None = None
     ) -> Iterator[None]:
-        """Server args, parallel override and default dtype of this rank, for loader calls.
+        """Runtime context, parallel override and default dtype of this rank, for loader calls.
 
         With ``destinations``, the named parameters view them meanwhile
         (``_params_viewing``). The model's ``post_load_weights``, which derives tensors
@@ -226,9 +240,9 @@ class ModelReplica:
         """
         from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-        self._activate()
         params = dict(self.model.named_parameters()) if destinations else {}
         with (
+            self._in_context(),
             sglang_env.rank_scope(self.spec),
             set_default_torch_dtype(self.model_config.dtype),
             _params_viewing(params, self.layouts, destinations or {}),
@@ -236,20 +250,21 @@ class ModelReplica:
         ):
             yield
 
-    def loader_map(self, hf_specs: Iterable[HfTensorSpec]) -> LoaderMap:
-        """Which HF names feed which parameters, probed once per set of names (cached)."""
+    def loader_map(self, inputs: Mapping[str, InputSpec]) -> LoaderMap:
+        """Which HF names feed which parameters, probed once per set of inputs (cached)."""
         from p2pweights.replica.sglang.probe import probe_loader
 
-        key = tuple(hf_specs)
+        key = tuple(inputs.items())
         found = self._loader_maps.get(key)
         if found is None:
-            found = probe_loader(self, key)
+            with self._in_context():
+                found = probe_loader(self, inputs)
             self._loader_maps[key] = found
         return found
 
     def load_into(
         self,
-        hf_tensors: list[tuple[str, torch.Tensor]],
+        hf_tensors: Sequence[tuple[str, torch.Tensor]],
         destinations: Mapping[str, torch.Tensor],
     ) -> None:
         """Run this rank's loader on ``hf_tensors``, writing into ``destinations``.
@@ -259,13 +274,14 @@ class ModelReplica:
         parameter the given HF tensors feed must have a destination; the inputs are
         checked against the probe before any byte is written.
         """
-        from p2pweights.replica.sglang.probe import HfTensorSpec, probe_loader
+        from p2pweights.replica.sglang.probe import probe_loader
 
         self._check_destinations(destinations)
-        specs = [HfTensorSpec.of(name, tensor) for name, tensor in hf_tensors]
-        fed = probe_loader(self, specs)  # cached per name; raises on a bad shape
+        inputs = describe_inputs(hf_tensors)
+        with self._in_context():
+            fed = probe_loader(self, inputs)  # cached per name; raises on a bad shape
         missing = sorted(
-            {param for spec in specs for param in fed.params_of(spec.name)} - set(destinations)
+            {param for name in inputs for param in fed.params_of(name)} - set(destinations)
         )
         if missing:
             raise ConfigError(
@@ -290,6 +306,10 @@ class ModelReplica:
                     f"the destination of {name!r} must be a flat contiguous uint8 tensor "
                     f"of {layout.num_bytes} bytes, got {dest.dtype} {tuple(dest.shape)}"
                 )
+
+
+def _quantizable(spec: InputSpec) -> bool:
+    return len(spec.shape) >= 2 and spec.dtype.is_floating_point and spec.dtype != FP8
 
 
 def _layout_of(name: str, param: torch.Tensor) -> ParamLayout:

@@ -21,14 +21,16 @@ silent broadcast). Both are raised as ``ConfigError`` naming the HF tensor.
 
 Names that feed nothing (sglang skips e.g. ``rotary_emb.inv_freq``, or
 ``lm_head.weight`` when embeddings are tied) are reported in ``LoaderMap.unused``.
-Results are cached per (name, shape, dtype) on the replica.
+Inputs are described as HF name -> ``InputSpec`` (shape, dtype) and groups are
+``ParamGroup``s, the types the trainer side uses. Results are cached per
+(name, shape, dtype) on the replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,35 +38,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from p2pweights.errors import ConfigError
+from p2pweights.source.inputs import InputSpec, ParamGroup
 
 if TYPE_CHECKING:
     from p2pweights.replica.sglang.model_replica import ModelReplica
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HfTensorSpec", "LoaderGroup", "LoaderMap", "Written", "probe_loader"]
-
-
-@dataclass(frozen=True)
-class HfTensorSpec:
-    """One HF (checkpoint-named) tensor a trainer sends, without its values."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> HfTensorSpec:
-        return cls(name, tuple(tensor.shape), tensor.dtype)
-
-
-@dataclass(frozen=True)
-class LoaderGroup:
-    """HF names that must be loaded together and the parameters they fill."""
-
-    hf_names: frozenset[str]
-    param_names: tuple[str, ...]
-    """In ``model.named_parameters()`` order."""
+__all__ = ["LoaderMap", "Written", "probe_loader"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +54,8 @@ class LoaderMap:
 
     feeds: dict[str, frozenset[str]]
     """Every probed HF name -> the parameters its loader writes (empty if none)."""
-    groups: tuple[LoaderGroup, ...]
+    groups: tuple[ParamGroup, ...]
+    """Parameters in ``model.named_parameters()`` order, groups by their first parameter."""
     unused: tuple[str, ...]
     """HF names that feed no parameter; reported, not an error."""
     unfed_params: tuple[str, ...]
@@ -87,15 +69,15 @@ class LoaderMap:
         except KeyError:
             raise ConfigError(f"HF tensor {hf_name!r} was not probed") from None
 
-    def group_of_param(self, param_name: str) -> LoaderGroup:
+    def group_of_param(self, param_name: str) -> ParamGroup:
         for group in self.groups:
             if param_name in group.param_names:
                 return group
         raise ConfigError(f"no probed HF tensor feeds parameter {param_name!r}")
 
 
-def probe_loader(replica: ModelReplica, hf_specs: Sequence[HfTensorSpec]) -> LoaderMap:
-    """Probe ``replica``'s loader for ``hf_specs`` (cached per spec on the replica).
+def probe_loader(replica: ModelReplica, inputs: Mapping[str, InputSpec]) -> LoaderMap:
+    """Probe ``replica``'s loader for HF name -> ``InputSpec`` (cached per spec on the replica).
 
     Names not yet cached are probed together in one ``load_weights`` call with
     provenance tracking (``_probe_batch``), as the engine's loader sees them: some
@@ -105,30 +87,25 @@ def probe_loader(replica: ModelReplica, hf_specs: Sequence[HfTensorSpec]) -> Loa
     is probed alone (``_probe_one``), which also names the HF tensor at fault.
     Names that fed nothing are not cached: they may only have lacked a partner.
     """
-    seen: set[str] = set()
-    for spec in hf_specs:
-        if spec.name in seen:
-            raise ConfigError(f"HF tensor {spec.name!r} is given twice")
-        seen.add(spec.name)
     feeds: dict[str, Written] = {}
-    todo: list[HfTensorSpec] = []
-    for spec in hf_specs:
-        found = replica.probe_cache.get((spec.name, spec.shape, spec.dtype))
+    todo: dict[str, InputSpec] = {}
+    for name, spec in inputs.items():
+        found = replica.probe_cache.get((name, spec.shape, spec.dtype))
         if found is None:
-            todo.append(spec)
+            todo[name] = spec
         else:
-            feeds[spec.name] = found
+            feeds[name] = found
     if todo:
         probed = _probe_batch(replica, todo)
         if probed is None:
-            probed = {spec.name: _probe_one(replica, spec) for spec in todo}
-        for spec in todo:
-            feeds[spec.name] = probed[spec.name]
-            if probed[spec.name].params:
-                replica.probe_cache[(spec.name, spec.shape, spec.dtype)] = probed[spec.name]
+            probed = {name: _probe_one(replica, name, spec) for name, spec in todo.items()}
+        for name, spec in todo.items():
+            feeds[name] = probed[name]
+            if probed[name].params:
+                replica.probe_cache[(name, spec.shape, spec.dtype)] = probed[name]
     order = list(replica.layouts)
-    loader_map = _group({spec.name: feeds[spec.name].params for spec in hf_specs}, order)
-    buffers = {s.name: feeds[s.name].buffers for s in hf_specs if feeds[s.name].buffers}
+    loader_map = _group({name: feeds[name].params for name in inputs}, order)
+    buffers = {name: feeds[name].buffers for name in inputs if feeds[name].buffers}
     return dataclasses.replace(loader_map, buffer_writes=buffers)
 
 
@@ -140,8 +117,10 @@ class Written:
     buffers: frozenset[str] = frozenset()
 
 
-def _probe_batch(replica: ModelReplica, specs: Sequence[HfTensorSpec]) -> dict[str, Written] | None:
-    """All ``specs`` through one ``load_weights`` call; None when a name-by-name probe must decide.
+def _probe_batch(
+    replica: ModelReplica, inputs: Mapping[str, InputSpec]
+) -> dict[str, Written] | None:
+    """All ``inputs`` through one ``load_weights`` call; None when a name-by-name probe must decide.
 
     Each placeholder's storage is tagged with its HF name; the watcher carries
     tags from inputs to outputs of every aten op (a tensor the loader caches or
@@ -152,14 +131,14 @@ def _probe_batch(replica: ModelReplica, specs: Sequence[HfTensorSpec]) -> dict[s
     params = dict(replica.model.named_parameters())
     before = {name: _identity(param) for name, param in params.items()}
     tracer = _ProvenanceWatcher(params, dict(replica.model.named_buffers()))
-    inputs = []
-    for spec in specs:
+    placeholders = []
+    for name, spec in inputs.items():
         placeholder = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
-        tracer.tag(placeholder, spec.name)
-        inputs.append((spec.name, placeholder))
+        tracer.tag(placeholder, name)
+        placeholders.append((name, placeholder))
     try:
         with replica.loading_scope(), tracer:
-            replica.model.load_weights(iter(inputs))  # type: ignore[operator]
+            replica.model.load_weights(iter(placeholders))  # type: ignore[operator]
     except Exception:  # the name-by-name probe reports it, naming the HF tensor
         logger.debug("batch probe failed; probing name by name", exc_info=True)
         return None
@@ -171,27 +150,27 @@ def _probe_batch(replica: ModelReplica, specs: Sequence[HfTensorSpec]) -> dict[s
         logger.debug("batch probe: unattributed writes to %s", sorted(tracer.unattributed))
         return None
     return {
-        spec.name: Written(
-            frozenset(tracer.fed.get(spec.name, ())),
-            frozenset(tracer.fed_buffers.get(spec.name, ())),
+        name: Written(
+            frozenset(tracer.fed.get(name, ())),
+            frozenset(tracer.fed_buffers.get(name, ())),
         )
-        for spec in specs
+        for name in inputs
     }
 
 
-def _probe_one(replica: ModelReplica, spec: HfTensorSpec) -> Written:
+def _probe_one(replica: ModelReplica, hf_name: str, spec: InputSpec) -> Written:
     params = dict(replica.model.named_parameters())
     before = {name: _identity(param) for name, param in params.items()}
-    watcher = _WriteWatcher(params, spec.name, dict(replica.model.named_buffers()))
+    watcher = _WriteWatcher(params, hf_name, dict(replica.model.named_buffers()))
     placeholder = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
     try:
         with replica.loading_scope(), watcher:
-            replica.model.load_weights(iter([(spec.name, placeholder)]))  # type: ignore[operator]
+            replica.model.load_weights(iter([(hf_name, placeholder)]))  # type: ignore[operator]
     except ConfigError:
         raise
     except Exception as exc:
         raise ConfigError(
-            f"HF tensor {spec.name!r} {list(spec.shape)} {spec.dtype} does not fit what the "
+            f"HF tensor {hf_name!r} {list(spec.shape)} {spec.dtype} does not fit what the "
             f"loader of engine rank {replica.spec.world_rank} expects: {exc}"
         ) from exc
     replaced = [
@@ -201,7 +180,7 @@ def _probe_one(replica: ModelReplica, spec: HfTensorSpec) -> Written:
     ]
     if replaced:
         raise ConfigError(
-            f"loading {spec.name!r} replaced parameters {replaced} instead of writing into "
+            f"loading {hf_name!r} replaced parameters {replaced} instead of writing into "
             "them; p2pweights cannot stage bytes for this loader"
         )
     return Written(frozenset(watcher.written), frozenset(watcher.written_buffers))
@@ -422,7 +401,7 @@ def _group(feeds: dict[str, frozenset[str]], order: Iterable[str]) -> LoaderMap:
     for hf_names in members.values():
         fed_params = {param for hf_name in hf_names for param in feeds[hf_name]}
         groups.append(
-            LoaderGroup(
+            ParamGroup(
                 hf_names=frozenset(hf_names),
                 param_names=tuple(sorted(fed_params, key=lambda p: position.get(p, len(position)))),
             )

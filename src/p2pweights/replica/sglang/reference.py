@@ -48,6 +48,10 @@ def load_real_rank_model(
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
+    from p2pweights.replica.sglang.compat import check_sglang
+
+    check_sglang()
+    # an engine's own model: published process-wide, as the engine's process does
     ensure_server_args(server_args_for(model_path, dtype, server_args_fields))
     model_config, model = build_role_model(spec, device, role)
     with rank_scope(spec), role_scope(role), set_default_torch_dtype(model_config.dtype):

@@ -1,0 +1,207 @@
+"""Every sglang symbol p2pweights relies on, checked once per process.
+
+p2pweights runs sglang's own model code and reaches into a few of its internals
+(private loader helpers, the runtime context, the rotary module's platform flag).
+Those move between sglang releases. ``check_sglang`` imports each one up front and,
+if any is missing, raises one ``ConfigError`` naming them all, the installed sglang
+and the tested range, instead of an ``AttributeError`` deep inside a replica build.
+
+Add a symbol here when a module of p2pweights starts using it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from p2pweights.errors import ConfigError
+
+try:
+    import sglang
+except ImportError as exc:  # the optional extra is not installed
+    raise ConfigError(
+        "sglang is not installed; p2pweights builds engine replicas with sglang's model "
+        "code: pip install 'p2pweights[sglang]'"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SGLANG_VERSION",
+    "TESTED_SGLANG",
+    "Symbol",
+    "REQUIRED",
+    "PLUGIN_REQUIRED",
+    "check_sglang",
+    "missing_symbols",
+]
+
+SGLANG_VERSION: str = sglang.__version__
+"""The installed sglang."""
+
+TESTED_SGLANG = ("0.5.23", "0.5.23")
+"""Oldest and newest sglang release p2pweights is tested with (pyproject allows 0.5.21 -
+0.5.23, the releases with begin/end_weight_update; this check names what an older one lacks)."""
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """``module`` exports ``name`` (a dotted path for a class member)."""
+
+    module: str
+    name: str
+    used_by: str
+    """Where p2pweights uses it, for the error message."""
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+def _symbols(module: str, used_by: str, *names: str) -> tuple[Symbol, ...]:
+    return tuple(Symbol(module, name, used_by) for name in names)
+
+
+_LOADER = "sglang.srt.model_loader.loader"
+_CONTEXT = "sglang.srt.runtime_context"
+
+REQUIRED: tuple[Symbol, ...] = (
+    *_symbols("sglang.srt.server_args", "replica.sglang.env", "ServerArgs"),
+    # engine processes publish process-wide; replicas build their own contexts
+    *_symbols(
+        "sglang.srt.server_args", "replica.sglang.env", "set_global_server_args_for_scheduler"
+    ),
+    *_symbols(
+        _CONTEXT,
+        "replica.sglang.env",
+        "create_context",
+        "use_context",
+        "get_parallel",
+        "get_server_args",
+        "get_spec",
+        "ParallelContext.override",
+    ),
+    *_symbols(
+        _LOADER,
+        "replica.sglang (build, reload layout, reference)",
+        "_initialize_model",
+        "_get_quantization_config",
+        "_modules_with_quant_method",
+        "post_load_weights",
+        "device_loading_context",
+        "DefaultModelLoader.load_weights_and_postprocess",
+        "DefaultModelLoader.restore_weights_before_loading",
+        "DefaultModelLoader.postprocess_weights",
+        "QuantizedRLModelLoader.is_reload_scenario",
+    ),
+    *_symbols("sglang.srt.model_loader.utils", "replica.sglang", "set_default_torch_dtype"),
+    *_symbols(
+        "sglang.srt.configs.model_config", "replica.sglang.env", "ModelConfig.from_server_args"
+    ),
+    *_symbols("sglang.srt.configs.load_config", "replica.sglang.env", "LoadConfig"),
+    *_symbols("sglang.srt.layers.moe", "replica.sglang.env", "initialize_moe_config"),
+    *_symbols(
+        "sglang.srt.layers.moe.utils",
+        "replica.sglang.env (draft runner)",
+        "draft_model_build_scope",
+        "speculative_moe_backend_context",
+        "speculative_moe_a2a_backend_context",
+    ),
+    *_symbols(
+        "sglang.srt.layers.quantization.base_config",
+        "replica.sglang.reload_layout",
+        "QuantizeMethodBase.process_weights_after_loading",
+        "QuantizeMethodBase.restore_weights_before_loading",
+    ),
+    # the CPU-only trap (see replica.sglang.env): flags patched while a rope is built
+    *_symbols("sglang.srt.utils", "replica.sglang.env", "is_cuda"),
+    *_symbols("sglang.srt.layers.rotary_embedding.base", "replica.sglang.env", "_is_cpu"),
+    *_symbols(
+        "sglang.srt.layers.rotary_embedding.rope_variant", "replica.sglang.env", "get_device"
+    ),
+    *_symbols("sglang.srt.utils.weight_checker", "verify, local_engine", "WeightChecker"),
+    *_symbols("sglang.srt.utils.msgspec_utils", "local_engine.serve", "msgspec_to_builtins"),
+    *_symbols("sglang.srt.server_args", "local_engine.serve", "ServerArgs.resolved_dict"),
+)
+"""What a trainer process uses: replicas, reference models, the local engine, verification."""
+
+PLUGIN_REQUIRED: tuple[Symbol, ...] = (
+    *_symbols(
+        "sglang.srt.plugins.hook_registry",
+        "sglang_plugin",
+        "HookRegistry.register",
+        "HookType.REPLACE",
+        "HookType.BEFORE",
+        "HookType.AFTER",
+    ),
+    *_symbols(_CONTEXT, "sglang_plugin", "get_model", "get_parallel", "get_serving"),
+    *_symbols("sglang.srt.utils.network", "sglang_plugin", "NetworkAddress"),
+    *_symbols(
+        "sglang.srt.entrypoints.engine_info_bootstrap_server",
+        "sglang_plugin (hook target)",
+        "EngineInfoBootstrapServer",
+    ),
+    *_symbols(
+        "sglang.srt.entrypoints.engine",
+        "sglang_plugin (hook target)",
+        "Engine._launch_scheduler_processes",
+    ),
+    *_symbols(
+        "sglang.srt.model_executor.model_runner",
+        "sglang_plugin (hook target)",
+        "ModelRunner.initialize",
+    ),
+)
+"""What the NIXL plugin uses inside an sglang engine process (heavy imports: not checked
+by default; ``check_sglang(PLUGIN_REQUIRED)`` there)."""
+
+
+def missing_symbols(symbols: Sequence[Symbol]) -> list[tuple[Symbol, str]]:
+    """Each symbol the installed sglang lacks, with why (the import or attribute error)."""
+    missing = []
+    for symbol in symbols:
+        try:
+            found: object = importlib.import_module(symbol.module)
+            for part in symbol.name.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError) as exc:
+            missing.append((symbol, f"{type(exc).__name__}: {exc}"))
+    return missing
+
+
+@functools.cache
+def check_sglang(symbols: tuple[Symbol, ...] = REQUIRED) -> None:
+    """Raise ``ConfigError`` unless the installed sglang has every symbol; once per process.
+
+    A release outside ``TESTED_SGLANG`` that has them all is logged, not refused.
+    """
+    missing = missing_symbols(symbols)
+    low, high = TESTED_SGLANG
+    if missing:
+        lines = [f"{symbol} (used by {symbol.used_by}; {why})" for symbol, why in missing]
+        raise ConfigError(
+            f"the installed sglang {SGLANG_VERSION} lacks what p2pweights relies on: "
+            + "; ".join(lines)
+            + f". p2pweights is tested with sglang {low} to {high}: install one of those "
+            f"(pip install 'sglang>={low},<={high}')"
+        )
+    if not _release(low) <= _release(SGLANG_VERSION) <= _release(high):
+        logger.warning(
+            "sglang %s is outside the tested range %s to %s; its symbols check out, but a "
+            "replica's bytes are only verified for the tested releases",
+            SGLANG_VERSION,
+            low,
+            high,
+        )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numeric parts: ``"0.5.23.post1"`` -> ``(0, 5, 23)``."""
+    parts = []
+    for part in version.split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)

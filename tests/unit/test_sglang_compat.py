@@ -1,0 +1,75 @@
+"""The sglang symbol check: passes on the installed sglang, names what is missing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from p2pweights.errors import ConfigError
+from p2pweights.replica.sglang import compat
+
+
+@pytest.fixture(autouse=True)
+def _fresh_check() -> Iterator[None]:
+    compat.check_sglang.cache_clear()
+    yield
+    compat.check_sglang.cache_clear()
+
+
+def test_installed_sglang_has_every_symbol() -> None:
+    assert compat.missing_symbols(compat.REQUIRED) == []
+    compat.check_sglang()
+
+
+def test_tested_range_holds_the_installed_release() -> None:
+    low, high = compat.TESTED_SGLANG
+    assert compat._release(low) <= compat._release(compat.SGLANG_VERSION) <= compat._release(high)
+
+
+def test_a_missing_function_is_named_with_version_and_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sglang.srt import runtime_context
+
+    monkeypatch.delattr(runtime_context, "create_context")
+    with pytest.raises(ConfigError) as info:
+        compat.check_sglang()
+    message = str(info.value)
+    assert "sglang.srt.runtime_context.create_context" in message
+    assert compat.SGLANG_VERSION in message
+    low, high = compat.TESTED_SGLANG
+    assert f"{low} to {high}" in message
+    assert "use_context" not in message  # only what is missing
+
+
+def test_a_missing_class_member_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.model_loader.loader import QuantizedRLModelLoader
+
+    monkeypatch.delattr(QuantizedRLModelLoader, "is_reload_scenario")
+    with pytest.raises(ConfigError, match=r"loader\.QuantizedRLModelLoader\.is_reload_scenario"):
+        compat.check_sglang()
+
+
+def test_a_missing_module_is_reported() -> None:
+    symbol = compat.Symbol("sglang.srt.no_such_module", "thing", "a test")
+    [(missing, why)] = compat.missing_symbols([symbol])
+    assert missing is symbol and "ModuleNotFoundError" in why
+
+
+def test_the_check_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat.check_sglang()
+    calls = []
+    monkeypatch.setattr(compat, "missing_symbols", lambda symbols: calls.append(1) or [])
+    compat.check_sglang()
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("0.5.23", (0, 5, 23)), ("0.5.23.post1", (0, 5, 23)), ("0.6.0rc1", (0, 6))],
+)
+def test_release_parts(version: str, release: tuple[int, ...]) -> None:
+    assert compat._release(version) == release
