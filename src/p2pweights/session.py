@@ -45,7 +45,13 @@ from p2pweights.plan.byte_plan import BytePlan, aligned, build_byte_plan
 from p2pweights.replica.registry import ReplicaHandle, config_path, replica_for
 from p2pweights.report import UpdateReport
 from p2pweights.source.checkpoint_format import unify
-from p2pweights.source.inputs import describe_inputs
+from p2pweights.source.expected import (
+    ExpectedCheckpoint,
+    check_first_update,
+    engine_dtype,
+    expected_checkpoint,
+)
+from p2pweights.source.inputs import InputSpec, describe_inputs
 from p2pweights.source.stream import UpdateSource
 from p2pweights.transfer.executor import RunResult, TransferExecutor
 from p2pweights.transfer.transports import create_transport
@@ -84,6 +90,7 @@ class WeightSyncSession:
         self._replicas: dict[Hashable, ReplicaHandle] = {}
         self._targets: dict[Hashable, list[RankPublication]] = {}
         self._source: UpdateSource | None = None
+        self._expected: dict[object, tuple[ExpectedCheckpoint, torch.dtype | None]] = {}
         self._plan: BytePlan | None = None
         self._next_version = 1
         self._snapshot_taken = False
@@ -138,6 +145,15 @@ class WeightSyncSession:
             fleet.close_clients()
             raise
         self._fleet, self._targets = fleet, targets
+        # what each engine's checkpoint holds, for checking the first update (cached per config)
+        self._expected = {
+            (path, engine.server_info.get("dtype")): (
+                expected_checkpoint(path.parent),
+                engine_dtype(engine.server_info.get("dtype")),
+            )
+            for engine in fleet.engines
+            for path in [config_path(engine.server_info, engine.endpoint.model_path)]
+        }
         self._next_version = max(self._next_version, fleet.next_numeric_version())
         logger.info(
             "connected to %d engine(s); trainer rank %d writes %d engine rank(s), %d replica(s)",
@@ -283,15 +299,10 @@ class WeightSyncSession:
             self._executor.reserve(plan.buffer_bytes)
         self._source, self._plan = source, plan
 
-    def _check_against_checkpoints(self, specs: Mapping[str, object]) -> None:
+    def _check_against_checkpoints(self, specs: Mapping[str, InputSpec]) -> None:
         """The first update must match the checkpoint each engine's config describes."""
-        from p2pweights.source.expected import check_first_update, expected_checkpoint
-
-        folders = {
-            config_path(e.server_info, e.endpoint.model_path).parent for e in self._fleet.engines
-        }
-        for folder in sorted(folders):
-            check_first_update(specs, expected_checkpoint(folder))  # type: ignore[arg-type]
+        for expected, dtype in self._expected.values():
+            check_first_update(specs, expected, engine_dtype=dtype)
 
     def _open(self, version: str) -> None:
         if not self._leader:

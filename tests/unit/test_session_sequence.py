@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,7 +146,7 @@ class FakeHandle:
     key = "layout"
     spec = "tp1"
     config_path = Path("/nonexistent/config.json")
-    replica = SimpleNamespace(layouts=dict(PARAMS))
+    layouts = dict(PARAMS)
 
     def check_published(self, pub):
         pass
@@ -206,6 +205,8 @@ def engines(monkeypatch) -> dict[str, FakeEngine]:
     monkeypatch.setattr(
         session_module.WeightSyncSession, "_check_against_checkpoints", lambda self, specs: None
     )
+    monkeypatch.setattr(session_module, "config_path", lambda info, path: Path("/x/config.json"))
+    monkeypatch.setattr(session_module, "expected_checkpoint", lambda folder: None)
     monkeypatch.setattr(fleet_module, "check_sglang_version", lambda *a: None)
     return engines
 

@@ -17,6 +17,7 @@ import torch
 from p2pweights.errors import ConfigError
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan
 from p2pweights.source.collect import ConvertingCollector
+from p2pweights.source.finite import check_finite
 from p2pweights.source.inputs import InputSpec, check_input
 
 __all__ = ["UpdateSource"]
@@ -44,11 +45,6 @@ class UpdateSource:
         self._finite = finite
         self.convert_s = 0.0
 
-    def _check_finite(self, name: str, tensor: torch.Tensor) -> None:
-        from p2pweights.source.expected import check_finite
-
-        check_finite(name, tensor)
-
     def check_whole(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Every tensor matches the contract and none of it is missing (before any write)."""
         seen = set()
@@ -58,7 +54,7 @@ class UpdateSource:
                 raise ConfigError(f"HF tensor {name!r} was given twice in one update")
             seen.add(name)
             if self._finite:
-                self._check_finite(name, tensor)
+                check_finite(name, tensor)
         missing = sorted(set(self.known) - seen)
         if missing:
             raise ConfigError(
@@ -79,7 +75,7 @@ class UpdateSource:
                 if not checked:
                     check_input(name, tensor, self.known)
                     if self._finite:
-                        self._check_finite(name, tensor)
+                        check_finite(name, tensor)
                 for key, index, inputs in collector.add(name, tensor):
                     yield plan.group(key, index), inputs
             collector.raise_if_incomplete()
