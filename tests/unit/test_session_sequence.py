@@ -416,3 +416,14 @@ def test_a_bad_tensor_in_a_streamed_update_leaves_a_visible_torn_engine(engines)
         assert engine.paused and engine.version == f"{UPDATING_PREFIX}2"
         report = session.update(iter(_tensors(7)))
     assert _holds(engine, 7) and engine.running and engine.version == report.version
+
+
+def test_an_engine_left_open_without_a_marker_is_taken_over_and_rewritten(engines):
+    """A trainer died between begin and marking the version: released sglang shows nothing,
+    the next session's begin is refused as "already open", and it takes the session over."""
+    engine = engines["http://e0"] = FakeEngine("http://e0", reports_state=False)
+    engine.paused = engine.open = True
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        report = session.update(_tensors(3))
+    assert _holds(engine, 3) and engine.running and engine.version == report.version

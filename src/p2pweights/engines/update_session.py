@@ -196,21 +196,23 @@ class EngineUpdate:
             raise
 
     def _begin(self) -> None:
-        was_unknown = self.phase is Phase.UNKNOWN
         try:
             self._call(lambda c: c.begin_weight_update("all"))
         except EngineError as exc:
-            if not (was_unknown and _ALREADY_OPEN in str(exc)):
+            if _ALREADY_OPEN not in str(exc):
                 raise
+            # Open already: our earlier begin whose answer was lost, or a session someone
+            # (a trainer that died before marking it) left open. Its weights may be torn.
+            if self.phase is not Phase.UNKNOWN:
+                self.incomplete = True
         self.phase = Phase.OPEN
 
     def _end(self) -> None:
-        was_unknown = self.phase is Phase.UNKNOWN
         try:
             self._call(lambda c: c.end_weight_update())
         except EngineError as exc:
-            if not (was_unknown and _NOT_OPEN in str(exc)):
-                raise
+            if _NOT_OPEN not in str(exc):
+                raise  # closed already: our earlier end whose answer was lost
         self.phase = Phase.CLOSED
 
     def _resume(self) -> None:
