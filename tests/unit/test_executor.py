@@ -31,11 +31,15 @@ class CopyingTransport(Transport):
         self.delay_s = delay_s
         self.fail_on = fail_on
         self.registered: list[int] = []
-        self.threads: dict[str, set[str]] = {}
+        self.threads: dict[tuple[str, int], set[str]] = {}
+        self.calls: list[tuple[str, str, list[int]]] = []
         self.lock = threading.Lock()
 
     def register(self, buffer: torch.Tensor) -> None:
         self.registered.append(buffer.data_ptr())
+
+    def unregister(self, buffer: torch.Tensor) -> None:
+        self.registered.remove(buffer.data_ptr())
 
     def connect(self, target: RankPublication) -> None:
         pass
@@ -44,6 +48,7 @@ class CopyingTransport(Transport):
         with self.lock:
             key = (target.engine_url, target.engine_rank)
             self.threads.setdefault(key, set()).add(threading.current_thread().name)
+            self.calls.append((target.role, target.session_id, [w.dst_address for w in writes]))
         time.sleep(self.delay_s)
         if self.fail_on == target.engine_url:
             raise TransferError(f"engine {target.engine_url} rank {target.engine_rank}: status -1")
@@ -54,11 +59,13 @@ class CopyingTransport(Transport):
         pass
 
 
-def _engine(url: str, rank: int, params: dict[str, torch.Tensor]) -> RankPublication:
+def _engine(
+    url: str, rank: int, params: dict[str, torch.Tensor], role: str = "target"
+) -> RankPublication:
     regions = {
         n: WeightRegion(t.data_ptr(), t.numel() * t.element_size()) for n, t in params.items()
     }
-    return RankPublication(url, rank, "fake", regions, session_id="x")
+    return RankPublication(url, rank, "fake", regions, session_id=f"{role}-peer", role=role)
 
 
 def _params(seed: int) -> dict[str, torch.Tensor]:
@@ -179,3 +186,35 @@ def test_plan_slots_are_aligned_and_buffers_hold_the_largest_group():
 def test_write_carries_its_destination_device():
     w = Write(1, 2, 3, dst_device=5)
     assert (w.src_address, w.dst_address, w.num_bytes, w.dst_device) == (1, 2, 3, 5)
+
+
+def test_a_draft_is_written_through_its_own_publication_on_its_rank_writer():
+    """A rank's target and its speculative draft are published with their own transport
+    handles: each batch goes through the publication whose regions the plan checked."""
+    source = _params(4)
+    target = {n: torch.zeros_like(t) for n, t in source.items()}
+    draft = {n: torch.zeros_like(t) for n, t in source.items()}
+    transport = CopyingTransport()
+    pubs = [_engine("http://a", 0, target), _engine("http://a", 0, draft, role="draft")]
+    executor, result = _run(transport, 1 << 20, source, pubs)
+    for role, peer, addresses in transport.calls:
+        assert peer == f"{role}-peer"
+        sink = target if role == "target" else draft
+        assert set(addresses) == {t.data_ptr() for t in sink.values()}
+    for sink in (target, draft):
+        for name, value in source.items():
+            assert torch.equal(sink[name].view(torch.uint8), value.view(torch.uint8))
+    assert len(transport.threads) == 1  # one writer for the rank, both runners
+    assert result.bytes_written == 2 * sum(_nbytes(t) for t in source.values())
+    executor.close()
+
+
+def test_growing_buffers_deregisters_the_old_ones():
+    transport = CopyingTransport()
+    executor = TransferExecutor(transport, torch.device("cpu"), 1.0)
+    executor.reserve(1 << 20)
+    first = list(transport.registered)
+    executor.reserve(2 << 20)
+    assert len(transport.registered) == 2 and not set(first) & set(transport.registered)
+    executor.close()
+    assert transport.registered == []

@@ -30,7 +30,7 @@ from p2pweights.errors import EngineError, EngineUnreachable, P2PWeightsError
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
 
-PARAMS = {"qkv": 64, "o": 32}
+PARAMS = {"qkv": 600 * 1024, "o": 600 * 1024}  # two groups: two flushes of a 1 MiB buffer
 GROUPS = [ParamGroup(frozenset({"q", "k", "v"}), ("qkv",)), ParamGroup(frozenset({"o"}), ("o",))]
 
 # -- a fake sglang engine ----------------------------------------------------------------------
@@ -51,6 +51,8 @@ class FakeEngine:
     inject: dict[str, str] = field(default_factory=dict)
     """step -> "answered" | "silent" | "lost"; one-shot."""
     dead: bool = False
+    snapshot: dict[str, torch.Tensor] | None = None
+    writes: int = 0
 
     def call(self, step: str, effect) -> object:
         if self.dead:
@@ -81,6 +83,19 @@ class FakeEngine:
                 "open; call begin_weight_update() first"
             )
         self.open = False
+
+    def check(self, action: str) -> dict:
+        """sglang's weight checker: snapshot, reset_tensors (noise in every weight), compare."""
+        if action == "snapshot":
+            self.snapshot = {n: t.clone() for n, t in self.memory.items()}
+        elif action == "reset_tensors":
+            for tensor in self.memory.values():
+                tensor.fill_(0xAB)
+        elif action == "compare":
+            assert self.snapshot is not None, "compare without a snapshot"
+            if any(not torch.equal(self.memory[n], s) for n, s in self.snapshot.items()):
+                raise EngineError(f"engine {self.url}: /weights_checker failed: mismatch")
+        return {"success": True}
 
     def set(self, **state) -> None:
         for name, value in state.items():
@@ -130,7 +145,7 @@ class FakeClient:
         self.engine.call(step, lambda: self.engine.set(version=version))
 
     def weights_checker(self, action, **options):
-        return self.engine.call(action, lambda: {"success": True})
+        return self.engine.call(action, lambda: self.engine.check(action))
 
     def continue_generation(self):
         self.engine.call("continue", lambda: self.engine.set(paused=False))
@@ -173,6 +188,9 @@ class FakeTransport:
     def register(self, buffer):
         pass
 
+    def unregister(self, buffer):
+        pass
+
     def connect(self, pub):
         pass
 
@@ -182,7 +200,8 @@ class FakeTransport:
             raise TransferError(f"engine {target.engine_url} rank 0: peer gone")
         if not engine.open:
             engine.violations.append("write outside an open update session")
-        if engine.inject.pop("write", None):
+        engine.writes += 1
+        if engine.inject.pop(f"write{engine.writes}", None):
             raise TransferError(f"engine {target.engine_url} rank 0: injected write failure")
         for w in writes:
             ctypes.memmove(w.dst_address, w.src_address, w.num_bytes)
@@ -232,8 +251,8 @@ def test_update_session_order(engines):
         report = session.update(_tensors(7))
     engine = engines["http://e0"]
     control = [e for e in _control(engine.events) if e not in ("model_info", "server_info")]
-    assert control == ["pause", "flush", "begin", "version_marker", "end", "version", "continue"]
-    assert report.bytes_by_target == {("http://e0", 0): 96}
+    assert control == ["pause", "version_marker", "flush", "begin", "end", "version", "continue"]
+    assert report.bytes_by_target == {("http://e0", 0): sum(PARAMS.values())}
     assert _holds(engine, 7) and engine.running and engine.version == "1"
     assert engine.violations == []
 
@@ -242,7 +261,7 @@ def test_check_snapshots_once_and_compares_once(engines):
     config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True, pause_mode="in_place")
     with WeightSyncSession(config) as session:
         session.connect(["http://e0"])
-        session.update(_tensors(1))
+        session.update(_tensors(0))  # the engine's start weights: the check passes
         session.update(_tensors(2))
     events = engines["http://e0"].events
     assert events.count("snapshot") == 1 and events.count("compare") == 1
@@ -250,14 +269,15 @@ def test_check_snapshots_once_and_compares_once(engines):
     assert events.index("reset_tensors") < events.index("begin")
 
 
-STEPS = ["pause", "flush", "begin", "version_marker", "write", "end", "compare", "version"]
-STEPS += ["continue"]
+STEPS = ["pause", "version_marker", "snapshot", "reset_tensors", "flush", "begin", "write1"]
+STEPS += ["write2", "end", "compare", "version", "continue"]
 KINDS = ["answered", "silent", "lost"]
+WRITES = ("write1", "write2")  # the first and the second flush's batch
 
 
 def _cases():
     for step in STEPS:
-        for kind in KINDS if step != "write" else ["failed"]:
+        for kind in KINDS if step not in WRITES else ["failed"]:
             for reports_state in (True, False):
                 yield pytest.param(
                     step,
@@ -274,17 +294,28 @@ def _fail_once(engines, url, step, kind, reports_state):
 
 
 @pytest.mark.parametrize(("step", "kind", "reports_state"), list(_cases()))
-def test_failure_at_any_step_then_retry_converges(engines, step, kind, reports_state):
+@pytest.mark.parametrize("num_engines", [1, 2])
+def test_failure_at_any_step_then_retry_converges(engines, step, kind, reports_state, num_engines):
+    """The first update sends the engines' start weights (zeros), as the weight check needs;
+    reset_tensors fills every weight with noise, so holding zeros proves the rewrite."""
     config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
     engine = _fail_once(engines, "http://e0", step, kind, reports_state)
+    urls = ["http://e0", "http://e1"][:num_engines]
     with WeightSyncSession(config) as session:
-        session.connect(["http://e0"])
+        session.connect(urls)
         with pytest.raises(P2PWeightsError):
-            session.update(_tensors(3))
-        report = session.update(_tensors(4))
-        assert _holds(engine, 4), "the retry rewrote every weight"
-        assert engine.running and engine.version == report.version
-        assert engine.violations == []
+            session.update(_tensors(0))
+        report = session.update(_tensors(0))
+        session.update(_tensors(4))
+    for url in urls:
+        assert _holds(engines[url], 4), "the retry rewrote every weight"
+        assert engines[url].running and engines[url].version == str(int(report.version) + 1)
+        assert engines[url].violations == []
+        # a snapshot whose answer was lost is taken again: harmless, nothing was reset yet
+        snapshots = 2 if (url, step, kind) == ("http://e0", "snapshot", "lost") else 1
+        assert engines[url].events.count("snapshot") == snapshots
+    resets = 2 if (step, kind) == ("reset_tensors", "lost") else 1  # lost: asked again
+    assert engine.events.count("reset_tensors") == resets
 
 
 @pytest.mark.parametrize(("step", "kind", "reports_state"), list(_cases()))
@@ -297,10 +328,13 @@ def test_failure_at_any_step_then_giving_up_leaves_engines_running(
     session = WeightSyncSession(config)
     session.connect(["http://e0"])
     with pytest.raises(P2PWeightsError):
-        session.update(_tensors(3))
+        session.update(_tensors(0))
     report = session.abort() if give_up == "abort" else session.close()
     assert not engine.open and engine.violations == []
-    if step == "write":  # torn: never resumed on our own, and visibly so
+    # torn (reset to noise, or writes that did not all land): never resumed on our own
+    torn = STEPS.index("reset_tensors") <= STEPS.index(step) <= STEPS.index("write2")
+    torn = torn and not (step == "reset_tensors" and kind == "answered")
+    if torn:
         assert engine.paused and engine.version == f"{UPDATING_PREFIX}1"
         if report is not None:
             assert not report.ok and "did not all land" in report.outcomes["http://e0"]
@@ -309,7 +343,7 @@ def test_failure_at_any_step_then_giving_up_leaves_engines_running(
     else:
         assert engine.running
         # whole weights show their version: the old one if no byte was written
-        written = STEPS.index(step) > STEPS.index("write")
+        written = STEPS.index(step) > STEPS.index("write2")
         assert engine.version == ("1" if written else "default")
         if report is not None:
             assert report.ok, str(report)
@@ -317,7 +351,7 @@ def test_failure_at_any_step_then_giving_up_leaves_engines_running(
 
 
 def test_one_engine_failing_its_writes_does_not_tear_the_others(engines):
-    torn = _fail_once(engines, "http://bad", "write", "failed", True)
+    torn = _fail_once(engines, "http://bad", "write2", "failed", True)
     with WeightSyncSession(CONFIG) as session:
         session.connect(["http://bad", "http://good"])
         with pytest.raises(TransferError, match="http://bad rank 0"):
@@ -337,7 +371,7 @@ def test_a_dead_engine_is_reported_by_abort_and_the_others_resume(engines):
 
     def agree(ok):  # called after each step; engine b dies once the update session is open
         steps.append(ok)
-        if len(steps) == 5:  # open, write, close, finish of update 1; open of update 2
+        if len(steps) == 7:  # prepare, open, write, close, finish of update 1; prepare, open
             engines["http://b"].dead = True
         return ok
 
@@ -353,7 +387,7 @@ def test_a_dead_engine_is_reported_by_abort_and_the_others_resume(engines):
 
 
 def test_a_new_session_adopts_an_engine_left_mid_update_and_rewrites_it(engines):
-    engine = _fail_once(engines, "http://e0", "write", "failed", False)
+    engine = _fail_once(engines, "http://e0", "write1", "failed", False)
     first = WeightSyncSession(CONFIG)
     first.connect(["http://e0"])
     with pytest.raises(TransferError):
@@ -379,7 +413,7 @@ def test_versions_continue_from_the_engine_and_never_go_back(engines):
 
 
 def test_other_rank_failure_fails_this_rank(engines):
-    votes = iter([True, False])  # open agreed; another rank's write failed
+    votes = iter([True, True, False])  # prepare and open agreed; another rank's write failed
     config = SyncConfig(buffer_bytes="1MiB", trainer_rank=1, num_trainer_ranks=2)
     with WeightSyncSession(config, agree=lambda ok: ok and next(votes)) as session:
         session.connect(["http://e0"])

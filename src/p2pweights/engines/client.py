@@ -6,8 +6,9 @@ came (the call may or may not have taken effect).
 
 Two time bounds: ``timeout_s`` for reading what an engine serves (server info,
 publications, the weight checker, which hashes every weight) and ``control_timeout_s``
-for each update-session call (pause, flush, begin, end, version, continue), so a hung
-engine outside the writes costs at most that long.
+for each update-session call that does no work on the weights (pause, flush, begin,
+version, continue), so a hung engine outside the writes costs at most that long.
+``end_weight_update`` re-processes the model and is bounded by ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class EngineClient:
         return self._json("GET", "/model_info")
 
     def weight_version(self) -> str:
-        return str(self.model_info().get("weight_version"))
+        """The engine's weight version ("" if it reports none)."""
+        version = self.model_info().get("weight_version")
+        return "" if version is None else str(version)
 
     def engine_state(self) -> dict[str, bool] | None:
         """``{"paused", "update_open"}`` where the engine reports them (the p2pweights
@@ -104,7 +107,9 @@ class EngineClient:
         self._checked("/begin_weight_update", {"selector": selector}, control=True)
 
     def end_weight_update(self) -> None:
-        self._checked("/end_weight_update", {}, control=True)
+        # bounded by timeout_s, not control_timeout_s: the engine re-processes the whole
+        # model here (derived weights, kernel layouts), seconds for a large fp8 MoE
+        self._checked("/end_weight_update", {})
 
     def update_weight_version(self, new_version: str) -> None:
         self._checked(

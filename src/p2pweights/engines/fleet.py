@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -12,7 +12,7 @@ from p2pweights.engines.client import EngineClient
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication
 from p2pweights.engines.speculative import has_model_draft
-from p2pweights.engines.update_session import AbortReport, EngineUpdate
+from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate
 from p2pweights.errors import EngineError, EngineUnreachable
 
 T = TypeVar("T")
@@ -87,9 +87,10 @@ def check_sglang_version(url: str, server_info: dict[str, Any], allow_mismatch: 
         f"a different release may lay bytes out differently"
     )
     if not allow_mismatch:
+        fix = f"install sglang=={theirs} here, or pass" if theirs else "run one sglang release, or"
         raise EngineError(
-            f"{problem}. Install sglang=={theirs} here (pip install 'sglang=={theirs}'), or pass "
-            f"SyncConfig(allow_sglang_mismatch=True) if you know both lay weights out alike"
+            f"{problem}. To connect, {fix} SyncConfig(allow_sglang_mismatch=True) if you know "
+            f"both lay weights out alike"
         )
     logger.warning("%s (allowed by allow_sglang_mismatch)", problem)
 
@@ -151,16 +152,26 @@ def _config_name(backend: str) -> str:
 
 
 def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
-    """``call`` on every item at once; after all finished, raise naming every failure."""
+    """``call`` on every item at once; after all finished, raise naming every failure.
+
+    Returns only once every call returned, also when interrupted (Ctrl-C), so no call
+    still runs on an engine while the caller goes on (e.g. to ``abort()`` it).
+    """
     if len(items) <= 1:
         return [call(item) for item in items]
-    with ThreadPoolExecutor(min(len(items), 16)) as pool:
+    pool = ThreadPoolExecutor(min(len(items), 16))
+    try:
         futures = [pool.submit(call, item) for item in items]
+        wait(futures)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     errors = [f.exception() for f in futures if f.exception() is not None]
     if len(errors) == 1:
         raise errors[0]  # type: ignore[misc]
     if errors:
-        raise EngineError("; ".join(str(e) for e in errors)) from errors[0]
+        kind = EngineUnreachable if all(isinstance(e, EngineUnreachable) for e in errors) else None
+        message = "; ".join(str(e) for e in errors)
+        raise (kind or EngineError)(message) from errors[0]
     return [f.result() for f in futures]
 
 
@@ -191,9 +202,6 @@ class Fleet:
                     engine.client.close()
             raise
         return cls([e for e in connected if e is not None])
-
-    def by_url(self, url: str) -> ConnectedEngine:
-        return next(e for e in self.engines if e.url == url)
 
     def each(self, call: Callable[[ConnectedEngine], object]) -> None:
         concurrently(call, self.engines)
@@ -233,7 +241,7 @@ class Fleet:
                 report.outcomes[engine.url] = engine.update.abort(resume_incomplete)
             except EngineUnreachable as exc:
                 report.outcomes[engine.url] = f"unreachable: {exc}"
-            except EngineError as exc:
+            except Exception as exc:  # abort reports, it does not raise
                 report.outcomes[engine.url] = f"failed: {exc}"
 
         concurrently(one, self.engines)
@@ -245,7 +253,7 @@ class Fleet:
         for engine in self.engines:
             try:
                 version = engine.client.weight_version()
-                versions.append(int(version.rsplit(":", 1)[-1]))
+                versions.append(int(version.removeprefix(UPDATING_PREFIX)))
             except (ValueError, EngineError):
                 continue
         return max(versions, default=0) + 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2pweights.engines.client import EngineClient
@@ -76,6 +76,10 @@ class EngineUpdate:
     """Writes went into the engine since its last complete update: its weights may be torn."""
     holds: str | None = None
     """The version its weights are, while they are whole (None: not known)."""
+    snapshot_taken: bool = False
+    """Its weight checker holds the snapshot the first update is compared with."""
+    reset_done: bool = False
+    """Its weights were reset to noise for the check (so unwritten ones cannot pass)."""
     shows_updating: bool = False
     """Its weight version says ``p2pweights-updating:`` (set by this session or found)."""
     last_error: str | None = field(default=None, repr=False)
@@ -90,7 +94,7 @@ class EngineUpdate:
     def adopt(self) -> None:
         """Read the state a previous session may have left the engine in."""
         version = self.client.weight_version()
-        self.holds = version
+        self.holds = version or None
         if version.startswith(UPDATING_PREFIX):
             self.incomplete = self.paused_by_us = self.shows_updating = True
             self.holds = None
@@ -109,24 +113,31 @@ class EngineUpdate:
     # -- the update steps ----------------------------------------------------------------------
 
     def open(self, pause_mode: str, version: str, snapshot: bool = False) -> None:
-        """Pause (if running), optionally snapshot for the weight check, flush, begin; then
-        show ``p2pweights-updating:<version>`` until the update completes here."""
+        """Pause (if running), show ``p2pweights-updating:<version>`` until the update
+        completes here, optionally snapshot and reset for the weight check (once per
+        engine), flush, begin.
+
+        The version says "updating" before anything changes the weights or opens a
+        session, so an engine a failure leaves open or reset always shows it.
+        """
         self._probe_if_unknown()
         if self.phase in (Phase.RUNNING, Phase.UNKNOWN):
             self.paused_by_us = True  # even if the answer is lost: resuming is then ours
             self._call(lambda c: c.pause_generation(pause_mode))
             if self.phase is Phase.RUNNING:
                 self.phase = Phase.PAUSED
-        if snapshot:
+        self._version = version
+        self.shows_updating = True  # even if the answer is lost, it may show it
+        self._call(lambda c: c.update_weight_version(updating_version(version)))
+        if snapshot and not self.snapshot_taken:
             self._call(lambda c: c.weights_checker("snapshot"))
-            self._call(lambda c: c.weights_checker("reset_tensors"))
+            self.snapshot_taken = True
+        if snapshot and not self.reset_done:
+            self._reset_for_check()
         if self.phase is not Phase.OPEN:
             if pause_mode != "in_place":
                 self._call(lambda c: c.flush_cache())
             self._begin()
-        self._version = version
-        self.shows_updating = True  # even if the answer is lost, it may show it
-        self._call(lambda c: c.update_weight_version(updating_version(version)))
 
     def mark_written(self) -> None:
         """Writes are about to go into the engine: its weights are torn until they all land."""
@@ -173,7 +184,7 @@ class EngineUpdate:
             self._call(lambda c: c.update_weight_version(holds))
             self.shows_updating = False
         if not self.paused_by_us:
-            return "left as it was"
+            return "left as it was (not paused by this session)"
         if self.incomplete and not resume_incomplete:
             return "left paused: its writes did not all land (weights may be torn)"
         self._resume()
@@ -194,6 +205,19 @@ class EngineUpdate:
         except EngineError as exc:
             self.last_error = str(exc)
             raise
+
+    def _reset_for_check(self) -> None:
+        """reset_tensors overwrites every weight with noise: torn until rewritten, unless
+        the engine answered that it did not reset."""
+        was_incomplete, self.incomplete = self.incomplete, True
+        try:
+            self._call(lambda c: c.weights_checker("reset_tensors"))
+        except EngineUnreachable:
+            raise
+        except EngineError:
+            self.incomplete = was_incomplete
+            raise
+        self.reset_done = True
 
     def _begin(self) -> None:
         try:
@@ -266,10 +290,3 @@ class AbortReport:
 
     def __str__(self) -> str:
         return "; ".join(f"{url}: {what}" for url, what in self.outcomes.items()) or "no engines"
-
-
-def describe_states(engines: Sequence[EngineUpdate]) -> str:
-    """``url: phase (incomplete)`` for messages."""
-    return "; ".join(
-        f"{e.url}: {e.phase.value}{' (incomplete)' if e.incomplete else ''}" for e in engines
-    )

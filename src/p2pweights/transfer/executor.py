@@ -110,7 +110,15 @@ class TransferExecutor:
                 self._buffers.capacity_bytes,
                 num_bytes,
             )
+            self._release_buffers()
         self._buffers = StagingBuffers(num_bytes, self._device, self._transport.register)
+
+    def _release_buffers(self) -> None:
+        """Deregister the buffers before their memory goes back to the allocator."""
+        if self._buffers is not None:
+            for buffer in self._buffers.buffers:
+                self._transport.unregister(buffer.tensor)
+            self._buffers = None
 
     def connect(self, targets: Iterable[RankPublication]) -> None:
         """Make these engine ranks writable: transport connections and a writer each."""
@@ -166,7 +174,7 @@ class TransferExecutor:
         """Stop the writers (a running write returns within its timeout) and drop the buffers."""
         self.disconnect()
         self._unfinished = []
-        self._buffers = None
+        self._release_buffers()
 
 
 class _Run:
@@ -185,7 +193,8 @@ class _Run:
         self._load = load
         buffers.reset()
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
-        self._batches: dict[TargetKey, WriteBatch] = {}
+        # one batch per publication: a rank's draft is reached through its own handle
+        self._batches: dict[tuple[str, int, str], WriteBatch] = {}
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
         self._failed = FailedTargets()
         self.result = RunResult()
@@ -204,7 +213,7 @@ class _Run:
         for slot in group.slots:
             views[slot.param] = buffer.view(base + slot.offset, slot.num_bytes)
         for tw in group.targets:
-            key = (tw.target.engine_url, tw.target.engine_rank)
+            key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
             batch = self._batches.get(key)
             if batch is None:
                 batch = self._batches[key] = WriteBatch(tw.target)
@@ -226,12 +235,12 @@ class _Run:
             torch.cuda.current_stream(self._buffers.current.tensor.device).synchronize()
         self.result.load_s += time.perf_counter() - started
         index = self._buffers.current_index
-        for key, batch in self._batches.items():
-            if self._failed.get(key) is not None:
+        for batch in self._batches.values():
+            if self._failed.get(batch.key) is not None:
                 continue  # this rank already failed; the others carry on
-            future = self._writers[key].submit(batch, self._failed)
+            future = self._writers[batch.key].submit(batch, self._failed)
             self._pending[index].append((future, batch))
-            self.result.bytes_by_target[key] += batch.num_bytes
+            self.result.bytes_by_target[batch.key] += batch.num_bytes
         self._batches = {}
         self.result.num_flushes += 1
         buffer = self._buffers.swap()

@@ -1,7 +1,9 @@
 """One writer thread per engine rank: a stuck engine rank delays only its own writes.
 
-A ``WriteBatch`` is what one flush sends one engine rank: (source, destination,
-length) triples plus the parameter each write carries, so a failure names it.
+A ``WriteBatch`` is what one flush sends one runner of an engine rank (its target
+model, or its speculative draft, each published with its own transport handle):
+(source, destination, length) triples plus the parameter each write carries, so a
+failure names it.
 Writers of different ranks of one engine run at the same time (several NICs, or
 NVLink to several GPUs). Once a batch to a rank failed, later batches to that rank
 are skipped rather than sent (each would wait out its own timeout on a dead peer).
@@ -67,10 +69,6 @@ class FailedTargets:
     def errors(self) -> dict[TargetKey, BaseException]:
         with self._lock:
             return dict(self._errors)
-
-    def engines(self) -> set[str]:
-        with self._lock:
-            return {url for url, _ in self._errors}
 
 
 class RankWriter:

@@ -39,6 +39,10 @@ class Transport(ABC):
         """Register ``buffer`` (contiguous, host or device) as a write source, once."""
 
     @abstractmethod
+    def unregister(self, buffer: torch.Tensor) -> None:
+        """Deregister a buffer ``register`` took (before its memory is freed)."""
+
+    @abstractmethod
     def connect(self, target: RankPublication) -> None:
         """Make ``target`` writable (load its agent, open its session). Idempotent."""
 

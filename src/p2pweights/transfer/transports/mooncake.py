@@ -98,6 +98,15 @@ class MooncakeTransport(Transport):
             self._registered.append((address, num_bytes))
             self._local = RegionIndex(self._registered)
 
+    def unregister(self, buffer: torch.Tensor) -> None:
+        address = buffer.data_ptr()
+        with self._lock:
+            if not any(a == address for a, _ in self._registered):
+                return
+            self._engine.unregister_memory(address)
+            self._registered = [r for r in self._registered if r[0] != address]
+            self._local = RegionIndex(self._registered)
+
     def connect(self, target: RankPublication) -> None:
         # Mooncake opens the peer's segment (its handshake) on the first write to it; the
         # binding has no safe way to open one ahead, so a dead peer surfaces in write().
