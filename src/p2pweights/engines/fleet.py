@@ -50,6 +50,13 @@ class ConnectedEngine:
     def num_ranks(self) -> int:
         return len(self.publications)
 
+    def published_bytes(self, rank: int) -> int:
+        """Bytes engine rank ``rank`` published for writing (its draft runner's included)."""
+        pubs = [self.publications[rank]]
+        if self.draft_publications:
+            pubs.append(self.draft_publications[rank])
+        return sum(region.num_bytes for pub in pubs for region in pub.regions.values())
+
 
 def num_engine_ranks(url: str, server_info: dict[str, Any]) -> int:
     """The TP ranks; pipeline stages and in-server DP replicas cannot be told apart."""

@@ -107,6 +107,13 @@ class ReplicaHandle:
                 self._replica = self.build()
             return self._replica
 
+    def peek(self) -> Replica:
+        """The replica, without keeping one this handle has not built yet (the ``plan``
+        command reads each of hundreds of engine ranks' layouts once)."""
+        with self._lock:
+            replica = self._replica
+        return replica if replica is not None else self.build()
+
     @property
     def layouts(self) -> Mapping[str, ParamLayout]:
         """Parameter name -> how the engine rank lays it out (shape, dtype, bytes)."""

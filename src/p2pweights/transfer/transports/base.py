@@ -46,6 +46,15 @@ class Transport(ABC):
     def connect(self, target: RankPublication) -> None:
         """Make ``target`` writable (load its agent, open its session). Idempotent."""
 
+    def disconnect(self, target: RankPublication) -> None:  # noqa: B027 (optional to override)
+        """Forget ``target`` (its engine was removed, or restarted on new addresses):
+        release what ``connect`` set up for it. Idempotent; a later write needs ``connect``."""
+
+    @property
+    def peers(self) -> frozenset[str]:
+        """The engine ranks connected now, by transport-level name (``RankPublication.peer``)."""
+        return frozenset()
+
     @abstractmethod
     def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
         """Issue ``writes`` to ``target`` and return when all completed.

@@ -76,6 +76,7 @@ class MooncakeTransport(Transport):
         self._lock = threading.Lock()
         self._registered: list[tuple[int, int]] = []
         self._local = RegionIndex([])
+        self._peers: set[str] = set()
 
     @property
     def session_id(self) -> str:
@@ -115,6 +116,20 @@ class MooncakeTransport(Transport):
                 f"{where(target.engine_url, target.engine_rank)} published backend "
                 f"{target.backend!r}, not a Mooncake session; use the matching transport"
             )
+        with self._lock:
+            self._peers.add(target.session_id)
+
+    def disconnect(self, target: RankPublication) -> None:
+        # The binding cannot close a peer's segment; forgetting it here means no write
+        # goes to it unless it is connected again (the executor only writes what it
+        # connected, from a byte plan checked against the current publications).
+        with self._lock:
+            self._peers.discard(target.session_id or "")
+
+    @property
+    def peers(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._peers)
 
     def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
         self.connect(target)

@@ -1,0 +1,87 @@
+"""``connect()`` again with a changed engine list, real engines in their own processes.
+
+After a first update into engines A (TP 2) and B: B is removed from the list, C is
+added, A is restarted on a new port. The second connect keeps the replicas and the
+registered staging buffers, drops every writer and transport connection of B and of
+A's old process, and the next update is bit-exact on the new A and on C while B, still
+running, keeps the first update's weights: nothing was written to a stale registration.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+from p2pweights.engines.client import EngineClient
+from p2pweights.engines.inspect import inspect_engine
+from p2pweights.local_engine import LocalEngine
+from p2pweights.testing import synthetic_weights
+from p2pweights.verify import verify_engine
+
+pytestmark = pytest.mark.integration
+
+
+def _weights(folder, seed):
+    return list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
+
+
+def _bit_exact(engine, folder, seed) -> None:
+    client = EngineClient(engine.url)
+    try:
+        mismatches = verify_engine(client, lambda: _weights(folder, seed))
+    finally:
+        client.close()
+    assert mismatches == {r: [] for r in range(engine.tp)}, f"{engine.url}: {mismatches}"
+
+
+def _peers(engine) -> set[str]:
+    client = EngineClient(engine.url)
+    try:
+        return {client.publication(rank).peer for rank in range(engine.tp)}
+    finally:
+        client.close()
+
+
+def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_engines):
+    folder = model_dir("qwen3-tiny")
+    a, b, c = start_engines(folder, [2, 1, 1], seed=0)
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([a.url, b.url])
+        session.update(_weights(folder, 71))
+        _bit_exact(a, folder, 71)
+        _bit_exact(b, folder, 71)
+        executor = session._executor
+        assert executor is not None
+        buffers = [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers]
+        replicas = dict(session._replicas)
+        stale_peers = _peers(a) | _peers(b)
+
+        a.stop()
+        restarted = LocalEngine(folder, tp=2, seed=0)  # a new process on a new port
+        start_engines.started.append(restarted)
+        restarted.start().wait_ready()
+        assert restarted.url != a.url
+        session.connect([restarted.url, c.url])
+
+        connected = {(url, rank) for url, rank, _ in executor.connected}
+        assert connected == {(restarted.url, 0), (restarted.url, 1), (c.url, 0)}
+        assert executor.writer_keys == connected
+        assert executor.transport.peers == _peers(restarted) | _peers(c)
+        assert not executor.transport.peers & stale_peers
+        # replicas and registered buffers kept (the new engines have the old layouts)
+        assert all(session._replicas[key] is handle for key, handle in replicas.items())
+        assert [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers] == buffers
+
+        report = session.update(_weights(folder, 72))
+        assert set(report.bytes_by_target) == connected
+        _bit_exact(restarted, folder, 72)
+        _bit_exact(c, folder, 72)
+        _bit_exact(b, folder, 71)  # removed, still serving: never written again
+
+    found = inspect_engine(restarted.url)
+    assert found["layout"]["tp_size"] == 2 and found["transport"] == ["mooncake"]
+    assert found["weight_version"] == report.version
+    assert found["bytes"] == sum(report.bytes_by_target[(restarted.url, r)] for r in (0, 1))
+    assert found["update_state"]["mid_update"] is False

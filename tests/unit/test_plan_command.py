@@ -1,0 +1,92 @@
+"""``p2pweights plan``: replicas on meta, no engines; its JSON against the replicas' own layouts.
+
+The command runs in a subprocess: resolving server args publishes sglang's server args
+process-wide, which only the CLI process may do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from p2pweights.replica.registry import replica_for
+from p2pweights.testing import write_model_dir
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "p2pweights.cli", "--log-level", "WARNING", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _written_bytes(folder, tp: int, rank: int, **server_args) -> int:
+    """What the update writes to the rank: every parameter its replica registers."""
+    info = {"model_path": str(folder), "tp_size": tp, **server_args}
+    replica = replica_for(info, rank).peek()  # the process's registry keeps nothing built
+    return sum(
+        layout.num_bytes
+        for name, layout in replica.layouts.items()
+        if name not in replica.optional_params
+    )
+
+
+def test_tp4_beside_tp2_bytes_are_the_replicas(tmp_path):
+    folder = write_model_dir("qwen3-tiny", tmp_path / "qwen3-tiny")
+    done = _plan(
+        "--model", str(folder), "--engine", "tp=4", "--engine", "tp=2", "--senders", "4", "--json"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert [e["layout"] for e in out["engines"]] == [{"tp": 4}, {"tp": 2}]
+    for engine, tp in zip(out["engines"], (4, 2), strict=True):
+        assert [r["rank"] for r in engine["ranks"]] == list(range(tp))
+        for r in engine["ranks"]:
+            assert r["bytes"] == _written_bytes(folder, tp, r["rank"])
+            assert 0 <= r["sender"] < 4
+    ranks = [r for e in out["engines"] for r in e["ranks"]]
+    assert out["p2p_bytes"] == sum(r["bytes"] for r in ranks)
+    assert out["p2p_bytes"] == sum(s["bytes"] for s in out["senders"])
+    # each sender writes what the ranks it is named for receive: one writer per rank
+    for s in out["senders"]:
+        assert s["bytes"] == sum(r["bytes"] for r in ranks if r["sender"] == s["rank"])
+    assert out["broadcast_bytes"] > out["p2p_bytes"]
+    assert out["lower_bound_s"]["p2p"] > 0 and out["lower_bound_s"]["broadcast"] > 0
+    assert out["predicted_s"]["seconds"] > out["lower_bound_s"]["p2p"]
+
+
+def test_full_size_moe_with_and_without_expert_parallelism():
+    """GLM-4.5-Air (bf16, 106B) at TP 4 / EP 4 beside TP 4 / EP 1, 8 senders."""
+    done = _plan(
+        "--model", "glm-4.5-air-full",
+        "--engine", "tp=4,ep=4",
+        "--engine", "tp=4",
+        "--senders", "8",
+        "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    ranks = [r for e in out["engines"] for r in e["ranks"]]
+    assert len(ranks) == 8
+    assert sorted(r["sender"] for r in ranks) == list(range(8))  # one each
+    whole = out["broadcast_bytes"] / 8  # the checkpoint, which every GPU takes in a broadcast
+    assert 210e9 < whole < 220e9
+    # an EP rank holds 32 whole experts, a TP rank a quarter of all 128: the same bytes
+    sizes = [r["bytes"] for r in ranks]
+    assert max(sizes) / min(sizes) < 1.01
+    assert sum(sizes[:4]) == pytest.approx(whole, rel=0.01)  # padding aside, one model
+    assert out["lower_bound_s"]["p2p"] == pytest.approx(max(sizes) / 50e9)
+    # a TP 4 rank takes a quarter of the model over one NIC; a broadcast brings the whole
+    # model into the node over its 8 NICs: at this width the broadcast's bound is lower
+    assert out["lower_bound_s"]["broadcast"] == pytest.approx(whole / 400e9)
+
+
+def test_bad_engine_spec_is_refused_before_any_replica():
+    done = _plan("--model", "qwen3-tiny", "--engine", "ep=2", "--senders", "1")
+    assert done.returncode == 2
+    assert "needs tp=T" in done.stderr
