@@ -19,7 +19,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 
-want=$(cat pyproject.toml requirements/*.txt | sha256sum | cut -c1-64)
+# The editable install's metadata carries the version: reinstall when it changes too.
+want=$( (cat pyproject.toml requirements/*.txt; grep '^__version__' src/p2pweights/__init__.py) \
+  | sha256sum | cut -c1-64)
 stamp=.venv/.p2pweights-setup
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)

@@ -9,9 +9,20 @@
         report = session.update(model.named_parameters_in_hf_names())
 
 Importing this package imports neither sglang nor a transport; they load when used.
+
+The public API is ``__all__`` here and in these modules (each pinned by a test):
+
+- ``p2pweights``: the session, its configs, ``UpdateReport``, the errors, and
+  ``EngineClient`` / ``verify_engine`` (an engine's HTTP API; bit-exact verification);
+- ``p2pweights.verify``: ``verify_engine`` and the checksums it compares;
+- ``p2pweights.adapters``: trainer glue such as ``torch_agree``;
+- ``p2pweights.local_engine``: ``LocalEngine``, a CPU engine for tests and demos;
+- ``p2pweights.testing``: shipped model configs and ``synthetic_weights``, the tensors
+  a ``p2pweights engine --seed S`` engine starts from.
 """
 
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights.engines.client import EngineClient
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.errors import (
     ConfigError,
@@ -24,11 +35,13 @@ from p2pweights.errors import (
 )
 from p2pweights.report import UpdateReport
 from p2pweights.session import WeightSyncSession
+from p2pweights.verify import verify_engine
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "EngineClient",
     "EngineEndpoint",
     "EngineError",
     "LayoutMismatchError",
@@ -42,4 +55,5 @@ __all__ = [
     "UpdateReport",
     "WeightSyncSession",
     "__version__",
+    "verify_engine",
 ]

@@ -1,10 +1,13 @@
-"""``p2pweights``: the command line (``engine`` serves a local engine, ``demo`` runs the demo)."""
+"""``p2pweights``: the command line (``engine`` serves a local engine, ``demo`` runs the demo,
+``plan`` predicts an update at cluster scale, ``inspect`` shows what an engine publishes,
+``doctor`` says what will work on this host)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -27,14 +30,146 @@ def _engine(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from p2pweights.demo import run_demo
+    from p2pweights.progress import set_progress
 
+    if args.no_progress:
+        set_progress(False)
     return run_demo(
         model=args.model,
         transport=args.transport,
         engine_tps=args.engine_tp,
         num_updates=args.updates,
         buffer_bytes=args.buffer,
+        verbose=args.verbose,
+        log_level=args.log_level,
+        log_until_exit=True,
     )
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from p2pweights.config import parse_bytes
+    from p2pweights.console import quiet_console
+    from p2pweights.doctor import run_doctor
+
+    def run() -> int:
+        return run_doctor(
+            args.engine, buffer_bytes=parse_bytes(args.buffer), loopback=not args.no_loopback
+        )
+
+    if args.verbose:
+        return run()
+    handle, name = tempfile.mkstemp(prefix="p2pweights-doctor-", suffix=".log")
+    os.close(handle)
+    with quiet_console(Path(name), args.log_level, until_exit=True):
+        code = run()
+    print(f"log (sglang, transports): {name}; --verbose shows it here")
+    return code
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from p2pweights.config import parse_bytes
+    from p2pweights.errors import ConfigError
+    from p2pweights.plan.cost import LinkModel, PipelineModel
+    from p2pweights.planner import build_cluster_plan, parse_engine_spec
+
+    try:
+        links = LinkModel(
+            nic_gbps=args.nic_gbps,
+            host_gbps=args.host_gbps,
+            nvlink_gbps=args.nvlink_gbps,
+            gpus_per_node=args.gpus_per_node,
+            staging=args.staging,
+        )
+        pipeline = PipelineModel(
+            buffer_bytes=parse_bytes(args.buffer),
+            transport_efficiency=args.transport_efficiency,
+            engine_finish_s=args.engine_finish_s,
+        )
+        specs = [parse_engine_spec(text) for text in args.engine]
+        with contextlib.redirect_stdout(sys.stderr):  # sglang prints; stdout is the plan
+            plan = build_cluster_plan(
+                args.model,
+                specs,
+                num_senders=args.senders,
+                num_stages=args.stages,
+                links=links,
+                pipeline=pipeline,
+            )
+    except (ConfigError, ValueError) as exc:
+        print(f"p2pweights plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_json(), indent=1) if args.json else plan.render())
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from p2pweights.engines.inspect import inspect_engine, render_inspection
+    from p2pweights.errors import EngineError
+
+    try:
+        found = inspect_engine(args.url, timeout_s=args.timeout, api_key=args.api_key)
+    except EngineError as exc:
+        print(f"p2pweights inspect: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(found, indent=1) if args.json else render_inspection(found))
+    return 0
+
+
+def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="predict one update at cluster scale (replicas on meta; no engines, no GPUs)",
+    )
+    plan.add_argument(
+        "--model", required=True, help="model folder or config.json (or a shipped model name)"
+    )
+    plan.add_argument(
+        "--engine",
+        action="append",
+        required=True,
+        metavar="tp=T[,ep=E][,dp_attention=D][,count=N][,ARG=V...]",
+        help="an engine layout (repeat for more; count=N for N alike; ARG: sglang server args)",
+    )
+    plan.add_argument("--senders", type=int, required=True, help="sending trainer ranks (GPUs)")
+    plan.add_argument("--stages", type=int, default=1, help="trainer pipeline stages")
+    plan.add_argument("--nic-gbps", type=float, default=50.0, help="RDMA per GPU, GB/s")
+    plan.add_argument("--host-gbps", type=float, default=55.0, help="pinned host <-> GPU, GB/s")
+    plan.add_argument("--nvlink-gbps", type=float, default=357.0, help="GPU <-> GPU in a node")
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument(
+        "--staging", choices=["host", "device"], default="host", help="where bytes are staged"
+    )
+    plan.add_argument("--buffer", default="512MiB", help="each of the two staging buffers")
+    plan.add_argument(
+        "--transport-efficiency",
+        type=float,
+        default=1.0,
+        help="share of the NIC rate our writes reach (0.745: NIXL vs NCCL's lower reading)",
+    )
+    plan.add_argument(
+        "--engine-finish-s",
+        type=float,
+        default=0.0,
+        help="engine-side work in end_weight_update (e.g. 0.884 for Kimi-K2 fp8, the seed's)",
+    )
+    plan.add_argument("--json", action="store_true", help="the plan as JSON")
+    plan.set_defaults(run=_plan)
+
+
+def _add_inspect_parser(commands: argparse._SubParsersAction) -> None:
+    inspect = commands.add_parser(
+        "inspect", help="what an engine publishes: layout, transport, bytes per rank, state"
+    )
+    inspect.add_argument("url", help="the engine, e.g. http://10.0.0.5:30000")
+    inspect.add_argument("--api-key", default=None)
+    inspect.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(run=_inspect)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +200,34 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine-tp", type=int, nargs="+", default=[2, 1])
     demo.add_argument("--updates", type=int, default=3)
     demo.add_argument("--buffer", default="256MiB")
+    demo.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every log line (trainer, sglang, transports, engines) instead of log files",
+    )
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(run=_demo)
+
+    doctor = commands.add_parser(
+        "doctor", help="what will work on this host and why; exits 1 on a blocker"
+    )
+    doctor.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="also check an engine: its sglang, update API, publications, state (repeatable)",
+    )
+    doctor.add_argument(
+        "--buffer", default="1GiB", help="SyncConfig.buffer_bytes to check memory for"
+    )
+    doctor.add_argument(
+        "--no-loopback", action="store_true", help="skip the loopback write per transport"
+    )
+    doctor.add_argument("--verbose", action="store_true", help="log lines too")
+    doctor.set_defaults(run=_doctor)
+    _add_plan_parser(commands)
+    _add_inspect_parser(commands)
     return parser
 
 

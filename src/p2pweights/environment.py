@@ -9,6 +9,11 @@
 ``UCX_MODULES``                          Set to ``^efa`` by the NIXL transport when unset and
                                          the host has no EFA device (UCX's EFA module crashes
                                          at process exit otherwise). Read, never overridden.
+``P2PWEIGHTS_PROGRESS``                  ``0`` turns progress bars off (``p2pweights.progress``;
+                                         they are drawn only on a terminal anyway).
+``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
+                                         (demo, doctor) when unset: NIXL logs INFO lines to
+                                         stdout otherwise. Read, never overridden.
 =====================================  =====================================================
 
 Read when used, not at import, so a value set before the first session counts.
@@ -22,7 +27,13 @@ import os
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["nixl_backend", "sglang_cpu_engine", "keep_ucx_efa_module_out"]
+__all__ = [
+    "nixl_backend",
+    "sglang_cpu_engine",
+    "keep_ucx_efa_module_out",
+    "progress_allowed",
+    "quiet_nixl_info",
+]
 
 
 def nixl_backend() -> str:
@@ -31,6 +42,15 @@ def nixl_backend() -> str:
 
 def sglang_cpu_engine() -> bool:
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
+def progress_allowed() -> bool:
+    return os.environ.get("P2PWEIGHTS_PROGRESS", "1").strip().lower() not in ("0", "false", "no")
+
+
+def quiet_nixl_info() -> None:
+    """``NIXL_LOG_LEVEL=WARN`` unless set (see the table above)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
 def keep_ucx_efa_module_out() -> None:

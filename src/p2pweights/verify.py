@@ -17,7 +17,17 @@ import torch
 from p2pweights.engines.client import EngineClient
 from p2pweights.replica.registry import config_path
 
+__all__ = [
+    "EngineClient",
+    "HfTensors",
+    "compare",
+    "engine_checksums",
+    "expected_checksums",
+    "verify_engine",
+]
+
 HfTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+"""A callable giving the HF tensors afresh each call (the check reads them once per rank)."""
 
 
 def expected_checksums(

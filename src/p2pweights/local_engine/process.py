@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -54,6 +55,8 @@ class LocalEngine:
         startup_timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
         server_args: dict[str, object] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        stream_log: bool = False,
     ):
         self.model = str(model)
         self.tp = tp
@@ -67,17 +70,31 @@ class LocalEngine:
         self._env = env
         self.server_args = dict(server_args or {})
         self._process: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the engine)
-            prefix="p2pweights-engine-", suffix=".log", delete=False
-        )
+        # The engine's stdout and stderr: a file (``log_path``, else a new temporary one),
+        # or this process's stderr with ``stream_log``.
+        self.stream_log = stream_log
+        self._log: IO[bytes] | None = None
+        if not stream_log:
+            if log_path is None:
+                self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives with the engine)
+                    prefix="p2pweights-engine-", suffix=".log", delete=False
+                )
+            else:
+                self._log = open(log_path, "ab")  # noqa: SIM115 (lives with the engine)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     @property
-    def log_path(self) -> Path:
-        return Path(self._log.name)
+    def log_path(self) -> Path | None:
+        """The file the engine logs to (``None`` with ``stream_log``)."""
+        return None if self._log is None else Path(self._log.name)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id while it runs (``None`` before ``start()``)."""
+        return None if self._process is None else self._process.pid
 
     def command(self) -> list[str]:
         cmd = [
@@ -110,7 +127,7 @@ class LocalEngine:
         env = {**os.environ, **(self._env or {})}
         self._process = subprocess.Popen(
             self.command(),
-            stdout=self._log,
+            stdout=self._log if self._log is not None else sys.stderr,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
@@ -140,11 +157,14 @@ class LocalEngine:
         )
 
     def log_tail(self, num_chars: int = 3000) -> str:
+        if self.log_path is None:
+            return "(the engine logged to this process's stderr)"
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        self._log.close()  # the file stays for log_tail() and post-mortems
+        if self._log is not None:
+            self._log.close()  # the file stays for log_tail() and post-mortems
         if process is None or process.poll() is not None:
             return
         process.terminate()

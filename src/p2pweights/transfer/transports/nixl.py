@@ -18,16 +18,27 @@ segfaults (``rtnl_tc_unregister``), whatever Python released before. Releasing
 the agent explicitly does not help. Unless the user set ``UCX_MODULES`` or the
 host has EFA devices, we set ``UCX_MODULES=^efa`` before the first UCX agent of
 the process, which keeps that module (and the second library copies) out.
+
+Idle CPU. NIXL's Python front creates every agent with a progress thread that polls
+UCX with a zero wait (``pthrDelay = 0``, not a constructor argument): one core per
+agent spinning while nothing moves (measured: an idle TP-2 NIXL engine 0.5-2 cores).
+Without target-side progress, writes over UCX's TCP transport never complete, so the
+engine's agent keeps its thread but waits for UCX events, up to
+``_PROGRESS_WAIT_US``: a write wakes it at once, an idle agent sleeps. The trainer's
+agent has no progress thread: ``write()`` drives progress itself while it polls, and
+a second thread on the same worker only contended with it (more CPU per write).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +55,14 @@ logger = logging.getLogger(__name__)
 _MEM_TYPES = ("DRAM", "VRAM")
 
 
-def _new_agent(name: str, backend: str) -> Any:
+_PROGRESS_WAIT_US = 100_000
+"""The longest an engine agent's progress thread sleeps waiting for UCX events (NIXL's
+own listener thread uses the same); events wake it at once (see the module docstring)."""
+
+_agent_creation = threading.Lock()
+
+
+def _new_agent(name: str, backend: str, *, progress_thread: bool) -> Any:
     try:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError as exc:
@@ -53,10 +71,13 @@ def _new_agent(name: str, backend: str) -> Any:
         keep_ucx_efa_module_out()  # see the module docstring
     # Strict sync: write() may run in one thread per engine rank on the same agent.
     config = nixl_agent_config(
-        backends=[backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        backends=[backend],
+        enable_prog_thread=progress_thread,
+        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
     try:
-        agent = nixl_agent(name, config)
+        with _agent_creation, _waiting_progress_thread(nixl_agent):
+            agent = nixl_agent(name, config)
     except Exception as exc:
         raise TransportError(f"cannot create NIXL agent {name!r} ({exc!r})") from exc
     if backend not in agent.backends:
@@ -64,6 +85,33 @@ def _new_agent(name: str, backend: str) -> Any:
             f"NIXL backend {backend!r} is not available; plugins found: {agent.get_plugin_list()}"
         )
     return agent
+
+
+@contextlib.contextmanager
+def _waiting_progress_thread(nixl_agent: type) -> Iterator[None]:
+    """While an agent is created, its progress thread waits for UCX events instead of
+    spinning: ``nixl_agent`` sets ``pthrDelay = 0`` on its bindings' config object, so
+    the bindings' config class is swapped for one that keeps ``_PROGRESS_WAIT_US``.
+    Where the bindings differ (another NIXL release), agents keep NIXL's default."""
+    bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    base = getattr(bindings, "nixlAgentConfig", None)
+    delay: Any = getattr(base, "pthrDelay", None)
+    if bindings is None or base is None or not hasattr(delay, "__set__"):
+        logger.debug("NIXL bindings without nixlAgentConfig.pthrDelay; progress thread unchanged")
+        yield
+        return
+
+    class _WaitingConfig(base):  # type: ignore[misc, valid-type]
+        pthrDelay = property(
+            lambda self: delay.__get__(self),
+            lambda self, _value: delay.__set__(self, _PROGRESS_WAIT_US),
+        )
+
+    bindings.nixlAgentConfig = _WaitingConfig
+    try:
+        yield
+    finally:
+        bindings.nixlAgentConfig = base
 
 
 def _mem_type(tensor: torch.Tensor) -> tuple[str, int]:
@@ -83,12 +131,15 @@ class NixlTransport(Transport):
     def __init__(self, config: NixlConfig) -> None:
         self._backend = config.backend
         _ensure_cuda_context()
-        self._agent = _new_agent(f"p2pweights_trainer_{uuid.uuid4().hex[:12]}", config.backend)
+        self._agent = _new_agent(
+            f"p2pweights_trainer_{uuid.uuid4().hex[:12]}", config.backend, progress_thread=False
+        )
         self._lock = threading.Lock()
         self._registered: list[Any] = []  # nixlRegDList per buffer, for close()
         self._local: dict[str, list[tuple[int, int]]] = {}  # mem type -> buffers
         self._local_index: dict[str, RegionIndex] = {}
         self._local_device: dict[int, int] = {}  # buffer address -> device id
+        self._descs: dict[int, Any] = {}  # buffer address -> its nixlRegDList
         self._remote: dict[str, _RemoteAgent] = {}  # agent name -> what we learnt
 
     @property
@@ -111,9 +162,23 @@ class NixlTransport(Transport):
                     f"NIXL register_memory of a {num_bytes}-byte {mem_type} buffer failed ({exc!r})"
                 ) from exc
             self._registered.append(descs)
+            self._descs[address] = descs
             self._local.setdefault(mem_type, []).append((address, num_bytes))
             self._local_index[mem_type] = RegionIndex(self._local[mem_type])
             self._local_device[address] = device
+
+    def unregister(self, buffer: torch.Tensor) -> None:
+        mem_type, _ = _mem_type(buffer)
+        address = buffer.data_ptr()
+        with self._lock:
+            descs = self._descs.pop(address, None)
+            if descs is None:
+                return
+            self._agent.deregister_memory(descs)
+            self._registered.remove(descs)
+            self._local[mem_type] = [r for r in self._local[mem_type] if r[0] != address]
+            self._local_index[mem_type] = RegionIndex(self._local[mem_type])
+            self._local_device.pop(address, None)
 
     def connect(self, target: RankPublication) -> None:
         if target.backend != "nixl" or not target.agent_name or not target.agent_metadata:
@@ -138,6 +203,20 @@ class NixlTransport(Transport):
                     f"{name!r}, the publication names {target.agent_name!r}"
                 )
             self._remote[name] = self._learn_remote(target)
+
+    def disconnect(self, target: RankPublication) -> None:
+        with self._lock:
+            if self._remote.pop(target.agent_name or "", None) is None:
+                return
+            try:
+                self._agent.remove_remote_agent(target.agent_name)
+            except Exception as exc:  # a dead peer's agent: forgotten here all the same
+                logger.warning("NIXL: removing agent %r failed: %r", target.agent_name, exc)
+
+    @property
+    def peers(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._remote)
 
     def _learn_remote(self, target: RankPublication) -> _RemoteAgent:
         by_device: dict[int, list[tuple[int, int]]] = {}
@@ -256,6 +335,7 @@ class NixlTransport(Transport):
             self._local.clear()
             self._local_index.clear()
             self._local_device.clear()
+            self._descs.clear()
 
 
 class _RemoteAgent:
@@ -286,7 +366,9 @@ class NixlPublisher(Publisher):
 
     def __init__(self, backend: str = "UCX", engine_rank: int = 0) -> None:
         _ensure_cuda_context()
-        self._agent = _new_agent(f"nixl_weight_tp{engine_rank}_{uuid.uuid4().hex}", backend)
+        self._agent = _new_agent(
+            f"nixl_weight_tp{engine_rank}_{uuid.uuid4().hex}", backend, progress_thread=True
+        )
         self._registered: list[Any] = []
         self._index = RegionIndex([])
         self._mem_type = "DRAM"

@@ -1,0 +1,103 @@
+"""``p2pweights doctor``: findings from a fake sysfs and a fake engine, and the exit code."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import httpx
+import pytest
+
+from p2pweights import doctor
+from p2pweights.doctor import FAIL, OK, WARN, Finding, engine_findings, rdma_devices
+from p2pweights.engines.client import EngineClient
+
+SGLANG = importlib.metadata.version("sglang")
+
+
+def test_rdma_devices_and_their_port_state(tmp_path: Path) -> None:
+    for name, state in [("mlx5_0", "4: ACTIVE"), ("mlx5_1", "1: DOWN")]:
+        port = tmp_path / name / "ports" / "1"
+        port.mkdir(parents=True)
+        (port / "state").write_text(state + "\n")
+    assert rdma_devices(tmp_path) == [("mlx5_0", "4: ACTIVE"), ("mlx5_1", "1: DOWN")]
+    assert rdma_devices(tmp_path / "none") == []
+
+
+def test_exit_code_is_one_on_a_blocker(monkeypatch, capsys) -> None:
+    found = [Finding("sglang", OK, "0.5.23"), Finding("nixl", WARN, "not importable")]
+    monkeypatch.setattr(doctor, "host_findings", lambda *a: list(found))
+    assert doctor.run_doctor() == 0
+    found.append(Finding("transports", FAIL, "neither"))
+    assert doctor.run_doctor() == 1
+    out = capsys.readouterr().out
+    assert "FAIL  transports" in out and "1 blocker(s)" in out
+
+
+def _engine(
+    url: str,
+    *,
+    version: str = SGLANG,
+    session: str = "10.0.0.5:15000",
+    routes: tuple[str, ...] = ("/begin_weight_update", "/end_weight_update"),
+    weight_version: str = "7",
+) -> tuple[EngineClient, httpx.Client]:
+    def handle(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/server_info":
+            return httpx.Response(200, json={"version": version, "tp_size": 2, "model_path": "m"})
+        if path == "/remote_instance_transfer_engine_info":
+            return httpx.Response(
+                200, json={"remote_instance_transfer_engine_info": [session, {"w": [4096, 4, 2]}]}
+            )
+        if path == "/model_info":
+            return httpx.Response(200, json={"weight_version": weight_version})
+        if path == "/openapi.json":
+            return httpx.Response(200, json={"paths": {r: {} for r in routes}})
+        return httpx.Response(404)
+
+    mock = httpx.MockTransport(handle)
+    client = EngineClient(url, timeout_s=1.0)
+    client._http = httpx.Client(base_url=url, transport=mock)
+    return client, httpx.Client(transport=mock)
+
+
+def _by_check(findings: list[Finding]) -> dict[str, Finding]:
+    return {f.check.removeprefix("engine http://10.0.0.5:30000").strip(): f for f in findings}
+
+
+def test_an_engine_this_host_can_update() -> None:
+    url = "http://10.0.0.5:30000"
+    client, http = _engine(url)
+    found = _by_check(engine_findings(url, client=client, http=http))
+    assert [found[c].status for c in ("sglang", "update API", "rank 0", "rank 1", "state")] == [
+        OK
+    ] * 5
+    assert "2 rank(s)" in found["layout"].detail
+
+
+@pytest.mark.parametrize(
+    ("options", "check", "status", "says"),
+    [
+        ({"version": "0.5.20"}, "sglang", FAIL, "runs sglang 0.5.20"),
+        ({"routes": ("/generate",)}, "update API", FAIL, "/begin_weight_update"),
+        ({"session": "127.0.0.1:15000"}, "rank 0", FAIL, "loopback address"),
+        ({"weight_version": "p2pweights-updating:8"}, "state", WARN, "did not finish"),
+    ],
+)
+def test_what_an_engine_check_finds(options: dict, check: str, status: str, says: str) -> None:
+    url = "http://10.0.0.5:30000"
+    client, http = _engine(url, **options)
+    finding = _by_check(engine_findings(url, client=client, http=http))[check]
+    assert finding.status == status
+    assert says in finding.detail
+
+
+def test_an_engine_that_does_not_answer() -> None:
+    url = "http://10.0.0.5:30000"
+    client = EngineClient(url, timeout_s=1.0)
+    client._http = httpx.Client(
+        base_url=url, transport=httpx.MockTransport(lambda r: httpx.Response(503))
+    )
+    (finding,) = engine_findings(url, client=client, http=httpx.Client())
+    assert finding.status == FAIL and "no server info" in finding.detail
