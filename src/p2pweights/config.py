@@ -99,12 +99,13 @@ class SyncConfig(_Config):
     transfer_timeout_s: float = 30.0
     """A write still running after this many seconds fails the update."""
     control_timeout_s: float = 15.0
-    """Bound on each update-session call to an engine (pause, flush, begin, end, version,
-    continue): a hung engine outside the writes fails the update after this long (its
-    state is then unknown and asked again before it is written)."""
+    """Bound on each update-session call that does no work on the weights (pause, flush,
+    begin, version, continue): a hung engine outside the writes fails the update after this
+    long (its state is then unknown and asked again before it is written).
+    ``end_weight_update`` re-processes the model and is bounded by ``http_timeout_s``."""
     http_timeout_s: float = 60.0
-    """Bound on reading what an engine serves (server info, published weights at connect)
-    and on its weight checker (which hashes every weight)."""
+    """Bound on reading what an engine serves (server info, published weights at connect),
+    on ``end_weight_update`` and on the weight checker (which hashes every weight)."""
     pause_mode: Literal["retract", "abort", "in_place"] = "retract"
     """How engines pause generation before the update (sglang's /pause_generation mode)."""
     check_weight_update_equal: bool = False
@@ -118,9 +119,17 @@ class SyncConfig(_Config):
     api_key: str | None = None
     """Sent as ``Authorization: Bearer <key>`` when the engines require one."""
     trainer_rank: int = 0
-    """This process's rank among the trainer ranks that send the same weights."""
+    """This process's rank among the trainer ranks that send the same weights (its
+    pipeline stage's ranks)."""
     num_trainer_ranks: int = 1
-    """How many trainer ranks send (hold the same weights); engine ranks are split among them."""
+    """How many trainer ranks send (hold the same weights); engine ranks are split among
+    them. With pipeline stages: the ranks of one stage."""
+    pipeline_stage: int = 0
+    """This process's pipeline stage. Each stage is its own group of sending ranks: it
+    sends only its own parameters, to every engine rank."""
+    num_pipeline_stages: int = 1
+    """How many pipeline stages send (disjoint parameters each); every stage has
+    ``num_trainer_ranks`` ranks. Stage 0's trainer rank 0 drives the engines."""
 
     @field_validator("buffer_bytes", mode="before")
     @classmethod
@@ -137,11 +146,11 @@ class SyncConfig(_Config):
             raise ValueError(f"timeouts must be positive, got {value}")
         return value
 
-    @field_validator("num_trainer_ranks")
+    @field_validator("num_trainer_ranks", "num_pipeline_stages")
     @classmethod
     def _at_least_one(cls, value: int) -> int:
         if value < 1:
-            raise ValueError(f"num_trainer_ranks must be at least 1, got {value}")
+            raise ValueError(f"rank and stage counts must be at least 1, got {value}")
         return value
 
     def model_post_init(self, _context: object) -> None:
@@ -149,3 +158,17 @@ class SyncConfig(_Config):
             raise ConfigError(
                 f"trainer_rank {self.trainer_rank} is outside 0..{self.num_trainer_ranks - 1}"
             )
+        if not 0 <= self.pipeline_stage < self.num_pipeline_stages:
+            raise ConfigError(
+                f"pipeline_stage {self.pipeline_stage} is outside 0..{self.num_pipeline_stages - 1}"
+            )
+
+    @property
+    def num_senders(self) -> int:
+        """Every sending trainer rank, of every pipeline stage (the ranks that ``agree``)."""
+        return self.num_trainer_ranks * self.num_pipeline_stages
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank drives the engines' update session (stage 0's trainer rank 0)."""
+        return self.trainer_rank == 0 and self.pipeline_stage == 0

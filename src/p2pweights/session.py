@@ -19,6 +19,14 @@ With several sending trainer ranks, trainer rank 0 drives the engines' update
 session; after each step all ranks ``agree`` on whether every one of them succeeded,
 so the others write only inside the open session and all ranks fail together.
 
+Pipeline stages (``SyncConfig.num_pipeline_stages``) are sender groups holding
+disjoint parameters: each stage splits the engine ranks among its own ranks and
+writes only its own parameters, to every engine rank; stage 0's rank 0 drives the
+engines, and ``agree`` spans the ranks of every stage. The first update gathers what
+every rank sends (``gather``), so each checks that the stages together feed every
+parameter of its targets, no tensor comes from two stages and no parameter group
+needs tensors of two stages; nothing else crosses stages.
+
 After a failed update the engines stay paused: the next ``update`` rewrites every
 weight and resumes them, ``abort()`` gives up (ends open sessions, resumes the
 engines whose weights are whole), and ``close()`` does the same as ``abort()``.
@@ -30,16 +38,17 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
+from p2pweights import errors
 from p2pweights.config import SyncConfig
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet
 from p2pweights.engines.published import RankPublication
-from p2pweights.engines.update_session import AbortReport
-from p2pweights.errors import ConfigError, TransferError
+from p2pweights.engines.update_session import AbortReport, EngineUpdate
+from p2pweights.errors import ConfigError, P2PWeightsError, TransferError
 from p2pweights.plan.assignment import Target, assign_targets
 from p2pweights.plan.byte_plan import BytePlan, aligned, build_byte_plan
 from p2pweights.replica.registry import ReplicaHandle, config_path, replica_for
@@ -51,7 +60,7 @@ from p2pweights.source.expected import (
     engine_dtype,
     expected_checkpoint,
 )
-from p2pweights.source.inputs import InputSpec, describe_inputs
+from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs
 from p2pweights.source.stream import UpdateSource
 from p2pweights.transfer.executor import RunResult, TransferExecutor
 from p2pweights.transfer.transports import create_transport
@@ -60,6 +69,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+_ERRORS: dict[str, type[P2PWeightsError]] = {
+    name: cls
+    for name, cls in vars(errors).items()
+    if isinstance(cls, type) and issubclass(cls, P2PWeightsError)
+}
+"""p2pweights' error classes by name: a failed step raises the failing rank's class everywhere."""
 
 
 class WeightSyncSession:
@@ -70,20 +86,36 @@ class WeightSyncSession:
         config: SyncConfig | None = None,
         *,
         agree: Callable[[bool], bool] | None = None,
+        gather: Callable[[object], list[object]] | None = None,
         staging_device: torch.device | str = "cpu",
     ):
-        """``agree(ok)`` must return whether every sending trainer rank passed ``True``
-        (an all-reduce of the flags, e.g. ``p2pweights.adapters.torch_agree()``); it is
-        required with ``num_trainer_ranks > 1``. ``staging_device`` places the staging
-        buffers ("cpu": pinned host memory; "cuda:N" where the transport reads GPU memory).
+        """``agree(ok)`` must return whether every sending trainer rank, of every pipeline
+        stage, passed ``True`` (an all-reduce of the flags, e.g.
+        ``p2pweights.adapters.torch_agree()``); it is required with more than one sending
+        rank. ``gather(obj)`` must return every such rank's ``obj`` (picklable), in one
+        order on every rank (an all-gather, e.g. ``p2pweights.adapters.torch_gather()``):
+        required with pipeline stages, and, where given, a failed step raises on every
+        rank the same error (the first failing rank's, naming it). ``staging_device``
+        places the staging buffers ("cpu": pinned host memory; "cuda:N" where the
+        transport reads GPU memory). ``from_torch_distributed`` fills all of this in.
         """
         self.config = config or SyncConfig()
-        if self.config.num_trainer_ranks > 1 and agree is None:
+        if self.config.num_senders > 1 and agree is None:
             raise ConfigError(
-                "with num_trainer_ranks > 1 pass agree= (e.g. p2pweights.adapters.torch_agree()) "
-                "so all trainer ranks write inside the session rank 0 opens and fail together"
+                "with several sending trainer ranks pass agree= (e.g. "
+                "p2pweights.adapters.torch_agree()), or use "
+                "WeightSyncSession.from_torch_distributed(config), so all trainer ranks write "
+                "inside the session rank 0 opens and fail together"
+            )
+        if self.config.num_pipeline_stages > 1 and gather is None:
+            raise ConfigError(
+                "with num_pipeline_stages > 1 pass gather= (e.g. "
+                "p2pweights.adapters.torch_gather()), or use "
+                "WeightSyncSession.from_torch_distributed(config): the first update checks "
+                "that the stages together send every parameter"
             )
         self._agree = agree or (lambda ok: ok)
+        self._gather = gather
         self._staging_device = torch.device(staging_device)
         self._executor: TransferExecutor | None = None
         self._fleet = Fleet([])
@@ -93,12 +125,54 @@ class WeightSyncSession:
         self._expected: dict[object, tuple[ExpectedCheckpoint, torch.dtype | None]] = {}
         self._plan: BytePlan | None = None
         self._next_version = 1
-        self._snapshot_taken = False
         self._checked = False
+        self._orphans: dict[str, EngineUpdate] = {}
+        """Engines of an earlier connect not connected now, until abort() releases them."""
+        self._last_run: RunResult | None = None
+
+    @classmethod
+    def from_torch_distributed(
+        cls,
+        config: SyncConfig | None = None,
+        *,
+        group: Any = None,
+        staging_device: torch.device | str = "cpu",
+    ) -> WeightSyncSession:
+        """A session for every rank of a ``torch.distributed`` ``group`` (default: all).
+
+        Every rank of ``group`` sends, and each must call this (it runs one all-gather).
+        ``config.pipeline_stage`` / ``num_pipeline_stages`` say which stage this rank
+        holds (default: one stage, all ranks holding the same weights, e.g. FSDP2);
+        ``trainer_rank`` and ``num_trainer_ranks`` are filled in (this rank's place
+        among its stage's ranks, in group order), replacing any given, as are ``agree``
+        and ``gather`` over ``group`` (gloo or NCCL).
+        """
+        from p2pweights.adapters.torch_distributed import (
+            torch_agree,
+            torch_gather,
+            torch_stage_ranks,
+        )
+
+        config = config or SyncConfig()
+        rank, size = torch_stage_ranks(config.pipeline_stage, config.num_pipeline_stages, group)
+        fields = {**config.model_dump(), "trainer_rank": rank, "num_trainer_ranks": size}
+        return cls(
+            SyncConfig(**fields),
+            agree=torch_agree(group),
+            gather=torch_gather(group),
+            staging_device=staging_device,
+        )
 
     @property
     def _leader(self) -> bool:
-        return self.config.trainer_rank == 0
+        return self.config.leads
+
+    @property
+    def _rank_name(self) -> str:
+        config = self.config
+        if config.num_pipeline_stages == 1:
+            return f"trainer rank {config.trainer_rank}"
+        return f"pipeline stage {config.pipeline_stage} trainer rank {config.trainer_rank}"
 
     # -- connect -------------------------------------------------------------------------------
 
@@ -112,24 +186,40 @@ class WeightSyncSession:
         the same way whatever order it lists them in. An engine a previous session
         left mid-update is adopted: the next update rewrites it whole. A failed
         connect leaves the session unconnected.
+
+        Called again with another engine list (engines added, removed, restarted on new
+        addresses), it reads every engine afresh and plans the next update anew; the
+        replicas (one per layout, for the process) and the registered staging buffers
+        are kept, and an engine rank no longer listed, or listed with other addresses,
+        loses its writer and its transport connection: nothing is written to a stale
+        registration.
         """
         if not engines:
             raise ConfigError("connect() needs at least one engine URL")
         endpoints = sorted((EngineEndpoint.of(e) for e in engines), key=lambda e: e.url)
         if len({e.url for e in endpoints}) != len(endpoints):
             raise ConfigError("each engine may be listed once")
+        # engines of the last connection: their update state (paused by us? torn?) is kept
+        # for a reconnect to the same URL, and abort()/close() still reach the others
+        self._orphans.update({e.url: e.update for e in self._fleet.engines})
+        self._fleet.engines = []
         self._disconnect()
         config = self.config
-        fleet = Fleet.connect(
-            endpoints,
-            ConnectOptions(
-                config.transport.kind,
-                config.http_timeout_s,
-                config.control_timeout_s,
-                config.api_key,
-                config.allow_sglang_mismatch,
-            ),
-        )
+        try:
+            fleet = Fleet.connect(
+                endpoints,
+                ConnectOptions(
+                    config.transport.kind,
+                    config.http_timeout_s,
+                    config.control_timeout_s,
+                    config.api_key,
+                    config.allow_sglang_mismatch,
+                ),
+            )
+        except BaseException:
+            if self._executor is not None:
+                self._executor.disconnect()
+            raise
         try:
             if self._executor is None:
                 transport = create_transport(config.transport)
@@ -138,12 +228,19 @@ class WeightSyncSession:
                 )
             targets = self._assign(fleet)
             pubs = [pub for key_pubs in targets.values() for pub in key_pubs]
-            self._executor.connect(pubs)
+            self._executor.connect(pubs)  # drops what is no longer a target
             if targets:  # an idle trainer rank stages nothing
                 self._executor.reserve(max(config.buffer_bytes, self._largest_param(targets)))
         except BaseException:
             fleet.close_clients()
+            if self._executor is not None:
+                self._executor.disconnect()
             raise
+        for engine in fleet.engines:
+            before = self._orphans.pop(engine.url, None)
+            if before is not None:
+                engine.update.take_over(before)
+                before.client.close()
         self._fleet, self._targets = fleet, targets
         # what each engine's checkpoint holds, for checking the first update (cached per config)
         self._expected = {
@@ -164,15 +261,19 @@ class WeightSyncSession:
         )
 
     def _assign(self, fleet: Fleet) -> dict[Hashable, list[RankPublication]]:
-        """This trainer rank's targets by replica, each checked against its replica."""
-        handles = {
-            (e.index, rank): self._replica(e, rank)
-            for e in fleet.engines
-            for rank in range(e.num_ranks)
-        }
+        """This trainer rank's targets by replica, each checked against its replica.
+
+        Targets are balanced by the bytes each engine rank published (its draft's
+        included): what every trainer rank reads alike, without building a replica for
+        ranks it does not write.
+        """
         assignment = assign_targets(
             self.config.num_trainer_ranks,
-            [Target(i, rank, layout_key=h.key) for (i, rank), h in handles.items()],
+            [
+                Target(e.index, rank, self._replica(e, rank).key, e.published_bytes(rank))
+                for e in fleet.engines
+                for rank in range(e.num_ranks)
+            ],
         )
         targets: dict[Hashable, list[RankPublication]] = {}
         for target in assignment[self.config.trainer_rank]:
@@ -225,10 +326,15 @@ class WeightSyncSession:
         stages: dict[str, float] = {}
         tensors = _pairs(named_tensors)
         whole = not isinstance(tensors, Iterator)
-        if self._plan is None or whole:
+        first = self._plan is None
+        if first or whole:
             tensors = list(tensors)
-            with _timed(stages, "probe" if self._plan is None else "check_inputs"):
-                self._prepare(tensors)
+            whole = True  # checked whole in prepare, not again as it streams
+        given = tensors if isinstance(tensors, list) else None
+        # every rank takes this step (an iterator is checked as it streams): ranks must
+        # run the same collectives whatever each one was given
+        with _timed(stages, "probe" if first else "check_inputs"):
+            self._step("prepare", lambda: self._prepare(given))
         version = version or str(self._next_version)
         with _timed(stages, "control_plane"):
             self._step("open", lambda: self._open(version))
@@ -255,7 +361,7 @@ class WeightSyncSession:
 
     def _step(self, name: str, action: Callable[[], T]) -> T:
         """Run ``action``; every trainer rank learns whether all of them succeeded."""
-        error: BaseException | None = None
+        error: Exception | None = None
         try:
             result = action()
         except Exception as exc:  # an interrupt propagates at once: no rank waits for it
@@ -263,24 +369,60 @@ class WeightSyncSession:
         if not self._agree(error is None):
             if name == "write" and self._leader:
                 self._fleet.writes_landed(self._landed_alone)
-            if error is not None:
-                raise error
-            raise TransferError(
-                f"trainer rank {self.config.trainer_rank}: another trainer rank failed the "
-                f"'{name}' step of this update (its error names the engine)"
-            )
+            failure = self._failure(name, error)
+            if failure is error:
+                raise failure
+            raise failure from error
         return result
 
-    def _prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Check the whole input; on the first update also probe the loaders and plan."""
+    def _failure(self, name: str, error: Exception | None) -> Exception:
+        """What this rank raises for a failed step: with ``gather``, the first failing
+        rank's error on every rank (same class where it is p2pweights', same message)."""
+        if self._gather is None:
+            if error is not None:
+                return error
+            return TransferError(
+                f"{self._rank_name}: another trainer rank failed the '{name}' step of this "
+                f"update (its error names the engine)"
+            )
+        mine = None if error is None else (self._rank_name, type(error).__name__, str(error))
+        failures = [cast(tuple[str, str, str], f) for f in self._gather(mine) if f is not None]
+        assert failures, "agree() said a rank failed, but none reported an error"
+        who, kind, message = failures[0]
+        others = f" ({len(failures) - 1} other rank(s) failed too)" if len(failures) > 1 else ""
+        cls = _ERRORS.get(kind, P2PWeightsError)
+        prefix = "" if cls.__name__ == kind else f"{kind}: "
+        return cls(f"{who} failed the '{name}' step of this update{others}: {prefix}{message}")
+
+    def _prepare(self, tensors: list[tuple[str, torch.Tensor]] | None) -> None:
+        """Check the whole input (None: a later update's iterator, checked as it streams);
+        on the first update also probe the loaders and plan."""
         if self._source is not None and self._plan is not None:
-            self._source.check_whole(tensors)
+            if tensors is not None:
+                self._source.check_whole(tensors)
             return
-        specs = describe_inputs(tensors)
-        self._check_against_checkpoints(specs)
+        assert tensors is not None, "the first update is always read whole"
+        own: dict[str, InputSpec] | None = None
+        error: Exception | None = None
+        try:
+            own = describe_inputs(tensors)
+            self._check_against_checkpoints(own)
+        except Exception as exc:  # raised after the gather: every rank must take part
+            error = exc
+        specs = self._stage_inputs(None if error else own)
+        if error is not None:
+            raise error
+        if own is None or specs is None:
+            return  # another rank failed before the gather; agree() fails the step
         keys = sorted(self._targets, key=str)
         formats = unify({key: self._replicas[key].checkpoint_format(specs) for key in keys})
-        groups = {key: self._replicas[key].groups(formats[key].engine_specs(specs)) for key in keys}
+        groups = {
+            key: _own_groups(
+                self._replicas[key].groups(formats[key].engine_specs(specs)),
+                formats[key].engine_specs(own),
+            )
+            for key in keys
+        }
         plan = build_byte_plan(
             {key: [(g.hf_names, g.param_names) for g in groups[key]] for key in keys},
             {key: _ParamBytes(self._replicas[key]) for key in keys},
@@ -288,7 +430,7 @@ class WeightSyncSession:
             self.config.buffer_bytes,
         )
         source = UpdateSource(
-            specs,
+            own,
             {key: [g.hf_names for g in groups[key]] for key in keys},
             formats,
             finite=self.config.check_finite,
@@ -299,6 +441,18 @@ class WeightSyncSession:
             self._executor.reserve(plan.buffer_bytes)
         self._source, self._plan = source, plan
 
+    def _stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
+        """With pipeline stages: the inputs of every stage (one all-gather, first update
+        only), checked for tensors sent by two stages; None if a rank (``own`` None here)
+        failed before it."""
+        if self.config.num_pipeline_stages == 1:
+            return own
+        assert self._gather is not None
+        gathered = self._gather(None if own is None else (self.config.pipeline_stage, own))
+        if any(entry is None for entry in gathered):
+            return None
+        return _union_of_stages(gathered)  # type: ignore[arg-type]
+
     def _check_against_checkpoints(self, specs: Mapping[str, InputSpec]) -> None:
         """The first update must match the checkpoint each engine's config describes."""
         for expected, dtype in self._expected.values():
@@ -307,15 +461,15 @@ class WeightSyncSession:
     def _open(self, version: str) -> None:
         if not self._leader:
             return
-        snapshot = self.config.check_weight_update_equal and not self._snapshot_taken
+        # each engine snapshots and resets once (it records that), before the first check
+        snapshot = self.config.check_weight_update_equal and not self._checked
         self._fleet.open(self.config.pause_mode, version, snapshot)
-        self._snapshot_taken = self._snapshot_taken or snapshot
 
     def _write(
         self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool, stages: dict[str, float]
     ) -> RunResult:
         assert self._executor is not None and self._source is not None and self._plan is not None
-        self._last_run: RunResult | None = None
+        self._last_run = None
         if self._leader:
             self._fleet.mark_written()
         if not self._targets:
@@ -339,8 +493,8 @@ class WeightSyncSession:
     def _landed_alone(self, url: str) -> bool:
         """After a failed write step: whether ``url`` surely got all its bytes. Only a lone
         trainer rank knows (with several, another rank may have failed it)."""
-        run = getattr(self, "_last_run", None)
-        return self.config.num_trainer_ranks == 1 and run is not None and run.complete(url)
+        run = self._last_run
+        return self.config.num_senders == 1 and run is not None and run.complete(url)
 
     def _close(self) -> None:
         if self._leader:
@@ -376,16 +530,24 @@ class WeightSyncSession:
                 logger.warning("abort: %s", exc)
         if self._leader and self._fleet.engines:
             report = self._fleet.abort(resume_incomplete)
-            if not report.ok:
-                logger.warning("p2pweights abort: %s", report)
+        if self._leader:
+            for url, orphan in self._orphans.items():  # engines an earlier connect reached
+                try:
+                    report.outcomes[url] = orphan.abort(resume_incomplete)
+                except Exception as exc:  # abort reports, it does not raise
+                    report.outcomes[url] = f"unreachable: {exc}"
+                orphan.client.close()
+            self._orphans = {}
+        if not report.ok:
+            logger.warning("p2pweights abort: %s", report)
         return report
 
     def _disconnect(self) -> None:
-        if self._executor is not None:
-            self._executor.disconnect()
+        """Forget the engines and the plan. The executor keeps its buffers and, until the
+        next ``connect`` replaces them (or ``close`` drops them), its connections."""
         self._fleet.close_clients()
         self._targets, self._plan, self._source = {}, None, None
-        self._snapshot_taken = self._checked = False
+        self._checked = False
 
     def close(self) -> None:
         """``abort()``, then release connections, writer threads and the transport."""
@@ -421,6 +583,47 @@ class _ParamBytes(Mapping[str, int]):
 
     def __len__(self) -> int:
         return len(self._handle.layouts)
+
+
+def _union_of_stages(
+    gathered: Sequence[tuple[int, Mapping[str, InputSpec]]],
+) -> dict[str, InputSpec]:
+    """Every stage's inputs as one; a tensor may come from one stage only, and the ranks
+    of one stage must send the same tensors."""
+    by_stage: dict[int, Mapping[str, InputSpec]] = {}
+    for stage, specs in gathered:
+        if by_stage.setdefault(stage, specs) != specs:
+            raise ConfigError(
+                f"the trainer ranks of pipeline stage {stage} sent different HF tensors; the "
+                f"ranks of one stage must send the same (gathered) tensors"
+            )
+    union: dict[str, InputSpec] = {}
+    owner: dict[str, int] = {}
+    for stage, specs in sorted(by_stage.items()):
+        for name, spec in specs.items():
+            if name in owner:
+                raise ConfigError(
+                    f"HF tensor {name!r} was sent by pipeline stages {owner[name]} and {stage}; "
+                    f"each tensor must come from one stage (drop tied copies on all but one)"
+                )
+            owner[name], union[name] = stage, spec
+    return union
+
+
+def _own_groups(groups: Sequence[ParamGroup], own: Mapping[str, InputSpec]) -> list[ParamGroup]:
+    """The groups this rank's own tensors feed whole (with one stage: every group)."""
+    mine = []
+    for group in groups:
+        sent = group.hf_names & own.keys()
+        if sent == group.hf_names:
+            mine.append(group)
+        elif sent:
+            raise ConfigError(
+                f"parameters {list(group.param_names)[:4]} are loaded from HF tensors "
+                f"{sorted(group.hf_names)[:6]} together, but this pipeline stage sends only "
+                f"{sorted(sent)[:6]}; one stage must send all of them"
+            )
+    return mine
 
 
 def _pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:

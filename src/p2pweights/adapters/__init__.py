@@ -1,5 +1,16 @@
-"""Glue between trainers and p2pweights sessions."""
+"""Glue between trainers and p2pweights sessions.
 
-from p2pweights.adapters.torch_distributed import torch_agree
+* ``hf_named_tensors(model)``: a transformers model (plain or FSDP2) as the checkpoint's
+  (name, full tensor) pairs ``WeightSyncSession.update`` takes.
+* ``torch_agree`` / ``torch_gather``: the collectives a multi-rank session needs, over a
+  ``torch.distributed`` group (``WeightSyncSession.from_torch_distributed`` uses them).
+* ``p2pweights.adapters.megatron``: megatron-core models through megatron-bridge's HF
+  export, each pipeline stage a sender group.
 
-__all__ = ["torch_agree"]
+Nothing here imports transformers or megatron until it is used.
+"""
+
+from p2pweights.adapters.hf import hf_named_tensors
+from p2pweights.adapters.torch_distributed import torch_agree, torch_gather
+
+__all__ = ["hf_named_tensors", "torch_agree", "torch_gather"]

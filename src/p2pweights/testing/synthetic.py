@@ -43,6 +43,7 @@ MODEL_NAMES = (
     "glm-4.5-air-full",
     "deepseek-v3-full",
     "kimi-k2-full",
+    "glm-5-full",
 )
 
 ConfigLike = str | os.PathLike[str] | Mapping[str, Any]

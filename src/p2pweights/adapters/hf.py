@@ -1,0 +1,168 @@
+"""A transformers model's weights as the checkpoint names them, gathered bucket by bucket.
+
+``hf_named_tensors(model)`` yields what ``save_pretrained`` would write: the model's
+persistent state (parameters and persistent buffers) with tied weights once, full
+tensors (FSDP2 / DTensor shards gathered), under checkpoint names. transformers 5 keeps
+some weights in another form than its checkpoints (a MoE layer's experts fused into
+``mlp.experts.gate_up_proj``); they are turned back with transformers' own
+``revert_weight_conversion``, the reverse of what loading applied, which is what
+``save_pretrained`` runs.
+
+Parameters are gathered in buckets of about ``bucket_bytes`` (by their full size),
+in state-dict order, and every rank runs the same all-gathers in the same order, so
+every rank must iterate the whole generator. Weights that transformers converts
+together (one fused expert tensor, or several in-memory tensors making one checkpoint
+tensor) stay in one bucket. A bucket's tensors are dropped once the consumer lets
+go of them; ``WeightSyncSession.update`` keeps them until their staging buffer is
+written, so a streamed update holds about one bucket plus two staging buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from p2pweights.config import parse_bytes
+
+__all__ = ["hf_named_tensors"]
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+def hf_named_tensors(
+    model: torch.nn.Module,
+    *,
+    bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, full tensor) pairs of a transformers ``model``, plain or FSDP2.
+
+    Under FSDP2 (``fully_shard``, DTensor parameters) this is a collective: every rank
+    of the mesh must iterate it to the end. ``dtype`` casts floating-point tensors
+    before gathering (e.g. fp32 master weights to the engine's bf16). Tensors come on
+    the device the parameters live on.
+    """
+    state = _checkpoint_state(model)
+    if dtype is not None:
+        state = {name: _cast(tensor, dtype) for name, tensor in state.items()}
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()}
+    limit = parse_bytes(bucket_bytes)
+    reverse = _reverse_transforms(model)
+    for bucket in _buckets(_conversion_units(list(state), reverse), sizes, limit):
+        full = _gathered({name: state[name] for name in bucket})
+        if reverse is not None:
+            full = _reverted(model, full)
+        yield from full.items()
+        del full
+
+
+def _checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` starts from: the state dict, tied weights once."""
+    state = model.state_dict(keep_vars=True)
+    for name in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(name, None)
+    tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    by_object: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        by_object.setdefault(id(tensor), []).append(name)
+    for names in by_object.values():
+        if len(names) < 2:
+            continue
+        # keep the tie's source (save_pretrained drops the declared targets), else the first
+        keep = next((n for n in names if n not in tied_targets), names[0])
+        for name in names:
+            if name != keep:
+                del state[name]
+    return state
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _conversion_units(
+    names: Sequence[str], reverse: tuple[list[Any], list[Any]] | None
+) -> list[list[str]]:
+    """``names`` in order, those transformers converts into the same checkpoint tensors
+    together (found as ``revert_weight_conversion`` finds them)."""
+    if reverse is None:
+        return [[name] for name in names]
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = reverse
+    units: dict[str, list[str]] = {}
+    for name in names:
+        renamed, pattern = rename_source_key(name, renamings, converters, reverse=True)
+        units.setdefault(renamed if pattern is not None else name, []).append(name)
+    return list(units.values())
+
+
+def _reverse_transforms(model: Any) -> tuple[list[Any], list[Any]] | None:
+    """(renamings, converters) that saving applies, or None when nothing is converted.
+
+    The same choice as transformers' ``revert_weight_conversion``: the conversions
+    ``from_pretrained`` recorded on the model, else the model type's default mapping
+    without prefix changes.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+    except ImportError:  # transformers 4: the model holds checkpoint names
+        return None
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        if not hasattr(model, "config"):
+            return None  # not a transformers model: its state-dict names are used as they are
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+        conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return None
+    reverse = [conversion.reverse_transform() for conversion in conversions[::-1]]
+    return (
+        [t for t in reverse if isinstance(t, WeightRenaming)],
+        [t for t in reverse if isinstance(t, WeightConverter)],
+    )
+
+
+def _buckets(
+    units: Sequence[list[str]], sizes: Mapping[str, int], limit: int
+) -> Iterator[list[str]]:
+    """Consecutive units packed up to ``limit`` bytes (a larger unit is a bucket alone)."""
+    bucket: list[str] = []
+    filled = 0
+    for unit in units:
+        size = sum(sizes[name] for name in unit)
+        if bucket and filled + size > limit:
+            yield bucket
+            bucket, filled = [], 0
+        bucket += unit
+        filled += size
+    if bucket:
+        yield bucket
+
+
+def _gathered(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors: DTensors all-gathered (all issued before any is waited for)."""
+    from torch.distributed.tensor import DTensor
+
+    full = {}
+    for name, tensor in tensors.items():
+        detached = tensor.detach()
+        full[name] = detached.full_tensor() if isinstance(detached, DTensor) else detached
+    return {name: _waited(tensor) for name, tensor in full.items()}
+
+
+def _waited(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor whose collective has completed (funcol results complete lazily)."""
+    wait = getattr(tensor, "wait", None)  # AsyncCollectiveTensor
+    return wait() if callable(wait) else tensor
+
+
+def _reverted(model: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names and forms, by transformers' own reverse conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, full))

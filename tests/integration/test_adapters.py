@@ -1,0 +1,123 @@
+"""transformers models sharded with FSDP2 push their weights through ``hf_named_tensors``.
+
+Two trainer processes (gloo, CPU) hold a Qwen3 / Qwen3-MoE model sharded with FSDP2
+(``fully_shard``, DTensor parameters) and are one sender group
+(``WeightSyncSession.from_torch_distributed``). Every rank iterates
+``hf_named_tensors(model)``: the first update is read whole, the second streams. After
+each, every rank of a TP 2 local engine must be bit-exact with sglang's own loader given
+the checkpoint ``save_pretrained`` writes for the same weights (an unsharded copy, in the
+test process), which also pins the names to the checkpoint's (fused experts split back).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from p2pweights.engines.client import EngineClient
+from p2pweights.local_engine import free_port
+from p2pweights.testing import model_config
+from p2pweights.verify import verify_engine
+
+pytestmark = pytest.mark.integration
+
+SEED, SHIFT = 7, 0.5
+
+
+def _model(name: str):
+    import transformers
+
+    torch.manual_seed(SEED)
+    config = transformers.AutoConfig.for_model(**model_config(name))
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _shift(model) -> None:
+    """The 'training step' between the updates: elementwise, so shards and copies agree."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(SHIFT)
+
+
+def _trainer(rank: int, port: int, name: str, url: str, go, out) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import hf_named_tensors
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = _model(name)
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+        reports = []
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect([url])
+            reports.append(session.update(hf_named_tensors(model, bucket_bytes="256KiB")))
+            out.put(("updated", rank))
+            go.wait(timeout=240)  # the test checks the engine in between
+            _shift(model)
+            reports.append(session.update(hf_named_tensors(model, bucket_bytes="256KiB")))
+        out.put(("done", rank, [sorted(r.bytes_by_target) for r in reports]))
+    except BaseException as exc:
+        out.put(("error", rank, repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpoint(model, folder) -> list[tuple[str, torch.Tensor]]:
+    model.save_pretrained(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return list(tensors.items())
+
+
+def _assert_bit_exact(url: str, tensors) -> None:
+    client = EngineClient(url)
+    try:
+        assert verify_engine(client, lambda: tensors) == {0: [], 1: []}
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, start_engines, tmp_path):
+    (engine,) = start_engines(model_dir(name), [2], seed=0)
+    reference = _model(name)  # the same weights, unsharded
+    first = _checkpoint(reference, tmp_path / "first")
+    _shift(reference)
+    second = _checkpoint(reference, tmp_path / "second")
+
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_trainer, args=(r, port, name, engine.url, go, out)) for r in (0, 1)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        assert sorted(out.get(timeout=240) for _ in trainers) == [("updated", 0), ("updated", 1)]
+        _assert_bit_exact(engine.url, first)
+        go.set()
+        done = sorted(out.get(timeout=240) for _ in trainers)
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [d[0] for d in done] == ["done", "done"], done
+    # the two ranks split the engine's two ranks, every update
+    written = sorted(t for d in done for t in d[2][1])
+    assert written == [(engine.url, 0), (engine.url, 1)]
+    assert [p.exitcode for p in trainers] == [0, 0]
+    _assert_bit_exact(engine.url, second)
+    assert any(n.endswith("experts.0.gate_proj.weight") for n, _ in first) == ("moe" in name)

@@ -1,0 +1,144 @@
+"""megatron-core GPT models exported through megatron-bridge into a local engine, bit-exact.
+
+Two trainer processes (gloo, CPU) build the bridge's Qwen3 GPT model with
+megatron-core's local layer spec, load a checkpoint into it with the bridge
+(``load_hf_weights``), and update a TP 2 local engine through
+``p2pweights.adapters.megatron.MegatronExport``:
+
+* TP 2: the two tensor-parallel ranks are one stage, one sender group; the bridge
+  gathers the TP shards (fused QKV and gate/up split back into the checkpoint's names);
+* PP 2: each pipeline stage exports only its own layers and is its own sender group.
+
+After each update every engine rank must be bit-exact with sglang's loader given the
+checkpoint (then the checkpoint plus 0.5, after a 'training step' on the Megatron
+weights). Skipped where megatron-core and megatron-bridge are not installed; on a host
+without Transformer Engine it is stood in for (``_megatron_cpu``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from _megatron_cpu import megatron_available
+
+from p2pweights.engines.client import EngineClient
+from p2pweights.local_engine import free_port
+from p2pweights.testing import save_safetensors, synthetic_weights, write_model_dir
+from p2pweights.verify import verify_engine
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not megatron_available(), reason="megatron-core and megatron-bridge are not installed"
+    ),
+]
+
+SEED, SHIFT = 21, 0.5
+
+
+def _trainer(rank: int, port: int, tp: int, pp: int, hf_folder: str, url: str, go, out) -> None:
+    import torch.distributed as dist
+    from _megatron_cpu import build_gpt, import_bridge, load_checkpoint
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters.megatron import MegatronExport
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        auto_bridge = import_bridge()
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+        bridge = auto_bridge.from_hf_pretrained(hf_folder)
+        model = build_gpt(bridge, tp, pp)
+        load_checkpoint(bridge, model)
+        export = MegatronExport(bridge, model)
+        config = export.stage_config(
+            SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+        )
+        sent: list[str] = []
+
+        def recorded(pairs):
+            for name, tensor in pairs:
+                sent.append(name)
+                yield name, tensor
+
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect([url])
+            session.update(recorded(export.named_tensors()))
+            out.put(("updated", rank, config.pipeline_stage, sorted(sent)))
+            go.wait(timeout=240)  # the test checks the engine in between
+            with torch.no_grad():
+                for chunk in model:
+                    for param in chunk.parameters():
+                        param.add_(SHIFT)
+            report = session.update(export.named_tensors())
+        out.put(("done", rank, sorted(report.bytes_by_target), None))
+    except BaseException as exc:
+        out.put(("error", rank, repr(exc), None))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The bridge's HF folder: config and safetensors of the checkpoint loaded into Megatron."""
+    folder = write_model_dir("qwen3-tiny", tmp_path_factory.mktemp("megatron-hf"))
+    tensors = list(synthetic_weights(folder, seed=SEED, dtype=torch.bfloat16))
+    save_safetensors(folder, tensors)
+    return folder, tensors
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, start_module_engines):
+    (engine,) = start_module_engines(model_dir("qwen3-tiny"), [2], seed=0)
+    return engine
+
+
+def _assert_bit_exact(url, tensors):
+    client = EngineClient(url)
+    try:
+        assert verify_engine(client, lambda: tensors) == {0: [], 1: []}
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_megatron_model_through_the_bridge_is_bit_exact(tp, pp, checkpoint, engine):
+    folder, tensors = checkpoint
+    shifted = [(name, tensor + SHIFT) for name, tensor in tensors]
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_trainer, args=(r, port, tp, pp, str(folder), engine.url, go, out))
+        for r in (0, 1)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        updated = sorted(out.get(timeout=240) for _ in trainers)
+        assert [u[0] for u in updated] == ["updated", "updated"], updated
+        names = sorted(name for name, _ in tensors)
+        if pp == 1:  # one stage: both ranks send every tensor
+            assert [u[2] for u in updated] == [0, 0]
+            assert updated[0][3] == updated[1][3] == names
+        else:  # each stage sends only its own layers, together every tensor once
+            assert [u[2] for u in updated] == [0, 1]
+            first_stage = ("model.embed_tokens", "model.layers.0.")
+            assert all(name.startswith(first_stage) for name in updated[0][3])
+            assert sorted(updated[0][3] + updated[1][3]) == names
+        _assert_bit_exact(engine.url, tensors)
+        go.set()
+        done = sorted(out.get(timeout=240) for _ in trainers)
+        assert [d[0] for d in done] == ["done", "done"], done
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0, 0]
+    _assert_bit_exact(engine.url, shifted)
