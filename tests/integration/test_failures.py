@@ -135,7 +135,7 @@ def _signal_once_open(pid, sig):
 
     def agree(ok):
         calls.append(ok)
-        if len(calls) == 1:
+        if len(calls) == 2:  # the steps so far: prepare, open
             os.killpg(pid, sig)
         return ok
 

@@ -137,9 +137,8 @@ def test_writes_land_bit_exact(kind: str) -> None:
             assert qkv.end == o_proj.address
             span = qkv.num_bytes + o_proj.num_bytes
             client.write(target, [Write(staging.data_ptr(), qkv.address, span)], timeout_s=20)
-            embed = target.regions["embed_tokens.weight"]
-            with pytest.raises(TransferError, match="leaves the published regions"):
-                client.write(target, [Write(staging.data_ptr(), embed.end - 10, 100)], timeout_s=5)
+            # (a write leaving the published regions is refused by the byte plan, before any
+            # transport sees it: tests/unit/test_executor.py)
         finally:
             client.close()
         both = torch.cat(

@@ -63,7 +63,8 @@ def _bit_exact(engine, folder, seed):
 
 def _on_step(number, action):
     """An ``agree`` hook (called after each update step) running ``action`` after step
-    ``number`` (1: the update session is open, the writes come next)."""
+    ``number`` (1: the input is prepared; 2: the update session is open, the writes come
+    next)."""
     calls = []
 
     def agree(ok):
@@ -92,7 +93,7 @@ def test_frozen_engine_then_thawed_the_retry_succeeds(transport, model_dir, star
     )
     try:
         with WeightSyncSession(
-            config, agree=_on_step(1, lambda: os.killpg(pid, signal.SIGSTOP))
+            config, agree=_on_step(2, lambda: os.killpg(pid, signal.SIGSTOP))
         ) as session:
             session.connect([engine.url])
             # the writes (Mooncake) or, where loopback buffers swallow them (NIXL over TCP),
@@ -117,7 +118,7 @@ def test_killed_engine_abort_resumes_the_others_and_a_restarted_one_rejoins(
     config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", transfer_timeout_s=5)
     pid = victim._process.pid
     with WeightSyncSession(
-        config, agree=_on_step(1, lambda: os.killpg(pid, signal.SIGKILL))
+        config, agree=_on_step(2, lambda: os.killpg(pid, signal.SIGKILL))
     ) as session:
         session.connect([survivor.url, victim.url])
         with pytest.raises(P2PWeightsError, match=rf"{victim.url} rank 0"):

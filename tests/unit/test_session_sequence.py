@@ -194,6 +194,9 @@ class FakeTransport:
     def connect(self, pub):
         pass
 
+    def disconnect(self, pub):
+        pass
+
     def write(self, target, writes, timeout_s):
         engine = self.engines[target.engine_url]
         if engine.dead:
@@ -461,3 +464,20 @@ def test_an_engine_left_open_without_a_marker_is_taken_over_and_rewritten(engine
         session.connect(["http://e0"])
         report = session.update(_tensors(3))
     assert _holds(engine, 3) and engine.running and engine.version == report.version
+
+
+def test_a_reconnect_keeps_what_it_knew_and_abort_still_reaches_dropped_engines(engines):
+    """After a failed update, connect() again: an engine still listed keeps its state (paused
+    by us, torn), one no longer listed is still resumed by abort()."""
+    torn = _fail_once(engines, "http://a", "write1", "failed", False)
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://a", "http://b"])
+        with pytest.raises(TransferError):
+            session.update(_tensors(1))
+        session.connect(["http://a"])  # http://b dropped: paused, whole, still ours
+        report = session.abort()
+        assert report.outcomes["http://b"].startswith("resumed")
+        assert engines["http://b"].running
+        assert torn.paused and report.left_paused == ["http://a"]
+        session.update(_tensors(2))
+    assert _holds(torn, 2) and torn.running

@@ -110,6 +110,21 @@ class EngineUpdate:
         elif self.incomplete:
             self.phase = Phase.UNKNOWN  # paused, and maybe still open
 
+    def take_over(self, before: EngineUpdate) -> None:
+        """Carry what an earlier connection to the same engine knew (a reconnect): who
+        paused it, whether its weights may be torn, the weight check's progress. A state
+        the engine reports itself wins over the one remembered."""
+        reported = self.phase is not Phase.RUNNING or self.incomplete
+        if not reported and before.phase is not Phase.RUNNING:
+            self.phase = before.phase
+        self.paused_by_us = self.paused_by_us or before.paused_by_us
+        self.incomplete = self.incomplete or before.incomplete
+        self.shows_updating = self.shows_updating or before.shows_updating
+        if not self.incomplete and before.holds is not None:
+            self.holds = before.holds
+        self.snapshot_taken, self.reset_done = before.snapshot_taken, before.reset_done
+        self._version = before._version
+
     # -- the update steps ----------------------------------------------------------------------
 
     def open(self, pause_mode: str, version: str, snapshot: bool = False) -> None:

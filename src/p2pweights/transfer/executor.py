@@ -16,10 +16,11 @@ their bytes, and ``RunResult`` says which engines received everything.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ class TransferExecutor:
         self._timeout_s = timeout_s
         self._buffers: StagingBuffers | None = None
         self._writers: dict[TargetKey, RankWriter] = {}
+        self._connected: dict[tuple[str, int, str], RankPublication] = {}
         self._unfinished: list[Future[None]] = []
 
     @property
@@ -120,18 +122,52 @@ class TransferExecutor:
                 self._transport.unregister(buffer.tensor)
             self._buffers = None
 
+    @property
+    def connected(self) -> Mapping[tuple[str, int, str], RankPublication]:
+        """(engine URL, engine rank, role) -> the publication it is connected by."""
+        return dict(self._connected)
+
+    @property
+    def writer_keys(self) -> frozenset[TargetKey]:
+        """The engine ranks that have a writer."""
+        return frozenset(self._writers)
+
     def connect(self, targets: Iterable[RankPublication]) -> None:
-        """Make these engine ranks writable: transport connections and a writer each."""
-        for pub in targets:
+        """Make exactly these engine ranks writable: a transport connection and a writer each.
+
+        What was connected before and is not among ``targets`` (an engine removed, or
+        restarted on new addresses) loses its writer and its transport connection, so
+        nothing is ever written to a registration that went stale; the staging buffers
+        stay registered.
+        """
+        wanted = {(pub.engine_url, pub.engine_rank, pub.role): pub for pub in targets}
+        stale = {key: pub for key, pub in self._connected.items() if wanted.get(key) != pub}
+        keep = {(url, rank) for url, rank, _ in wanted} - {(url, rank) for url, rank, _ in stale}
+        for gone in [k for k in self._writers if k not in keep]:
+            self._writers.pop(gone).close()  # waits for a running write; queued ones cancelled
+        self._forget(stale)
+        for key, pub in wanted.items():
             self._transport.connect(pub)
-            key = (pub.engine_url, pub.engine_rank)
-            if key not in self._writers:
-                self._writers[key] = RankWriter(key, self._transport, self._timeout_s)
+            self._connected[key] = pub
+            writer_key = (pub.engine_url, pub.engine_rank)
+            if writer_key not in self._writers:
+                self._writers[writer_key] = RankWriter(writer_key, self._transport, self._timeout_s)
 
     def disconnect(self) -> None:
+        """Stop every writer and drop every transport connection (buffers stay registered)."""
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
+        self._forget(dict(self._connected))
+
+    def _forget(self, stale: Mapping[tuple[str, int, str], RankPublication]) -> None:
+        """Drop these connections; a transport peer goes once no kept publication uses it."""
+        for key in stale:
+            del self._connected[key]
+        kept = {_peer(pub) for pub in self._connected.values()}
+        for pub in {_peer(pub): pub for pub in stale.values()}.values():
+            if _peer(pub) not in kept:
+                self._transport.disconnect(pub)
 
     def run(self, plan: BytePlan, ready: Iterable[ReadyGroup], load: LoadFn) -> RunResult:
         """Stage and write every group ``ready`` yields; returns once all writes returned.
@@ -175,6 +211,32 @@ class TransferExecutor:
         self.disconnect()
         self._unfinished = []
         self._release_buffers()
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread(on_host: bool) -> Iterator[None]:
+    """Host-side loads run on one torch intra-op thread, then the old count is restored.
+
+    The loaders' work is mostly large ``copy_``s, which torch splits over its intra-op
+    threads and joins at a barrier; when the writer thread or another process holds a
+    core, every copy waits for it. Measured on the 2-core machine (benchmarks/cpu_cost.py,
+    1 GB into a TP-2 engine): the load stage took 1-4 s with two threads while using
+    0.2-0.4 CPU-s, and 0.055-0.07 s with one. The setting is process-wide while loads run.
+    """
+    if not on_host:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
+    """Who a publication is reached through (a target and its draft may share it)."""
+    return (pub.backend, pub.session_id, pub.agent_name)
 
 
 class _Run:
@@ -227,8 +289,9 @@ class _Run:
     def _flush(self) -> StagingBuffer:
         """Load and send the current buffer; return the other one once its writes returned."""
         started = time.perf_counter()
-        for key, (inputs, views) in self._staged.items():
-            self._load(key, inputs, views)
+        with _one_intra_op_thread(not self._buffers.current.tensor.is_cuda):
+            for key, (inputs, views) in self._staged.items():
+                self._load(key, inputs, views)
         self._staged = {}
         if self._buffers.current.tensor.is_cuda:
             # Loaders copy asynchronously on the GPU; writers must read finished bytes.
