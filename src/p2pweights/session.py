@@ -50,7 +50,8 @@ from p2pweights.engines.published import RankPublication
 from p2pweights.engines.update_session import AbortReport, EngineUpdate
 from p2pweights.errors import ConfigError, P2PWeightsError, TransferError
 from p2pweights.plan.assignment import Target, assign_targets
-from p2pweights.plan.byte_plan import BytePlan, aligned, build_byte_plan
+from p2pweights.plan.byte_plan import BytePlan, GroupPlan, aligned, build_byte_plan
+from p2pweights.progress import progress
 from p2pweights.replica.registry import ReplicaHandle, config_path, replica_for
 from p2pweights.report import UpdateReport
 from p2pweights.source.checkpoint_format import unify
@@ -230,6 +231,10 @@ class WeightSyncSession:
             pubs = [pub for key_pubs in targets.values() for pub in key_pubs]
             self._executor.connect(pubs)  # drops what is no longer a target
             if targets:  # an idle trainer rank stages nothing
+                with progress("p2pweights connect: building replicas", total=len(targets)) as step:
+                    for key in targets:
+                        self._replicas[key].layouts  # noqa: B018 (built here, once per layout)
+                        step(1)
                 self._executor.reserve(max(config.buffer_bytes, self._largest_param(targets)))
         except BaseException:
             fleet.close_clients()
@@ -415,14 +420,19 @@ class WeightSyncSession:
         if own is None or specs is None:
             return  # another rank failed before the gather; agree() fails the step
         keys = sorted(self._targets, key=str)
-        formats = unify({key: self._replicas[key].checkpoint_format(specs) for key in keys})
-        groups = {
-            key: _own_groups(
-                self._replicas[key].groups(formats[key].engine_specs(specs)),
-                formats[key].engine_specs(own),
-            )
-            for key in keys
-        }
+        with progress("p2pweights: probing sglang's loaders", total=2 * len(keys)) as advance:
+            formats = {}
+            for key in keys:
+                formats[key] = self._replicas[key].checkpoint_format(specs)
+                advance(1)
+            formats = unify(formats)
+            groups = {}
+            for key in keys:
+                groups[key] = _own_groups(
+                    self._replicas[key].groups(formats[key].engine_specs(specs)),
+                    formats[key].engine_specs(own),
+                )
+                advance(1)
         plan = build_byte_plan(
             {key: [(g.hf_names, g.param_names) for g in groups[key]] for key in keys},
             {key: _ParamBytes(self._replicas[key]) for key in keys},
@@ -477,12 +487,21 @@ class WeightSyncSession:
             for _ in self._source.ready(tensors, self._plan, checked=checked):
                 pass
             return RunResult()
+        plan, source = self._plan, self._source
+        total = sum(plan.bytes_by_target.values())
         try:
-            result = self._executor.run(
-                self._plan,
-                self._source.ready(tensors, self._plan, checked=checked),
-                lambda key, inputs, views: self._replicas[key].load_into(inputs, views),
-            )
+            with progress("p2pweights update", total, unit="B", unit_scale=True) as advance:
+
+                def ready() -> Iterator[tuple[GroupPlan, Sequence[tuple[str, torch.Tensor]]]]:
+                    for group, inputs in source.ready(tensors, plan, checked=checked):
+                        yield group, inputs
+                        advance(group.block_bytes * len(group.targets))
+
+                result = self._executor.run(
+                    plan,
+                    ready(),
+                    lambda key, inputs, views: self._replicas[key].load_into(inputs, views),
+                )
         finally:
             if self._source.convert_s:
                 stages["convert"] = self._source.convert_s

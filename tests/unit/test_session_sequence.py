@@ -481,3 +481,20 @@ def test_a_reconnect_keeps_what_it_knew_and_abort_still_reaches_dropped_engines(
         assert torn.paused and report.left_paused == ["http://a"]
         session.update(_tensors(2))
     assert _holds(torn, 2) and torn.running
+
+
+def test_long_steps_show_progress_when_asked(engines, capsys):
+    """Connect (replicas), the first update's probe and the writes draw bars on stderr where
+    progress is on (a terminal, or forced); off by default in tests (no terminal)."""
+    from p2pweights.progress import set_progress
+
+    set_progress(True)
+    try:
+        with WeightSyncSession(CONFIG) as session:
+            session.connect(["http://e0"])
+            session.update(_tensors(1))
+    finally:
+        set_progress(None)
+    drawn = capsys.readouterr().err
+    for step in ("building replicas", "probing sglang's loaders", "p2pweights update"):
+        assert step in drawn
