@@ -150,9 +150,11 @@ def test_replica_for_shares_handles_by_layout(tmp_path: Path) -> None:
     """Handles are shared (and built lazily) by key; nothing is built here."""
     pytest.importorskip("sglang")
     from p2pweights.replica.registry import replica_for
-    from p2pweights.testing import write_model_dir
+    from p2pweights.testing import model_config, write_model_dir
 
-    folder = write_model_dir("qwen3-tiny", tmp_path / "qwen3-tiny")
+    # a config of its own (the handles are process-wide: another test may have built one)
+    config = {**model_config("qwen3-tiny"), "_name_or_path": str(tmp_path)}
+    folder = write_model_dir(config, tmp_path / "qwen3-tiny")
     a = {"model_path": "/engine/a", "tp_size": 2, "port": 30000, "log_level": "info"}
     b = {**a, "model_path": "/engine/b", "port": 31000, "log_level": "debug", "version": "x"}
     first = replica_for(a, 1, str(folder))
