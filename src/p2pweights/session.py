@@ -339,7 +339,12 @@ class WeightSyncSession:
         # every rank takes this step (an iterator is checked as it streams): ranks must
         # run the same collectives whatever each one was given
         with _timed(stages, "probe" if first else "check_inputs"):
-            self._step("prepare", lambda: self._prepare(given))
+            try:
+                self._step("prepare", lambda: self._prepare(given))
+            except BaseException:
+                if first:  # every rank probes again next time: they must gather alike
+                    self._source = self._plan = None
+                raise
         version = version or str(self._next_version)
         with _timed(stages, "control_plane"):
             self._step("open", lambda: self._open(version))
@@ -566,7 +571,8 @@ class WeightSyncSession:
         next ``connect`` replaces them (or ``close`` drops them), its connections."""
         self._fleet.close_clients()
         self._targets, self._plan, self._source = {}, None, None
-        self._checked = False
+        # the weight check stays done: it compares the session's first update with the
+        # engines' start weights; a reconnect's next update sends trained weights
 
     def close(self) -> None:
         """``abort()``, then release connections, writer threads and the transport."""

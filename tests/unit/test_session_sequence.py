@@ -498,3 +498,25 @@ def test_long_steps_show_progress_when_asked(engines, capsys):
     drawn = capsys.readouterr().err
     for step in ("building replicas", "probing sglang's loaders", "p2pweights update"):
         assert step in drawn
+
+
+def test_the_weight_check_is_not_repeated_after_a_reconnect(engines):
+    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    with WeightSyncSession(config) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(0))  # the start weights: checked once
+        session.update(_tensors(5))
+        session.connect(["http://e0", "http://e1"])
+        session.update(_tensors(6))  # trained weights: not compared with the old snapshot
+    assert engines["http://e0"].events.count("compare") == 1
+    assert _holds(engines["http://e0"], 6) and _holds(engines["http://e1"], 6)
+
+
+def test_a_first_update_that_failed_to_prepare_is_prepared_again(engines):
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        with pytest.raises(ConfigError):
+            session.update([*_tensors(1), ("q", torch.zeros(2, dtype=torch.uint8))])
+        assert session._plan is None and session._source is None
+        session.update(_tensors(2))
+    assert _holds(engines["http://e0"], 2)
