@@ -82,7 +82,7 @@ def _sglang() -> list[Finding]:
         compat.check_sglang()
     except P2PWeightsError as exc:
         return [Finding("sglang", FAIL, str(exc))]
-    tested = _release(low) <= _release(compat.SGLANG_VERSION) <= _release(high)
+    tested = compat.is_tested()
     found = [
         Finding(
             "sglang",
@@ -110,16 +110,6 @@ def _sglang() -> list[Finding]:
         )
     )
     return found
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """The leading numeric parts: ``"0.5.23.post1"`` -> ``(0, 5, 23)``."""
-    parts = []
-    for part in version.split("."):
-        if not part.isdigit():
-            break
-        parts.append(int(part))
-    return tuple(parts)
 
 
 def _transport_import(kind: str) -> Finding:

@@ -231,11 +231,14 @@ class WeightSyncSession:
             pubs = [pub for key_pubs in targets.values() for pub in key_pubs]
             self._executor.connect(pubs)  # drops what is no longer a target
             if targets:  # an idle trainer rank stages nothing
+                # no group is smaller than its largest parameter: the staging size known now
+                largest = 0
                 with progress("p2pweights connect: building replicas", total=len(targets)) as step:
-                    for key in targets:
-                        self._replicas[key].layouts  # noqa: B018 (built here, once per layout)
+                    for key in targets:  # building each replica (once per layout) here
+                        layouts = self._replicas[key].layouts.values()
+                        largest = max(largest, *(aligned(lay.num_bytes) for lay in layouts))
                         step(1)
-                self._executor.reserve(max(config.buffer_bytes, self._largest_param(targets)))
+                self._executor.reserve(max(config.buffer_bytes, largest))
         except BaseException:
             fleet.close_clients()
             if self._executor is not None:
@@ -296,19 +299,6 @@ class WeightSyncSession:
     def _replica(self, engine: ConnectedEngine, rank: int, role: str = "target") -> ReplicaHandle:
         handle = replica_for(engine.server_info, rank, engine.endpoint.model_path, role)
         return self._replicas.setdefault(handle.key, handle)
-
-    def _largest_param(self, targets: Mapping[Hashable, object]) -> int:
-        """The staging size known at connect: no group is smaller than its largest parameter."""
-        return max(
-            (
-                aligned(self._replicas[key].param_bytes(name))
-                for key in targets
-                for name in self._replicas[key].layouts
-            ),
-            default=0,
-        )
-
-    # -- update --------------------------------------------------------------------------------
 
     def update(self, named_tensors: NamedTensors, *, version: str | None = None) -> UpdateReport:
         """Write ``(hf_name, tensor)`` pairs (checkpoint names) into every connected engine.

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SGLANG_VERSION",
     "TESTED_SGLANG",
+    "is_tested",
     "Symbol",
     "REQUIRED",
     "PLUGIN_REQUIRED",
@@ -187,7 +188,7 @@ def check_sglang(symbols: tuple[Symbol, ...] = REQUIRED) -> None:
             + f". p2pweights is tested with sglang {low} to {high}: install one of those "
             f"(pip install 'sglang>={low},<={high}')"
         )
-    if not _release(low) <= _release(SGLANG_VERSION) <= _release(high):
+    if not is_tested():
         logger.warning(
             "sglang %s is outside the tested range %s to %s; its symbols check out, but a "
             "replica's bytes are only verified for the tested releases",
@@ -195,6 +196,12 @@ def check_sglang(symbols: tuple[Symbol, ...] = REQUIRED) -> None:
             low,
             high,
         )
+
+
+def is_tested() -> bool:
+    """Whether the installed sglang is within ``TESTED_SGLANG``."""
+    low, high = TESTED_SGLANG
+    return _release(low) <= _release(SGLANG_VERSION) <= _release(high)
 
 
 def _release(version: str) -> tuple[int, ...]:
