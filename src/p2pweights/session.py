@@ -235,8 +235,10 @@ class WeightSyncSession:
                 largest = 0
                 with progress("p2pweights connect: building replicas", total=len(targets)) as step:
                     for key in targets:  # building each replica (once per layout) here
-                        layouts = self._replicas[key].layouts.values()
-                        largest = max(largest, *(aligned(lay.num_bytes) for lay in layouts))
+                        handle = self._replicas[key]
+                        largest = max(
+                            largest, *(aligned(handle.param_bytes(n)) for n in handle.layouts)
+                        )
                         step(1)
                 self._executor.reserve(max(config.buffer_bytes, largest))
         except BaseException:
