@@ -21,7 +21,7 @@ The public API is ``__all__`` here and in these modules (each pinned by a test):
   a ``p2pweights engine --seed S`` engine starts from.
 """
 
-from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights.config import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.errors import (
@@ -41,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "CudaIpcConfig",
     "EngineClient",
     "EngineEndpoint",
     "EngineError",

@@ -24,6 +24,7 @@ def _engine(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         server_args=json.loads(args.server_args),
+        device=args.device,
     )
     return 0
 
@@ -182,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tp", type=int, default=1)
     engine.add_argument("--port", type=int, required=True)
     engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--transport", choices=["mooncake", "nixl"], default="mooncake")
+    engine.add_argument("--transport", choices=["mooncake", "nixl", "cuda_ipc"], default="mooncake")
+    engine.add_argument(
+        "--device",
+        default="cpu",
+        help="where the ranks hold their weights: cpu, or cuda:N (every rank on that GPU)",
+    )
     source = engine.add_mutually_exclusive_group()
     source.add_argument("--weights", help="a folder of *.safetensors with HF checkpoint names")
     source.add_argument("--seed", type=int, default=0, help="deterministic random HF weights")

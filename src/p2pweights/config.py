@@ -84,7 +84,25 @@ class NixlConfig(_Config):
     """The NIXL plugin; defaults to $SGLANG_REMOTE_INSTANCE_NIXL_BACKEND, else "UCX"."""
 
 
-TransportConfig = Annotated[MooncakeConfig | NixlConfig, Field(discriminator="kind")]
+class CudaIpcConfig(_Config):
+    """Write into engines on the trainer's own host by device copies (CUDA IPC, NVLink).
+
+    Each engine rank's GPU memory is opened once, at connect, in the trainer GPU's own
+    context; every write is a device copy on the writer's stream. Engines on other
+    hosts are refused at connect (use Mooncake or NIXL for them). Stage on the device
+    (``staging_device="cuda:N"``) for NVLink speed; pinned host staging also works.
+    """
+
+    model_config = _FROZEN
+
+    kind: Literal["cuda_ipc"] = "cuda_ipc"
+    device: int | None = None
+    """The trainer GPU that issues the copies; defaults to the process's current device."""
+
+
+TransportConfig = Annotated[
+    MooncakeConfig | NixlConfig | CudaIpcConfig, Field(discriminator="kind")
+]
 
 
 class SyncConfig(_Config):
@@ -93,7 +111,8 @@ class SyncConfig(_Config):
     model_config = _FROZEN
 
     transport: TransportConfig = Field(default_factory=MooncakeConfig)
-    """How bytes move: ``MooncakeConfig(...)`` or ``NixlConfig(...)``."""
+    """How bytes move: ``MooncakeConfig(...)``, ``NixlConfig(...)`` or, for engines on the
+    trainer's host, ``CudaIpcConfig(...)``."""
     buffer_bytes: int = 512 * 2**20
     """Size of each of the two staging buffers (grown to the largest parameter group)."""
     transfer_timeout_s: float = 30.0

@@ -88,7 +88,7 @@ class WeightSyncSession:
         *,
         agree: Callable[[bool], bool] | None = None,
         gather: Callable[[object], list[object]] | None = None,
-        staging_device: torch.device | str = "cpu",
+        staging_device: torch.device | str | None = None,
     ):
         """``agree(ok)`` must return whether every sending trainer rank, of every pipeline
         stage, passed ``True`` (an all-reduce of the flags, e.g.
@@ -98,7 +98,8 @@ class WeightSyncSession:
         required with pipeline stages, and, where given, a failed step raises on every
         rank the same error (the first failing rank's, naming it). ``staging_device``
         places the staging buffers ("cpu": pinned host memory; "cuda:N" where the
-        transport reads GPU memory). ``from_torch_distributed`` fills all of this in.
+        transport reads GPU memory); by default the GPU of a ``CudaIpcConfig`` transport,
+        else pinned host memory. ``from_torch_distributed`` fills all of this in.
         """
         self.config = config or SyncConfig()
         if self.config.num_senders > 1 and agree is None:
@@ -117,7 +118,7 @@ class WeightSyncSession:
             )
         self._agree = agree or (lambda ok: ok)
         self._gather = gather
-        self._staging_device = torch.device(staging_device)
+        self._staging_device = _staging_device(self.config, staging_device)
         self._executor: TransferExecutor | None = None
         self._fleet = Fleet([])
         self._replicas: dict[Hashable, ReplicaHandle] = {}
@@ -137,7 +138,7 @@ class WeightSyncSession:
         config: SyncConfig | None = None,
         *,
         group: Any = None,
-        staging_device: torch.device | str = "cpu",
+        staging_device: torch.device | str | None = None,
     ) -> WeightSyncSession:
         """A session for every rank of a ``torch.distributed`` ``group`` (default: all).
 
@@ -669,3 +670,14 @@ def _next_version_after(version: str, current: int) -> int:
 
 
 __all__ = ["WeightSyncSession"]
+
+
+def _staging_device(config: SyncConfig, given: torch.device | str | None) -> torch.device:
+    """Where the staging buffers live: as given, else on the GPU a CUDA IPC transport
+    copies from (device copies over NVLink), else in pinned host memory."""
+    if given is not None:
+        return torch.device(given)
+    if config.transport.kind == "cuda_ipc" and torch.cuda.is_available():
+        device = config.transport.device
+        return torch.device("cuda", torch.cuda.current_device() if device is None else device)
+    return torch.device("cpu")

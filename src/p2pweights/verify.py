@@ -36,11 +36,14 @@ def expected_checksums(
     hf_tensors: HfTensors,
     model_path: str | None = None,
     role: str = "target",
+    device: torch.device | str = "cpu",
 ) -> dict[str, str]:
     """sglang's per-tensor checksums for ``engine_rank`` loaded from ``hf_tensors()``.
 
     ``hf_tensors`` are in the trainer's format; for an fp8 engine they are quantized
-    into its checkpoint format first, as the engine's checkpoint would hold them.
+    into its checkpoint format first, as the engine's checkpoint would hold them. The
+    reference model is built on ``device`` (a GPU for models too large to check on
+    the host quickly).
     """
     from sglang.srt.utils.weight_checker import WeightChecker
 
@@ -57,6 +60,7 @@ def expected_checksums(
         engine_checkpoint(folder, hf_tensors()),
         dtype=server_info.get("dtype", "auto"),
         server_args_fields=server_info,
+        device=device,
         role=role,
     )
     with sglang_env.rank_scope(spec):
@@ -85,11 +89,13 @@ def verify_engine(
     model_path: str | None = None,
     role: str = "target",
     skip: frozenset[str] = frozenset(),
+    device: torch.device | str = "cpu",
 ) -> dict[int, list[str]]:
     """Engine rank -> mismatching tensor names (empty lists when every rank is bit-exact).
 
     ``role="draft"`` checks the ranks' speculative draft runners; ``skip`` names
     tensors left out (a draft's embedding and head are the target's, checked there).
+    ``device`` is where the reference models are built.
     """
     server_info = client.server_info()
     actual = engine_checksums(client, role)
@@ -97,7 +103,8 @@ def verify_engine(
         rank: [
             name
             for name in compare(
-                expected_checksums(server_info, rank, hf_tensors, model_path, role), checksums
+                expected_checksums(server_info, rank, hf_tensors, model_path, role, device),
+                checksums,
             )
             if name not in skip
         ]

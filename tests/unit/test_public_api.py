@@ -20,6 +20,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PUBLIC = {
     "p2pweights": {
         "ConfigError",
+        "CudaIpcConfig",
         "EngineClient",
         "EngineEndpoint",
         "EngineError",

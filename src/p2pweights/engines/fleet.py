@@ -22,6 +22,8 @@ _PUBLISH_FLAGS = {
     "mooncake": "start sglang with --remote-instance-weight-loader-start-seed-via-transfer-engine",
     "nixl": "start sglang with the p2pweights NIXL plugin (SGLANG_PLUGINS=p2pweights_nixl) "
     "or --remote-instance-weight-loader-start-seed-via-nixl",
+    "cuda_ipc": "start the engine on a GPU of the trainer's host with the cuda_ipc publisher "
+    "(p2pweights engine --transport cuda_ipc --device cuda:N)",
 }
 
 
@@ -155,7 +157,8 @@ def connect_engine(
 
 
 def _config_name(backend: str) -> str:
-    return {"mooncake": "MooncakeConfig", "nixl": "NixlConfig"}.get(backend, backend)
+    names = {"mooncake": "MooncakeConfig", "nixl": "NixlConfig", "cuda_ipc": "CudaIpcConfig"}
+    return names.get(backend, backend)
 
 
 def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:

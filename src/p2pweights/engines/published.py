@@ -7,7 +7,10 @@ sglang's ``/remote_instance_transfer_engine_info?rank=R`` answers, for Mooncake:
 and, with NIXL publishing (sglang PR #35712 or the p2pweights plugin), the second
 element is a dict ``{"backend": "nixl", "agent_name", "agent_metadata" (base64),
 "weights_info_dict": {name: [ptr, numel, elsize, gpu_id]}}``; Mooncake may also
-come as ``{"backend": "mooncake", "session_id", "weights_info_dict"}``.
+come as ``{"backend": "mooncake", "session_id", "weights_info_dict"}``. An engine on
+the trainer's host may publish CUDA IPC handles (``CudaIpcPublisher``):
+``{"backend": "cuda_ipc", "agent_name", "host_id", "segments": [{"address",
+"num_bytes", "gpu_id", "handle" (base64), "offset"}], "weights_info_dict"}``.
 """
 
 from __future__ import annotations
@@ -33,19 +36,39 @@ class WeightRegion:
 
 
 @dataclass(frozen=True)
+class IpcSegment:
+    """A block of an engine rank's GPU memory, shared by CUDA IPC handle."""
+
+    address: int
+    """The block's first byte, in the engine process's address space."""
+    num_bytes: int
+    gpu_id: int
+    handle: bytes = field(repr=False)
+    """``cudaIpcMemHandle_t`` of the device allocation holding the block."""
+    offset: int
+    """Where the block starts in that allocation."""
+
+    @property
+    def end(self) -> int:
+        return self.address + self.num_bytes
+
+
+@dataclass(frozen=True)
 class RankPublication:
     """The weight regions and transport handle one engine rank published."""
 
     engine_url: str
     engine_rank: int
-    backend: str  # "mooncake" or "nixl"
+    backend: str  # "mooncake", "nixl" or "cuda_ipc"
     regions: dict[str, WeightRegion] = field(repr=False)
     session_id: str | None = None  # mooncake: "host:rpc_port"
-    agent_name: str | None = None  # nixl
+    agent_name: str | None = None  # nixl; cuda_ipc: the publisher's unique name
     agent_metadata: bytes | None = field(default=None, repr=False)  # nixl
     mem_type: str | None = None  # nixl: "VRAM" or "DRAM" when the publisher says
     role: str = "target"
     """The rank's model runner: "target", or "draft" (a same-model speculative draft)."""
+    host_id: str | None = None  # cuda_ipc: the engine's host (hostname and boot id)
+    segments: tuple[IpcSegment, ...] = field(default=(), repr=False)  # cuda_ipc
 
     @property
     def where(self) -> str:
@@ -97,12 +120,38 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
                 agent_metadata=base64.b64decode(info["agent_metadata"]),
                 mem_type=info.get("mem_type"),
             )
+        if backend == "cuda_ipc":
+            return RankPublication(
+                engine_url,
+                engine_rank,
+                "cuda_ipc",
+                _regions(table),
+                agent_name=str(info["agent_name"]),
+                host_id=str(info["host_id"]),
+                segments=tuple(_segment(s) for s in info["segments"]),
+            )
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineError(
             f"engine {engine_url} rank {engine_rank}: malformed weight publication ({exc!r})"
         ) from exc
     raise EngineError(
         f"engine {engine_url} rank {engine_rank}: unknown published backend {backend!r}"
+    )
+
+
+_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
+
+
+def _segment(entry: dict[str, Any]) -> IpcSegment:
+    handle = base64.b64decode(entry["handle"], validate=True)
+    if len(handle) != _IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle has {_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    return IpcSegment(
+        address=int(entry["address"]),
+        num_bytes=int(entry["num_bytes"]),
+        gpu_id=int(entry["gpu_id"]),
+        handle=handle,
+        offset=int(entry["offset"]),
     )
 
 

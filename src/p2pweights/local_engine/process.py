@@ -57,6 +57,7 @@ class LocalEngine:
         server_args: dict[str, object] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         stream_log: bool = False,
+        device: str = "cpu",
     ):
         self.model = str(model)
         self.tp = tp
@@ -64,6 +65,7 @@ class LocalEngine:
         self.seed = seed
         self.weights = None if weights is None else str(weights)
         self.dtype = dtype
+        self.device = device
         self.host = host
         self.port = port if port is not None else free_port(host)
         self.startup_timeout_s = startup_timeout_s
@@ -114,6 +116,8 @@ class LocalEngine:
             self.transport,
             "--dtype",
             self.dtype,
+            "--device",
+            self.device,
         ]
         if self.server_args:
             cmd += ["--server-args", json.dumps(self.server_args)]

@@ -51,7 +51,8 @@ def move_into_arena(
     kept = {id(p) for p in keep}
     # shared parameters listed once
     params = [p for _, p in model.named_parameters() if id(p) not in kept]
-    arena = torch.empty(staged_bytes(p.nbytes for p in params), dtype=torch.uint8)
+    device = params[0].device if params else torch.device("cpu")
+    arena = torch.empty(staged_bytes(p.nbytes for p in params), dtype=torch.uint8, device=device)
     offset = 0
     for param in params:
         num_bytes = param.nbytes
@@ -109,11 +110,12 @@ class _Runner:
         spec: RankSpec,
         role: str,
         transport: str,
+        device: torch.device,
         shared: Iterable[torch.nn.Parameter] = (),
     ):
         from sglang.srt.utils.weight_checker import WeightChecker
 
-        self.model, self.spec, self.role = model, spec, role
+        self.model, self.spec, self.role, self.device = model, spec, role, device
         shared_ids = {id(p) for p in shared}
         self.arena = move_into_arena(
             model, keep=[p for p in model.parameters() if id(p) in shared_ids]
@@ -133,12 +135,12 @@ class _Runner:
 
     @torch.no_grad()
     def begin_update(self) -> None:
-        reference.begin_update(self.model, self.spec)
+        reference.begin_update(self.model, self.spec, self.device)
 
     @torch.no_grad()
     def end_update(self, run_post_load: bool) -> None:
         # Bytes that arrived by writes, not load_weights, need post_load_weights (as in sglang).
-        reference.end_update(self.model, self.spec, run_post_load=run_post_load)
+        reference.end_update(self.model, self.spec, run_post_load=run_post_load, device=self.device)
 
     def check(self, action: str, **options: Any) -> dict[str, Any] | None:
         with sglang_env.rank_scope(self.spec), torch.no_grad(), _chunks_stay_on_host():
@@ -159,10 +161,12 @@ class EngineRank:
         spec: RankSpec,
         weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
         transport: str,
+        device: torch.device | str = "cpu",
     ):
         from p2pweights.engines.speculative import has_model_draft
 
         self.spec = spec
+        self.device = torch.device(device)
 
         def load(role: str) -> torch.nn.Module:
             return reference.load_real_rank_model(
@@ -171,17 +175,18 @@ class EngineRank:
                 weights(),
                 dtype=server_info["dtype"],
                 server_args_fields=server_info,
+                device=self.device,
                 role=role,
             )
 
         self.model = load("target")
-        self.runners = {"target": _Runner(self.model, spec, "target", transport)}
+        self.runners = {"target": _Runner(self.model, spec, "target", transport, self.device)}
         if has_model_draft(f"local engine :{server_info.get('port')}", server_info):
             draft = load("draft")
             shared = self.model.get_embed_and_head()  # type: ignore[operator]
             with _no_cuda_sync():
                 draft.set_embed_and_head(*shared)  # type: ignore[operator]
-            self.runners["draft"] = _Runner(draft, spec, "draft", transport, shared)
+            self.runners["draft"] = _Runner(draft, spec, "draft", transport, self.device, shared)
         self.params = self.runners["target"].params
         self.publisher = self.runners["target"].publisher
         self.broadcast_area: torch.Tensor | None = None
@@ -212,7 +217,7 @@ class EngineRank:
     def publish_broadcast_area(self, num_bytes: int) -> Any:
         """Allocate (once) and register the broadcast area; its publication, as for weights."""
         if self.broadcast_area is None:
-            self.broadcast_area = torch.empty(num_bytes, dtype=torch.uint8)
+            self.broadcast_area = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
             self.publisher.register({BROADCAST_AREA: self.broadcast_area})
         elif self.broadcast_area.numel() != num_bytes:
             raise ConfigError(

@@ -67,10 +67,15 @@ def serve(
     seed: int | None = 0,
     dtype: str = "bfloat16",
     server_args: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> None:
     import uvicorn
 
     folder = model_folder(model)
+    engine_device = torch.device(device)
+    if engine_device.type == "cuda":
+        # sglang's weight checker and loaders use the current device
+        torch.cuda.set_device(engine_device)
     torch_dtype = getattr(torch, dtype)
     server_info = resolved_server_info(
         {
@@ -95,10 +100,13 @@ def serve(
             RankSpec.from_server_info(server_info, r),
             hf_weights,
             transport,
+            engine_device,
         )
         for r in range(tp)
     ]
-    logger.info("local engine: %d rank(s) of %s ready on %s:%d", tp, model, host, port)
+    logger.info(
+        "local engine: %d rank(s) of %s on %s ready on %s:%d", tp, model, device, host, port
+    )
     app = create_app(server_info, ranks)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -11,10 +11,12 @@ from p2pweights.transfer.transports.base import Publisher, Transport, Write
 _TRANSPORTS = {
     "mooncake": "p2pweights.transfer.transports.mooncake:MooncakeTransport",
     "nixl": "p2pweights.transfer.transports.nixl:NixlTransport",
+    "cuda_ipc": "p2pweights.transfer.transports.cuda_ipc:CudaIpcTransport",
 }
 _PUBLISHERS = {
     "mooncake": "p2pweights.transfer.transports.mooncake:MooncakePublisher",
     "nixl": "p2pweights.transfer.transports.nixl:NixlPublisher",
+    "cuda_ipc": "p2pweights.transfer.transports.cuda_ipc:CudaIpcPublisher",
 }
 
 __all__ = ["Publisher", "Transport", "Write", "create_publisher", "create_transport"]
@@ -34,7 +36,8 @@ def _load(table: dict[str, str], name: str) -> Any:
 
 
 def create_transport(config: Any) -> Transport:
-    """The trainer-side transport for ``config`` (a ``MooncakeConfig`` or ``NixlConfig``)."""
+    """The trainer-side transport for ``config`` (a ``MooncakeConfig``, ``NixlConfig``
+    or ``CudaIpcConfig``)."""
     return _load(_TRANSPORTS, config.kind)(config)
 
 

@@ -1,0 +1,456 @@
+"""Full updates on GPUs against the NCCL broadcast they replace, all in one run.
+
+The trainer (this process) holds an HF model's bf16 tensors on ``cuda:0``; a local
+engine process holds its rank's weights on another GPU (``--device cuda:1``), built
+and filled by sglang's own model class and loader. Measured side by side:
+
+* ceilings, 4 GiB each: NCCL send/recv and broadcast between two processes, one
+  CUDA IPC copy into another process's GPU memory (opened in the trainer's context,
+  the transport's own path), a copy within one GPU, pinned device-to-host;
+* p2pweights full updates (``WeightSyncSession.update``: replica loaders, control
+  plane, engine begin/end) over ``CudaIpcConfig``, staged on the device and in pinned
+  host memory, with the stage breakdown of each;
+* the baseline: the same HF tensors broadcast by NCCL to a second process that holds
+  a real model of the rank on the engine GPU, then that model's own ``load_weights``
+  (what sglang's ``update_weights_from_distributed`` runs per update), no HTTP;
+* colocated: the engine on the trainer's own GPU (``--colocated``).
+
+Every engine rank is checked bit-exact by sglang's weight checker (its checksums
+against a reference model built by sglang's loader on ``cuda:0``) after several
+updates. The machine runs sglang's Python model code; its compiled kernels
+(``sgl_kernel``) are absent there and stubbed by ``benchmarks/gpu_stub`` (nothing
+may call them: ``stub_calls`` must stay empty). Run on the lent 2 x H200 machine:
+
+    PYTHONPATH=/tmp/site:benchmarks/gpu_stub:src python3 benchmarks/gpu_update.py \\
+        --models qwen3-4b-shape qwen3-moe-30b-a3b-7-layers --out $OUT/gpu_update.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = HERE / "configs"
+GiB = 2**30
+
+RESULTS: dict[str, Any] = {}
+OUT: Path | None = None
+
+
+def _save() -> None:
+    if OUT is not None:
+        OUT.write_text(json.dumps(RESULTS, indent=2, default=str))
+
+
+def _section(name: str, run: Callable[[], Any]) -> None:
+    """Run one part; record its result or its error, and go on with the others."""
+    started = time.perf_counter()
+    try:
+        RESULTS[name] = run()
+    except Exception as exc:  # a benchmark records what failed and carries on
+        RESULTS[name] = {"error": repr(exc), "traceback": traceback.format_exc()[-3000:]}
+    RESULTS.setdefault("section_seconds", {})[name] = round(time.perf_counter() - started, 1)
+    print(f"== {name}: {json.dumps(RESULTS[name], default=str)[:1500]}", flush=True)
+    _save()
+
+
+def _timed_gpu(fn: Callable[[], None], reps: int = 5) -> float:
+    """Median seconds of ``fn`` (after one warm-up), synchronizing every GPU around it."""
+    times = []
+    for rep in range(reps + 1):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- ceilings
+
+
+def local_copies(num_bytes: int, engine_gpu: int) -> dict[str, float]:
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device="cuda:0")
+    same = torch.empty_like(src)
+    other = torch.empty(num_bytes, dtype=torch.uint8, device=f"cuda:{engine_gpu}")
+    pinned = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    result = {
+        "device_copy_same_gpu_gb_s": num_bytes / _timed_gpu(lambda: same.copy_(src)) / 1e9,
+        "pinned_device_to_host_gb_s": num_bytes
+        / _timed_gpu(lambda: pinned.copy_(src, non_blocking=True))
+        / 1e9,
+        "pinned_host_to_device_gb_s": num_bytes
+        / _timed_gpu(lambda: src.copy_(pinned, non_blocking=True))
+        / 1e9,
+    }
+    if engine_gpu != 0:
+        result["one_process_gpu0_to_gpu1_gb_s"] = (
+            num_bytes / _timed_gpu(lambda: other.copy_(src)) / 1e9
+        )
+    return result
+
+
+def _nccl_ceiling_worker(rank: int, port: int, num_bytes: int, gpus: list[int], queue: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", gpus[rank])
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+    buffer = torch.ones(num_bytes, dtype=torch.uint8, device=device)
+
+    def send_recv() -> None:
+        if rank == 0:
+            dist.send(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+
+    def broadcast() -> None:
+        dist.broadcast(buffer, 0)
+
+    out = {}
+    for name, fn in (("send_recv", send_recv), ("broadcast", broadcast)):
+        dist.barrier()
+        out[f"nccl_{name}_gb_s"] = num_bytes / _timed_gpu(fn) / 1e9
+    if rank == 1:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def _spawn_pair(target: Callable[..., None], *args: Any, timeout_s: float = 600) -> Any:
+    from p2pweights.local_engine.process import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+def _ipc_engine(conn: Any, num_bytes: int, gpu: int) -> None:
+    from p2pweights.transfer.transports.cuda_ipc import CudaIpcPublisher
+
+    torch.cuda.set_device(gpu)
+    flat = torch.zeros(num_bytes, dtype=torch.uint8, device=f"cuda:{gpu}")
+    publisher = CudaIpcPublisher()
+    publisher.register({"flat": flat})
+    conn.send(publisher.publication({"flat": flat}))
+    while (expected := conn.recv()) is not None:
+        torch.cuda.synchronize()
+        conn.send(int(flat[:: 2**20].sum().item()) == expected)
+
+
+def ipc_copy(num_bytes: int, engine_gpu: int) -> dict[str, Any]:
+    """One CUDA IPC write of ``num_bytes`` through ``CudaIpcTransport`` (the raw ceiling)."""
+    from p2pweights.config import CudaIpcConfig
+    from p2pweights.engines.published import parse_publication
+    from p2pweights.transfer.transports import Write
+    from p2pweights.transfer.transports.cuda_ipc import CudaIpcTransport
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    engine = ctx.Process(target=_ipc_engine, args=(there, num_bytes, engine_gpu))
+    engine.start()
+    pub = parse_publication("ipc", 0, {"remote_instance_transfer_engine_info": here.recv()})
+    transport = CudaIpcTransport(CudaIpcConfig(device=0))
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device="cuda:0")
+    transport.register(src)
+    transport.connect(pub)
+    dst = pub.regions["flat"].address
+    seconds = _timed_gpu(
+        lambda: transport.write(pub, [Write(src.data_ptr(), dst, num_bytes)], 60.0)
+    )
+    here.send(int(src[:: 2**20].sum().item()))
+    exact = here.recv()
+    here.send(None)
+    engine.join(timeout=60)
+    transport.close()
+    return {"gb_s": num_bytes / seconds / 1e9, "engine_gpu": engine_gpu, "sampled_equal": exact}
+
+
+# ---------------------------------------------------------------- models and tensors
+
+
+def _config(name: str) -> dict[str, Any]:
+    from p2pweights.testing import model_config
+
+    path = CONFIGS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else model_config(name)
+
+
+def trainer_tensors(config: dict[str, Any], device: str) -> list[tuple[str, torch.Tensor]]:
+    from p2pweights.testing import hf_checkpoint_names_and_shapes
+
+    return [
+        (name, torch.empty(shape, dtype=torch.bfloat16, device=device))
+        for name, shape, _ in hf_checkpoint_names_and_shapes(config)
+    ]
+
+
+def refill(tensors: list[tuple[str, torch.Tensor]], seed: int) -> None:
+    """New values in place (what a training step does), drawn on the tensors' device."""
+    generator = torch.Generator(device=tensors[0][1].device).manual_seed(seed)
+    for name, tensor in tensors:
+        tensor.normal_(1.0 if "norm" in name else 0.0, 0.02, generator=generator)
+
+
+def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+# ---------------------------------------------------------------- p2pweights updates
+
+
+def p2pweights_updates(
+    model: str,
+    engine_gpu: int,
+    stagings: list[str],
+    num_updates: int,
+    verify_every: int,
+    buffer_bytes: int,
+) -> dict[str, Any]:
+    from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
+    from p2pweights.local_engine import LocalEngine
+    from p2pweights.verify import verify_engine
+
+    config = _config(model)
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"p2pw-{model}.json"
+    path.write_text(json.dumps(config))
+    tensors = trainer_tensors(config, "cuda:0")
+    num_bytes = _nbytes(tensors)
+    out: dict[str, Any] = {"hf_bytes": num_bytes, "num_hf_tensors": len(tensors)}
+    started = time.perf_counter()
+    engine = LocalEngine(
+        str(path),
+        tp=1,
+        transport="cuda_ipc",
+        device=f"cuda:{engine_gpu}",
+        seed=0,
+        startup_timeout_s=900,
+        log_path=Path(os.environ.get("OUT", "/tmp")) / f"engine-{model}-gpu{engine_gpu}.log",
+    )
+    with engine:
+        out["engine_start_s"] = round(time.perf_counter() - started, 1)
+        client = EngineClient(engine.url, timeout_s=600)
+        for index, staging in enumerate(stagings):
+            config_ = SyncConfig(
+                transport=CudaIpcConfig(device=0), buffer_bytes=buffer_bytes, http_timeout_s=600
+            )
+            session = WeightSyncSession(config_, staging_device=staging)
+            session.connect([engine.url])
+            rows = []
+            for k in range(num_updates):
+                refill(tensors, seed=1000 * index + k)
+                torch.cuda.synchronize()
+                report = session.update(tensors)
+                row: dict[str, Any] = {
+                    "seconds": report.seconds,
+                    "bytes": report.bytes_written,
+                    "stages": report.stage_seconds,
+                }
+                if k == 0 or k == num_updates - 1 or (verify_every and k % verify_every == 0):
+                    t0 = time.perf_counter()
+                    mismatches = verify_engine(client, lambda: iter(tensors), device="cuda:0")
+                    row["bit_exact"] = all(not names for names in mismatches.values())
+                    row["mismatches"] = {r: names[:5] for r, names in mismatches.items() if names}
+                    row["verify_s"] = round(time.perf_counter() - t0, 2)
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(f"  {model} {staging} update {k}: {report.summary()}", flush=True)
+            session.close()
+            timed = rows[1:] or rows
+            median_s = statistics.median(r["seconds"] for r in timed)
+            stages = {
+                name: statistics.median(r["stages"].get(name, 0.0) for r in timed)
+                for name in timed[0]["stages"]
+            }
+            out[staging] = {
+                "median_update_s": median_s,
+                "update_gb_s": num_bytes / median_s / 1e9,
+                "median_stages_s": stages,
+                "load_stage_gb_s": num_bytes / stages["load"] / 1e9 if stages.get("load") else None,
+                "verified_updates": [i for i, r in enumerate(rows) if "bit_exact" in r],
+                "bit_exact_every_verified_update": all(
+                    r["bit_exact"] for r in rows if "bit_exact" in r
+                ),
+                "updates": rows,
+            }
+        client.close()
+    return out
+
+
+# ---------------------------------------------------------------- NCCL broadcast baseline
+
+
+def _broadcast_worker(
+    rank: int,
+    port: int,
+    model: str,
+    folder: str,
+    gpus: list[int],
+    num_updates: int,
+    queue: Any,
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", gpus[rank])
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+    tensors = trainer_tensors(_config(model), str(device))
+    refill(tensors, seed=7)
+    model_ = None
+    if rank == 1:
+        from p2pweights.local_engine.serve import resolved_server_info
+        from p2pweights.replica.ranks import RankSpec
+        from p2pweights.replica.sglang import env as sglang_env
+        from p2pweights.replica.sglang.reference import load_real_rank_model
+
+        server_info = resolved_server_info(
+            {"model_path": folder, "tp_size": 1, "dtype": "bfloat16"}
+        )
+        spec = RankSpec.from_server_info(server_info, 0)
+        model_ = load_real_rank_model(
+            server_info["model_path"],
+            spec,
+            iter(tensors),
+            dtype="bfloat16",
+            server_args_fields=server_info,
+            device=device,
+        )
+        scope = sglang_env.rank_scope(spec)
+    broadcast_s, total_s = [], []
+    for _ in range(num_updates + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        if rank == 0:
+            work = [dist.broadcast(t, 0, async_op=True) for _, t in tensors]
+        else:  # sglang's update_weights_from_distributed: fresh buffers, one broadcast each
+            received = [(n, torch.empty_like(t)) for n, t in tensors]
+            work = [dist.broadcast(t, 0, async_op=True) for _, t in received]
+        for w in work:
+            w.wait()
+        torch.cuda.synchronize()
+        broadcast_s.append(time.perf_counter() - started)
+        if rank == 1:
+            with scope, torch.no_grad():
+                model_.load_weights(iter(received))  # type: ignore[union-attr]
+            torch.cuda.synchronize()
+        total_s.append(time.perf_counter() - started)
+    if rank == 1:
+        queue.put(
+            {
+                "broadcast_s": statistics.median(broadcast_s[1:]),
+                "broadcast_and_load_weights_s": statistics.median(total_s[1:]),
+            }
+        )
+    dist.destroy_process_group()
+
+
+def nccl_baseline(model: str, engine_gpu: int, num_updates: int) -> dict[str, Any]:
+    config = _config(model)
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"p2pw-{model}-bcast"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    out = _spawn_pair(_broadcast_worker, model, str(folder), [0, engine_gpu], num_updates)
+    num_bytes = sum(t.numel() * 2 for _, t in trainer_tensors(config, "meta"))
+    out["broadcast_gb_s"] = num_bytes / out["broadcast_s"] / 1e9
+    out["broadcast_and_load_weights_gb_s"] = num_bytes / out["broadcast_and_load_weights_s"] / 1e9
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def _stub_calls() -> Any:
+    module = sys.modules.get("sgl_kernel")
+    if module is None:
+        return "sgl_kernel not imported"
+    return {"stub": bool(getattr(module, "STUB", False)), "calls": getattr(module, "CALLS", None)}
+
+
+def main() -> None:
+    global OUT
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["qwen3-4b-shape"])
+    parser.add_argument("--gib", type=float, default=4.0, help="bytes of the ceiling copies")
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--verify-every", type=int, default=2)
+    parser.add_argument("--buffer-mib", type=int, default=512)
+    parser.add_argument("--stagings", nargs="+", default=["cuda:0", "cpu"])
+    parser.add_argument("--colocated", action="store_true", help="also the engine on cuda:0")
+    parser.add_argument("--skip-ceilings", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    OUT = Path(args.out) if args.out else None
+    engine_gpu = 1 if torch.cuda.device_count() > 1 else 0
+    num_bytes = int(args.gib * GiB)
+    RESULTS["machine"] = {
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "engine_gpu": engine_gpu,
+        "args": vars(args),
+    }
+    if not args.skip_ceilings:
+        _section("local_copies", lambda: local_copies(num_bytes, engine_gpu))
+        _section("ipc_copy", lambda: ipc_copy(num_bytes, engine_gpu))
+        if engine_gpu:
+            _section("ipc_copy_colocated", lambda: ipc_copy(num_bytes, 0))
+            _section(
+                "nccl",
+                lambda: _spawn_pair(_nccl_ceiling_worker, num_bytes, [0, engine_gpu]),
+            )
+    for model in args.models:
+        _section(
+            f"update/{model}",
+            lambda model=model: p2pweights_updates(
+                model,
+                engine_gpu,
+                args.stagings,
+                args.updates,
+                args.verify_every,
+                args.buffer_mib * 2**20,
+            ),
+        )
+        if engine_gpu:
+            _section(
+                f"nccl_baseline/{model}", lambda model=model: nccl_baseline(model, engine_gpu, 3)
+            )
+        if args.colocated and engine_gpu:
+            _section(
+                f"colocated/{model}",
+                lambda model=model: p2pweights_updates(
+                    model, 0, ["cuda:0"], args.updates, args.updates, args.buffer_mib * 2**20
+                ),
+            )
+    RESULTS["sgl_kernel"] = _stub_calls()
+    _save()
+    print(json.dumps(RESULTS, indent=2, default=str)[-6000:])
+
+
+if __name__ == "__main__":
+    main()

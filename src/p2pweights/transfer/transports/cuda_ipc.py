@@ -1,0 +1,307 @@
+"""Writes into engines on the trainer's own host through CUDA IPC: device copies over NVLink.
+
+Engine side, ``CudaIpcPublisher``: each block of a rank's GPU weights is shared by the
+IPC handle of the device allocation holding it, published with the block's address in
+the engine process, the GPU it lives on and the host it runs on.
+
+Trainer side, ``CudaIpcTransport``: at connect, every published allocation is opened
+once, in the context of the trainer's own GPU (``CudaIpcConfig.device``) with lazy peer
+access; that choice is the whole speed difference (see ``cuda_runtime``). A write is a
+run of ``cudaMemcpyAsync`` calls on the calling writer thread's own stream, all queued
+before one wait, so each engine rank has its copies in flight together while other
+ranks' writers queue theirs on their own streams. Writes that touch end to end in both
+source and destination (consecutive parameters of one staging block landing in
+consecutive engine parameters) are merged into one copy.
+
+An engine on another host cannot be reached this way; ``connect`` refuses it, naming
+the engine, before any byte moves. Without CUDA in the trainer the transport refuses
+to start, and an engine publishes only GPU memory. Those refusals are all that can be
+tested on a host without a GPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pweights.config import CudaIpcConfig
+from p2pweights.engines.published import IpcSegment, RankPublication
+from p2pweights.errors import ConfigError, TransferError, TransportError
+from p2pweights.transfer.transports.base import Publisher, Transport, Write
+from p2pweights.transfer.transports.cuda_runtime import CudaRuntime, cuda_runtime
+from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
+
+_POLL_S = 20e-6
+"""How long a writer sleeps between polls of its copies' completion event."""
+
+
+@functools.cache
+def host_id() -> str:
+    """This host as engines and trainers compare it: hostname and kernel boot id."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    boot_id = boot.read_text().strip() if boot.exists() else "no-boot-id"
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+def check_reachable(target: RankPublication, local_host: str) -> None:
+    """Refuse a publication CUDA IPC cannot write: another transport's, or another host's."""
+    if target.backend != "cuda_ipc":
+        raise ConfigError(
+            f"{target.where} publishes for {target.backend!r}, not CUDA IPC; configure "
+            f"SyncConfig(transport=...) for {target.backend} or start the engine with "
+            f"the cuda_ipc publisher"
+        )
+    if target.host_id != local_host:
+        raise ConfigError(
+            f"{target.where} runs on host {target.host_id}, not on this trainer's host "
+            f"{local_host}; CudaIpcConfig reaches engines on the trainer's own host only. "
+            f"Use MooncakeConfig or NixlConfig for engines on other hosts"
+        )
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """One engine publication's allocations, mapped into this process."""
+
+    index: RegionIndex
+    local_by_start: dict[int, int]
+    """Segment address in the engine -> the same byte's address here."""
+    mapped: tuple[int, ...]
+    """The pointers ``cudaIpcOpenMemHandle`` returned (closed on disconnect)."""
+
+
+class CudaIpcTransport(Transport):
+    """Trainer side: device copies into engine memory opened by CUDA IPC handle."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, config: CudaIpcConfig) -> None:
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "CudaIpcConfig needs a CUDA device in the trainer process (none is visible); "
+                "use MooncakeConfig or NixlConfig on hosts without GPUs"
+            )
+        self._device = torch.cuda.current_device() if config.device is None else config.device
+        if not 0 <= self._device < torch.cuda.device_count():
+            raise ConfigError(
+                f"CudaIpcConfig.device={self._device}, but this process sees "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+        self._cuda: CudaRuntime = cuda_runtime()
+        self._host = host_id()
+        self._sources = RegionIndex([])
+        self._opened: dict[str, _Opened] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @property
+    def device(self) -> int:
+        """The trainer GPU whose context opens the engines' memory and issues the copies."""
+        return self._device
+
+    def register(self, buffer: torch.Tensor) -> None:
+        address, num_bytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        with self._lock:
+            self._sources = RegionIndex([*self._sources.regions, (address, num_bytes)])
+
+    def unregister(self, buffer: torch.Tensor) -> None:
+        region = (buffer.data_ptr(), buffer.numel() * buffer.element_size())
+        with self._lock:
+            self._sources = RegionIndex([r for r in self._sources.regions if r != region])
+
+    @property
+    def peers(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._opened)
+
+    def connect(self, target: RankPublication) -> None:
+        check_reachable(target, self._host)
+        with self._lock:
+            if target.peer in self._opened:
+                return
+        mapped: dict[bytes, int] = {}
+        local_by_start = {}
+        try:
+            for segment in target.segments:
+                if segment.handle not in mapped:
+                    mapped[segment.handle] = self._cuda.open_ipc_handle(
+                        segment.handle, self._device
+                    )
+                local_by_start[segment.address] = mapped[segment.handle] + segment.offset
+        except TransportError as exc:
+            for pointer in mapped.values():
+                self._cuda.close_ipc_handle(pointer)
+            raise TransportError(f"cannot open the memory {target.where} published: {exc}") from exc
+        opened = _Opened(
+            RegionIndex([(s.address, s.num_bytes) for s in target.segments]),
+            local_by_start,
+            tuple(mapped.values()),
+        )
+        with self._lock:
+            self._opened[target.peer] = opened
+
+    def disconnect(self, target: RankPublication) -> None:
+        with self._lock:
+            opened = self._opened.pop(target.peer, None)
+        if opened is not None:
+            self._close(opened)
+
+    def _close(self, opened: _Opened) -> None:
+        self._cuda.set_device(self._device)
+        for pointer in opened.mapped:
+            self._cuda.close_ipc_handle(pointer)
+
+    def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
+        with self._lock:
+            opened = self._opened.get(target.peer)
+            sources = self._sources
+        if opened is None:
+            raise TransferError(f"{target.where} is not connected; connect() it first")
+        copies = [self._translate(target, opened, sources, w) for w in merge_adjacent(writes)]
+        stream = self._stream()
+        # the runtime's current device is per thread: writer threads select it themselves
+        self._cuda.set_device(self._device)
+        for dst, src, num_bytes in copies:
+            self._cuda.copy_async(dst, src, num_bytes, stream.cuda_stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                # A device copy cannot be cancelled: the stream drains on its own.
+                raise TransferError(
+                    f"{len(copies)} copies to {target.where} still running after {timeout_s} s"
+                )
+            time.sleep(_POLL_S)
+
+    def _translate(
+        self, target: RankPublication, opened: _Opened, sources: RegionIndex, write: Write
+    ) -> tuple[int, int, int]:
+        """(local destination, source, bytes) of one write; refuses bytes outside the
+        engine's published segments or the registered staging buffers."""
+        segment = opened.index.find(write.dst_address, write.num_bytes)
+        if segment is None:
+            raise TransferError(
+                f"a write of {write.num_bytes} bytes at {write.dst_address:#x} leaves the "
+                f"memory {target.where} published; nothing was written"
+            )
+        if not sources.covers(write.src_address, write.num_bytes):
+            raise TransferError(
+                f"a write's source {write.src_address:#x} (+{write.num_bytes}) is not in a "
+                f"registered staging buffer"
+            )
+        local = opened.local_by_start[segment[0]] + (write.dst_address - segment[0])
+        return local, write.src_address, write.num_bytes
+
+    def _stream(self) -> torch.cuda.Stream:
+        """The calling writer thread's own stream on the trainer's device."""
+        stream: torch.cuda.Stream | None = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(device=self._device)
+        return stream
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._opened = list(self._opened.values()), {}
+            self._sources = RegionIndex([])
+        for entry in opened:
+            self._close(entry)
+
+
+def merge_adjacent(writes: Sequence[Write]) -> list[Write]:
+    """Writes in order, each run that continues the last in source and destination merged."""
+    merged: list[Write] = []
+    for write in writes:
+        if merged:
+            last = merged[-1]
+            if (
+                last.src_address + last.num_bytes == write.src_address
+                and last.dst_address + last.num_bytes == write.dst_address
+                and last.dst_device == write.dst_device
+            ):
+                merged[-1] = Write(
+                    last.src_address,
+                    last.dst_address,
+                    last.num_bytes + write.num_bytes,
+                    last.dst_device,
+                )
+                continue
+        merged.append(write)
+    return merged
+
+
+class CudaIpcPublisher(Publisher):
+    """Engine side: shares one rank's GPU weight blocks by CUDA IPC handle."""
+
+    def __init__(self, engine_rank: int = 0) -> None:
+        self._name = f"cuda_ipc_weight_tp{engine_rank}_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        self._segments: list[IpcSegment] = []
+        self._index = RegionIndex([])
+        self._device = 0
+
+    def register(self, tensors: dict[str, torch.Tensor]) -> None:
+        if not tensors:
+            return
+        devices = {t.device for t in tensors.values()}
+        if any(d.type != "cuda" for d in devices):
+            raise ConfigError(
+                f"CUDA IPC shares GPU memory only; these weights live on "
+                f"{sorted(map(str, devices))}. Start the engine on a GPU "
+                f"(--device cuda:N) or publish with mooncake or nixl"
+            )
+        cuda = cuda_runtime()
+        self._device = next(iter(devices)).index or 0
+        for address, num_bytes in merged_regions(tensors.values()):
+            if self._index.covers(address, num_bytes):
+                continue
+            self._segments.extend(_segments_of(cuda, address, num_bytes, self._device))
+            self._index = RegionIndex([*self._index.regions, (address, num_bytes)])
+
+    def publication(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {
+            "backend": "cuda_ipc",
+            "agent_name": self._name,
+            "host_id": host_id(),
+            "segments": [
+                {
+                    "address": s.address,
+                    "num_bytes": s.num_bytes,
+                    "gpu_id": s.gpu_id,
+                    "handle": base64.b64encode(s.handle).decode("ascii"),
+                    "offset": s.offset,
+                }
+                for s in self._segments
+            ],
+            "weights_info_dict": weights_info(tensors, self._index, self._device),
+        }
+
+    def close(self) -> None:
+        # Handles need no release on the exporting side; the memory is the engine's.
+        self._segments.clear()
+        self._index = RegionIndex([])
+
+
+def _segments_of(cuda: CudaRuntime, address: int, num_bytes: int, gpu_id: int) -> list[IpcSegment]:
+    """One segment per device allocation the region ``[address, address + num_bytes)`` spans
+    (a merged region may cover adjacent allocations, each with its own handle)."""
+    segments = []
+    end = address + num_bytes
+    while address < end:
+        base, size = cuda.allocation_range(address)
+        stop = min(end, base + size)
+        segments.append(
+            IpcSegment(address, stop - address, gpu_id, cuda.ipc_handle(base), address - base)
+        )
+        address = stop
+    return segments

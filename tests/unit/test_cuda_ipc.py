@@ -1,0 +1,150 @@
+"""The CUDA IPC transport where no GPU is: its publication format, merging and refusals.
+
+Device copies between processes need CUDA, so on a host without a GPU only what comes
+before them is tested here: parsing what an engine publishes, which engines are
+refused (another host, another transport) and the refusals of the transport and the
+publisher themselves. tests/integration/test_cuda_ipc_gpu.py runs the copies on a GPU.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+from p2pweights import CudaIpcConfig, SyncConfig
+from p2pweights.engines.published import parse_publication
+from p2pweights.errors import ConfigError, EngineError
+from p2pweights.session import _staging_device
+from p2pweights.transfer.transports import Write
+from p2pweights.transfer.transports.cuda_ipc import (
+    CudaIpcPublisher,
+    CudaIpcTransport,
+    check_reachable,
+    host_id,
+    merge_adjacent,
+)
+
+URL = "http://engine-a:30000"
+HANDLE = bytes(range(64))
+
+
+def _info(**overrides: object) -> dict[str, object]:
+    info: dict[str, object] = {
+        "backend": "cuda_ipc",
+        "agent_name": "cuda_ipc_weight_tp1_42_abc",
+        "host_id": host_id(),
+        "segments": [
+            {
+                "address": 0x7F0000001000,
+                "num_bytes": 4096,
+                "gpu_id": 1,
+                "handle": base64.b64encode(HANDLE).decode(),
+                "offset": 0x1000,
+            }
+        ],
+        "weights_info_dict": {"w": [0x7F0000001000, 1024, 2, 1]},
+    }
+    info.update(overrides)
+    return info
+
+
+def test_publication_is_parsed_with_its_segments() -> None:
+    pub = parse_publication(URL, 1, {"remote_instance_transfer_engine_info": _info()})
+    assert pub.backend == "cuda_ipc"
+    assert pub.peer == "cuda_ipc_weight_tp1_42_abc"
+    assert pub.host_id == host_id()
+    (segment,) = pub.segments
+    assert (segment.address, segment.num_bytes, segment.gpu_id, segment.offset) == (
+        0x7F0000001000,
+        4096,
+        1,
+        0x1000,
+    )
+    assert segment.handle == HANDLE
+    assert pub.regions["w"].num_bytes == 2048 and pub.regions["w"].gpu_id == 1
+
+
+def _without_host(info: dict[str, object]) -> None:
+    del info["host_id"]
+
+
+def _segment_without_handle(info: dict[str, object]) -> None:
+    info["segments"] = [{"address": 1, "num_bytes": 2, "gpu_id": 0, "offset": 0}]
+
+
+def _handle_not_base64(info: dict[str, object]) -> None:
+    info["segments"][0]["handle"] = "%%%"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("breaks", [_without_host, _segment_without_handle, _handle_not_base64])
+def test_malformed_publication_names_the_engine_rank(breaks) -> None:
+    info = _info()
+    breaks(info)
+    with pytest.raises(EngineError, match=f"engine {URL} rank 3: malformed"):
+        parse_publication(URL, 3, {"remote_instance_transfer_engine_info": info})
+
+
+def test_an_engine_on_another_host_is_refused_with_the_way_out() -> None:
+    pub = parse_publication(
+        URL, 2, {"remote_instance_transfer_engine_info": _info(host_id="node-7/boot")}
+    )
+    with pytest.raises(ConfigError) as caught:
+        check_reachable(pub, host_id())
+    message = str(caught.value)
+    assert f"engine {URL} rank 2" in message and "node-7/boot" in message
+    assert "MooncakeConfig or NixlConfig" in message
+
+
+def test_an_engine_publishing_for_another_transport_is_refused() -> None:
+    pub = parse_publication(
+        URL, 0, {"remote_instance_transfer_engine_info": ["127.0.0.1:1234", {"w": [1, 2, 2]}]}
+    )
+    with pytest.raises(ConfigError, match=f"engine {URL} rank 0 publishes for 'mooncake'"):
+        check_reachable(pub, host_id())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a host without a GPU")
+def test_transport_refuses_to_start_without_cuda() -> None:
+    with pytest.raises(ConfigError, match=r"needs a CUDA device.*MooncakeConfig or NixlConfig"):
+        CudaIpcTransport(CudaIpcConfig())
+
+
+def test_publisher_refuses_host_memory() -> None:
+    publisher = CudaIpcPublisher(engine_rank=0)
+    with pytest.raises(ConfigError, match=r"GPU memory only.*cpu.*--device cuda:N"):
+        publisher.register({"w": torch.zeros(8)})
+
+
+def test_adjacent_writes_merge_and_others_stay() -> None:
+    writes = [
+        Write(100, 1000, 10, 1),
+        Write(110, 1010, 6, 1),  # continues both: merged
+        Write(116, 1100, 4, 1),  # destination jumps
+        Write(200, 1104, 4, 1),  # source jumps
+        Write(204, 1108, 4, 0),  # another device
+    ]
+    assert merge_adjacent(writes) == [
+        Write(100, 1000, 16, 1),
+        Write(116, 1100, 4, 1),
+        Write(200, 1104, 4, 1),
+        Write(204, 1108, 4, 0),
+    ]
+    assert merge_adjacent([]) == []
+
+
+def test_config_selects_the_transport_and_refuses_unknown_fields() -> None:
+    config = SyncConfig(transport={"kind": "cuda_ipc", "device": 1})
+    assert isinstance(config.transport, CudaIpcConfig) and config.transport.device == 1
+    with pytest.raises(ConfigError):
+        CudaIpcConfig(gpu=1)
+
+
+def test_staging_defaults_to_the_transport_gpu_else_host() -> None:
+    given = _staging_device(SyncConfig(transport=CudaIpcConfig()), "cpu")
+    assert given == torch.device("cpu")
+    assert _staging_device(SyncConfig(), None) == torch.device("cpu")
+    default = _staging_device(SyncConfig(transport=CudaIpcConfig(device=0)), None)
+    expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert default == expected
