@@ -139,8 +139,16 @@ def _spawn_pair(target: Callable[..., None], *args: Any, timeout_s: float = 600)
     procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(2)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout_s
     try:
-        result = queue.get(timeout=timeout_s)
+        while True:  # a worker that died (its peer then waits forever) fails the section
+            try:
+                result = queue.get(timeout=2)
+                break
+            except Exception:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"workers exited with {dead} or timed out") from None
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -340,7 +348,6 @@ def _broadcast_worker(
             server_args_fields=server_info,
             device=device,
         )
-        scope = sglang_env.rank_scope(spec)
     broadcast_s, total_s = [], []
     for _ in range(num_updates + 1):
         dist.barrier()
@@ -356,7 +363,7 @@ def _broadcast_worker(
         torch.cuda.synchronize()
         broadcast_s.append(time.perf_counter() - started)
         if rank == 1:
-            with scope, torch.no_grad():
+            with sglang_env.rank_scope(spec), torch.no_grad():
                 model_.load_weights(iter(received))  # type: ignore[union-attr]
             torch.cuda.synchronize()
         total_s.append(time.perf_counter() - started)
@@ -387,9 +394,13 @@ def nccl_baseline(model: str, engine_gpu: int, num_updates: int) -> dict[str, An
 
 def _stub_calls() -> Any:
     module = sys.modules.get("sgl_kernel")
-    if module is None:
-        return "sgl_kernel not imported"
-    return {"stub": bool(getattr(module, "STUB", False)), "calls": getattr(module, "CALLS", None)}
+    site = sys.modules.get("sitecustomize")
+    return {
+        "sgl_kernel": "not imported"
+        if module is None
+        else {"stub": getattr(module, "STUB", False), "calls": getattr(module, "CALLS", None)},
+        "sitecustomize_patched": getattr(site, "PATCHED", None),
+    }
 
 
 def main() -> None:
@@ -401,7 +412,13 @@ def main() -> None:
     parser.add_argument("--verify-every", type=int, default=2)
     parser.add_argument("--buffer-mib", type=int, default=512)
     parser.add_argument("--stagings", nargs="+", default=["cuda:0", "cpu"])
-    parser.add_argument("--colocated", action="store_true", help="also the engine on cuda:0")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["updates", "baseline"],
+        choices=["updates", "baseline", "colocated"],
+        help="per model: p2pweights updates, the NCCL baseline, updates into an engine on cuda:0",
+    )
     parser.add_argument("--skip-ceilings", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -425,22 +442,23 @@ def main() -> None:
                 lambda: _spawn_pair(_nccl_ceiling_worker, num_bytes, [0, engine_gpu]),
             )
     for model in args.models:
-        _section(
-            f"update/{model}",
-            lambda model=model: p2pweights_updates(
-                model,
-                engine_gpu,
-                args.stagings,
-                args.updates,
-                args.verify_every,
-                args.buffer_mib * 2**20,
-            ),
-        )
-        if engine_gpu:
+        if "updates" in args.parts:
+            _section(
+                f"update/{model}",
+                lambda model=model: p2pweights_updates(
+                    model,
+                    engine_gpu,
+                    args.stagings,
+                    args.updates,
+                    args.verify_every,
+                    args.buffer_mib * 2**20,
+                ),
+            )
+        if engine_gpu and "baseline" in args.parts:
             _section(
                 f"nccl_baseline/{model}", lambda model=model: nccl_baseline(model, engine_gpu, 3)
             )
-        if args.colocated and engine_gpu:
+        if "colocated" in args.parts:
             _section(
                 f"colocated/{model}",
                 lambda model=model: p2pweights_updates(

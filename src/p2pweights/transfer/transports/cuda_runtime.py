@@ -82,7 +82,7 @@ class CudaRuntime:
         """The IPC handle of the allocation starting at ``base``."""
         handle = IpcHandle()
         self._check(self._rt.cudaIpcGetMemHandle(ctypes.byref(handle), base), "cudaIpcGetMemHandle")
-        return bytes(handle.reserved)
+        return bytes(handle)  # the whole struct: ``.reserved`` would stop at the first NUL
 
     def open_ipc_handle(self, handle: bytes, device: int) -> int:
         """Map another process's allocation into this process, in ``device``'s context."""
@@ -94,7 +94,9 @@ class CudaRuntime:
         self.set_device(device)
         self._check(
             self._rt.cudaIpcOpenMemHandle(
-                ctypes.byref(pointer), IpcHandle(handle), _LAZY_ENABLE_PEER_ACCESS
+                ctypes.byref(pointer),
+                IpcHandle.from_buffer_copy(handle),
+                _LAZY_ENABLE_PEER_ACCESS,
             ),
             "cudaIpcOpenMemHandle",
         )
