@@ -79,8 +79,12 @@ class ModelReplica:
                 spec, torch.device("meta"), role
             )
             self._to_reload_layout()
+            # The Parameter objects are final from here on (loads swap the tensors inside
+            # them; the probe checks that loaders never replace one): one walk of the
+            # module tree serves every later load, instead of one per staging flush.
+            self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
             self.layouts: dict[str, ParamLayout] = {
-                name: _layout_of(name, param) for name, param in self.model.named_parameters()
+                name: _layout_of(name, param) for name, param in self._params.items()
             }
             if role == "draft":
                 self._check_end_update_runs()
@@ -240,13 +244,14 @@ class ModelReplica:
         """
         from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-        params = dict(self.model.named_parameters()) if destinations else {}
+        params = self._params if destinations else {}
         with (
             self._in_context(),
             sglang_env.rank_scope(self.spec),
             set_default_torch_dtype(self.model_config.dtype),
             _params_viewing(params, self.layouts, destinations or {}),
             _post_load_deferred(self.model),
+            _named_parameters_cached(self.model, self._params),
         ):
             yield
 
@@ -368,6 +373,32 @@ def _post_load_deferred(model: nn.Module) -> Iterator[None]:
 
 def _skipped(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+@contextlib.contextmanager
+def _named_parameters_cached(
+    model: nn.Module, params: Mapping[str, torch.nn.Parameter]
+) -> Iterator[None]:
+    """Serve ``model.named_parameters()`` from ``params`` while loaders run.
+
+    sglang's ``load_weights`` starts with ``dict(self.named_parameters())``, a walk of the
+    whole module tree; staging calls it once per flush, and on a 36-layer model the walk
+    cost as much as loading the flush's tensors (benchmarks/gpu_update.py). The replica's
+    Parameter objects never change after it is built, so the default call is answered
+    from the dict made then; a call with arguments takes the real walk.
+    """
+    walk = model.named_parameters
+
+    def named_parameters(*args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        if args or kwargs:
+            return walk(*args, **kwargs)
+        return iter(params.items())
+
+    model.named_parameters = named_parameters  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.named_parameters
 
 
 @contextlib.contextmanager
