@@ -11,6 +11,9 @@
                                          at process exit otherwise). Read, never overridden.
 ``P2PWEIGHTS_PROGRESS``                  ``0`` turns progress bars off (``p2pweights.progress``;
                                          they are drawn only on a terminal anyway).
+``P2PWEIGHTS_LOADER_REPLAY``             ``0`` runs sglang's loaders on every load instead of
+                                         replaying their recorded copies
+                                         (``replica/sglang/replay.py``; for A/B runs).
 ``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
                                          (demo, doctor) when unset: NIXL logs INFO lines to
                                          stdout otherwise. Read, never overridden.
@@ -32,6 +35,7 @@ __all__ = [
     "sglang_cpu_engine",
     "keep_ucx_efa_module_out",
     "progress_allowed",
+    "loader_replay_allowed",
     "quiet_nixl_info",
 ]
 
@@ -46,6 +50,14 @@ def sglang_cpu_engine() -> bool:
 
 def progress_allowed() -> bool:
     return os.environ.get("P2PWEIGHTS_PROGRESS", "1").strip().lower() not in ("0", "false", "no")
+
+
+def loader_replay_allowed() -> bool:
+    return os.environ.get("P2PWEIGHTS_LOADER_REPLAY", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+    )
 
 
 def quiet_nixl_info() -> None:

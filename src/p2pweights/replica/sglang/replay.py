@@ -1,0 +1,285 @@
+"""Replaying a loader: after one real load, later loads of the same inputs repeat its copies.
+
+sglang's loaders are Python: per HF tensor they map names, narrow to this rank's shard
+and copy (tens of microseconds each, measured in benchmarks/loader_overhead.py and on
+the H200, where they were most of an update). What they do to the bytes, though, is
+almost always a fixed list of strided copies from views of the inputs into views of
+the parameters, plus constant fills (padding). ``LoadRecorder`` watches one real load
+(every aten op, through a ``TorchDispatchMode``) and keeps that list when it is all
+there was; ``Replay`` then repeats it on the next inputs of the same names, shapes,
+dtypes and strides, into destinations of the same sizes, with no loader code.
+
+A load is recorded only if every op that touched an input or a destination was a view,
+a ``copy_`` from a view of an input into a view of a destination (both in their own
+dtype), or a constant ``fill_`` / ``zero_`` of a destination. Anything else (arithmetic
+on a weight, a dtype cast to a temporary, ``.item()``, an indexed write) means the
+loader's result may depend on the values, and that set of inputs keeps running the
+loader every time. The copies are replayed in their recorded order, so overlapping
+writes land as the loader left them. ``P2PWEIGHTS_LOADER_REPLAY=0`` turns replay off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+_FILLS = {aten.fill_.Scalar, aten.zero_.default}
+_MARKER = 0x5A
+
+ReplayKey = tuple[object, ...]
+
+
+def replay_key(
+    hf_tensors: Sequence[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor]
+) -> ReplayKey | None:
+    """What a recording is valid for: inputs and destinations alike in all but values
+    (None for anything that is not a tensor: the load's own checks will say what)."""
+    if not all(isinstance(t, torch.Tensor) for _, t in hf_tensors) or not all(
+        isinstance(d, torch.Tensor) for d in destinations.values()
+    ):
+        return None
+    return (
+        tuple((n, tuple(t.shape), t.dtype, t.stride(), t.device.type) for n, t in hf_tensors),
+        tuple(
+            sorted(
+                (n, d.numel(), d.dtype, d.dim(), d.is_contiguous(), d.device.type)
+                for n, d in destinations.items()
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class _View:
+    """A strided view of one input (by index) or destination (by name), relative to it."""
+
+    owner: int | str
+    offset: int
+    """Storage offset from the owner's own, in elements of the owner's dtype."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def of(self, base: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided(base, self.shape, self.stride, base.storage_offset() + self.offset)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    dst: _View
+    src: _View
+
+
+@dataclass(frozen=True)
+class _Fill:
+    dst: _View
+    value: float | int | bool
+
+
+class Replay:
+    """The recorded copies and fills of one load, to run on new inputs."""
+
+    def __init__(self, ops: list[_Copy | _Fill], dtypes: Mapping[str, torch.dtype]):
+        self._ops = ops
+        self._dtypes = dict(dtypes)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    @torch.no_grad()
+    def run(
+        self,
+        hf_tensors: Sequence[tuple[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+    ) -> None:
+        inputs = [t for _, t in hf_tensors]
+        targets = {name: d.view(self._dtypes[name]) for name, d in destinations.items()}
+        for op in self._ops:
+            dst = op.dst.of(targets[op.dst.owner])  # type: ignore[index]
+            if isinstance(op, _Copy):
+                dst.copy_(op.src.of(inputs[op.src.owner]))  # type: ignore[index]
+            else:
+                dst.fill_(op.value)
+
+
+class LoadRecorder(TorchDispatchMode):
+    """Watches one load; ``replay()`` is its copies, or None with ``reason`` saying why not.
+
+    ``destinations`` are the flat uint8 tensors the load writes; ``dtypes`` the dtype
+    each parameter views its destination as.
+    """
+
+    def __init__(
+        self,
+        hf_tensors: Sequence[tuple[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+        dtypes: Mapping[str, torch.dtype],
+    ):
+        super().__init__()
+        self._inputs = [t for _, t in hf_tensors]
+        self._dtypes = {name: dtypes[name] for name in destinations}
+        self._targets = {name: d.view(self._dtypes[name]) for name, d in destinations.items()}
+        spans: list[tuple[tuple[int, int], int | str]] = [
+            (_span(t), i) for i, t in enumerate(self._inputs)
+        ]
+        spans += [(_span(t), name) for name, t in self._targets.items()]
+        self._spans = spans
+        self._ops: list[_Copy | _Fill] = []
+        self._cats: dict[int, tuple[torch.Tensor, int, list[tuple[_View, int]]]] = {}
+        self.reason: str | None = None
+
+    def __enter__(self) -> LoadRecorder:
+        # Every destination byte starts as a marker, so a write the recording missed
+        # (a loader thread: dispatch modes are per thread) shows in ``checked_replay``.
+        for target in self._targets.values():
+            target.view(torch.uint8).fill_(_MARKER)
+        super().__enter__()
+        return self
+
+    def checked_replay(
+        self,
+        hf_tensors: Sequence[tuple[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+    ) -> Replay | None:
+        """The recording, if replaying it onto marker bytes gives exactly what the loader
+        wrote (checked once, on the load that was recorded); else None and ``reason``."""
+        if self.reason is not None:
+            return None
+        replay = Replay(self._ops, self._dtypes)
+        scratch = {name: torch.full_like(d, _MARKER) for name, d in destinations.items()}
+        replay.run(hf_tensors, scratch)
+        differ = sorted(n for n, d in destinations.items() if not torch.equal(scratch[n], d))
+        if differ:
+            self.reason = (
+                f"its recorded copies do not reproduce {differ[:3]} (a write on another "
+                f"thread, or one not seen)"
+            )
+            return None
+        return replay
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.reason is None and not func.is_view:
+            self._note(func, args, kwargs, out)
+        return out
+
+    def _note(self, func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> None:
+        if func is aten.cat.default and self._note_cat(args, kwargs, out):
+            return
+        if func is aten.copy_.default and not kwargs:
+            dst, src = args[0], args[1]
+            dst_view = self._view_of(dst)
+            if dst_view is None:
+                if self._view_of(src) is not None or self._touches(src):
+                    self.reason = "an input was copied somewhere other than a parameter"
+                return
+            cat = self._cats.get(id(src))
+            if cat is not None and cat[0] is src and tuple(dst.shape) == tuple(src.shape):
+                self._ops.extend(_pieces(dst_view, cat[1], cat[2]))
+                return
+            src_view = self._view_of(src)
+            if src_view is None or not isinstance(src_view.owner, int):
+                self.reason = f"parameter {dst_view.owner!r} got bytes not read from an input"
+                return
+            self._ops.append(_Copy(dst_view, src_view))
+            return
+        if func in _FILLS:
+            dst_view = self._view_of(args[0])
+            if dst_view is not None and isinstance(dst_view.owner, str):
+                value = 0 if func is aten.zero_.default else args[1]
+                if isinstance(value, (int, float, bool)):
+                    self._ops.append(_Fill(dst_view, value))
+                    return
+        if any(self._touches(t) for t in tree_leaves((args, kwargs))):
+            self.reason = f"{func} read or wrote an input or a parameter"
+
+    def _note_cat(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> bool:
+        """Remember a concatenation of input views (DeepSeek's fused q_a / kv_a weight):
+        copied whole into a parameter, it replays as one copy per piece."""
+        tensors = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        views = [self._view_of(t) for t in tensors]
+        found = [v for v in views if v is not None and isinstance(v.owner, int)]
+        if not views or len(found) != len(views):
+            return False
+        dim %= out.dim()
+        pieces = [(v, int(t.shape[dim])) for v, t in zip(found, tensors, strict=True)]
+        self._cats[id(out)] = (out, dim, pieces)  # the reference keeps id(out) unique
+        return True
+
+    def _owner_of(self, tensor: torch.Tensor) -> tuple[int | str, torch.Tensor] | None:
+        """The one input or destination whose bytes hold all of ``tensor``'s, if exactly one
+        does (the same tensor given under two names is ambiguous: the loader is kept)."""
+        if tensor.numel() == 0:
+            return None
+        start, end = _span(tensor)
+        owners = [
+            owner
+            for (s, e), owner in self._spans
+            if s <= start and end <= e and self._base(owner).device == tensor.device
+        ]
+        if len(owners) != 1:
+            return None
+        return owners[0], self._base(owners[0])
+
+    def _view_of(self, tensor: Any) -> _View | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        found = self._owner_of(tensor)
+        if found is None:
+            return None
+        owner, base = found
+        if tensor.dtype != base.dtype or tensor.untyped_storage().data_ptr() != (
+            base.untyped_storage().data_ptr()
+        ):
+            return None
+        return _View(
+            owner,
+            int(tensor.storage_offset()) - int(base.storage_offset()),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
+
+    def _touches(self, tensor: Any) -> bool:
+        """Whether ``tensor`` shares any byte with an input or a destination."""
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            return False
+        start, end = _span(tensor)
+        return any(
+            s < end and start < e and self._base(o).device == tensor.device
+            for (s, e), o in self._spans
+        )
+
+    def _base(self, owner: int | str) -> torch.Tensor:
+        return self._inputs[owner] if isinstance(owner, int) else self._targets[owner]
+
+
+def _pieces(dst: _View, dim: int, pieces: list[tuple[_View, int]]) -> list[_Copy]:
+    """The copies of a concatenation into ``dst``: each piece into its slice along ``dim``."""
+    copies, start = [], 0
+    for src, size in pieces:
+        shape = list(dst.shape)
+        shape[dim] = size
+        offset = dst.offset + start * dst.stride[dim]
+        copies.append(_Copy(_View(dst.owner, offset, tuple(shape), dst.stride), src))
+        start += size
+    return copies
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` of a strided tensor (non-negative strides)."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), tensor.data_ptr()
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()

@@ -1,0 +1,155 @@
+"""Loader replay: a recorded load, repeated on new values, writes what the loader writes.
+
+The recorder is tested on hand-written loaders (what it accepts, what it refuses), then
+on sglang's own loaders: a replica loads the HF tensors of one seed (recorded), then of
+another (replayed), and the bytes must equal a plain loader run of the second seed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2pweights.replica.registry import replica_for
+from p2pweights.replica.sglang.replay import LoadRecorder, replay_key
+from p2pweights.source.inputs import describe_inputs
+from p2pweights.testing import model_config, synthetic_weights, write_model_dir
+
+Loader = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]
+
+
+def _record_and_replay(loader: Loader) -> tuple[LoadRecorder, bool]:
+    """Record ``loader`` on one set of values; replay on another; compare with the loader."""
+    dtypes = {"w": torch.float32, "b": torch.float32}
+
+    def inputs(seed: int) -> list[tuple[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        return [("x", torch.randn(6, 4, generator=g)), ("y", torch.randn(2, 4, generator=g))]
+
+    def views(destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            "w": destinations["w"].view(torch.float32).view(8, 4),
+            "b": destinations["b"].view(torch.float32),
+        }
+
+    recorded = {"w": torch.zeros(128, dtype=torch.uint8), "b": torch.zeros(16, dtype=torch.uint8)}
+    first = inputs(1)
+    recorder = LoadRecorder(first, recorded, dtypes)
+    with recorder:
+        loader(dict(first), views(recorded))
+    replay = recorder.checked_replay(first, recorded)
+    if replay is None:
+        return recorder, False
+    second = inputs(2)
+    replayed = {k: v.clone() for k, v in recorded.items()}
+    replay.run(second, replayed)
+    expected = {k: v.clone() for k, v in recorded.items()}
+    loader(dict(second), views(expected))
+    assert all(torch.equal(replayed[k], expected[k]) for k in expected)
+    return recorder, True
+
+
+def _narrow_copy_and_pad(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    p["w"][:3].copy_(x["x"].narrow(0, 3, 3))  # this rank's shard
+    p["w"][3:5].copy_(x["y"])
+    p["w"][5:].fill_(0.0)  # padding
+    p["b"].zero_()
+
+
+def _concatenated(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    p["w"].copy_(torch.cat([x["x"], x["y"]]))
+    p["b"].fill_(1)
+
+
+def _scaled(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    p["w"][:6].copy_(x["x"] * 2)
+
+
+def _value_dependent(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    if x["x"].sum().item() > 0:
+        p["w"][:6].copy_(x["x"])
+
+
+def _added_in_place(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    p["w"][:6].copy_(x["x"])
+    p["w"][:6].add_(1)
+
+
+def test_views_copies_fills_and_concatenations_replay() -> None:
+    for loader in (_narrow_copy_and_pad, _concatenated):
+        recorder, replayable = _record_and_replay(loader)
+        assert replayable, recorder.reason
+
+
+@pytest.mark.parametrize(
+    ("loader", "why"),
+    [
+        (_scaled, "read or wrote an input"),
+        (_value_dependent, "read or wrote an input"),
+        (_added_in_place, "read or wrote an input or a parameter"),
+    ],
+)
+def test_loads_that_compute_on_values_are_not_replayed(loader: Loader, why: str) -> None:
+    recorder, replayable = _record_and_replay(loader)
+    assert not replayable
+    assert why in (recorder.reason or "")
+
+
+def test_the_key_tells_inputs_apart_by_everything_but_values() -> None:
+    a = [("x", torch.zeros(4, 4))]
+    dst = {"w": torch.zeros(64, dtype=torch.uint8)}
+    assert replay_key(a, dst) == replay_key([("x", torch.ones(4, 4))], dst)
+    assert replay_key(a, dst) != replay_key([("x", torch.zeros(4, 4).t())], dst)
+    assert replay_key(a, dst) != replay_key([("x", torch.zeros(4, 4, dtype=torch.bfloat16))], dst)
+    assert replay_key([("x", 3)], dst) is None
+
+
+def _stage(model: str, tp: int, ep: int, rank: int, seeds: tuple[int, ...], env=None):
+    config = model_config(model)
+    folder = write_model_dir(config, Path(tempfile.mkdtemp()) / model)
+    handle = replica_for({"model_path": str(folder), "tp_size": tp, "ep_size": ep}, rank)
+    first = list(synthetic_weights(folder, seed=seeds[0]))
+    groups = handle.groups(
+        handle.checkpoint_format(describe_inputs(first)).engine_specs(describe_inputs(first))
+    )
+    fed = {name for group in groups for name in group.hf_names}
+    out = []
+    for seed in seeds:
+        views = {
+            name: torch.empty(layout.num_bytes, dtype=torch.uint8)
+            for name, layout in handle.layouts.items()
+        }
+        inputs = [(n, t) for n, t in synthetic_weights(folder, seed=seed) if n in fed]
+        handle.load_into(inputs, views)
+        out.append(views)
+    return handle.replica, out
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "ep", "rank"),
+    [("qwen3-tiny", 2, 1, 1), ("qwen3-moe-tiny", 2, 2, 1), ("glm4-moe-tiny", 2, 1, 0)],
+)
+def test_sglang_loaders_replay_bit_exact(
+    model: str, tp: int, ep: int, rank: int, monkeypatch
+) -> None:
+    replica, (_, replayed) = _stage(model, tp, ep, rank, (1, 2))
+    assert replica.replayed_loads >= 1  # replicas are process-wide: count what this run adds
+    before = replica.replayed_loads
+    monkeypatch.setenv("P2PWEIGHTS_LOADER_REPLAY", "0")
+    plain, (loaded,) = _stage(model, tp, ep, rank, (2,))
+    assert plain.replayed_loads == before
+    assert replayed.keys() == loaded.keys()
+    assert [n for n in loaded if not torch.equal(replayed[n], loaded[n])] == []
+
+
+def test_a_loader_writing_on_threads_is_caught_and_kept() -> None:
+    """DeepSeek's loader copies host tensors on a thread pool, which a dispatch mode does
+    not see: the check of the recording refuses it and the loader keeps running."""
+    replica, (first, second) = _stage("deepseek-v3-tiny", 2, 2, 0, (1, 1))
+    assert replica.replayed_loads == 0
+    assert replica._replays and set(replica._replays.values()) == {None}
+    assert all(torch.equal(first[n], second[n]) for n in first)
