@@ -35,7 +35,13 @@ from p2pweights.replica.layout_key import ENGINE_LOCAL_ARGS
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import env as sglang_env
 from p2pweights.replica.sglang.parameters import repoint
-from p2pweights.replica.sglang.replay import LoadRecorder, Replay, ReplayKey, replay_key
+from p2pweights.replica.sglang.replay import (
+    LoadRecorder,
+    Replay,
+    ReplayKey,
+    inline_loads,
+    replay_key,
+)
 from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
 from p2pweights.source.fp8_block import FP8, BlockFp8Format
 from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs
@@ -314,7 +320,7 @@ class ModelReplica:
                 return
             dtypes = {name: self.layouts[name].dtype for name in destinations}
             recorder = LoadRecorder(hf_tensors, destinations, dtypes)
-            with recorder:
+            with recorder, inline_loads():
                 self.model.load_weights(iter(hf_tensors))  # type: ignore[operator]
         if len(self._replays) >= _MAX_REPLAYS:
             self._replays.clear()  # compositions that never repeat must not pile up

@@ -16,11 +16,18 @@ on a weight, a dtype cast to a temporary, ``.item()``, an indexed write) means t
 loader's result may depend on the values, and that set of inputs keeps running the
 loader every time. The copies are replayed in their recorded order, so overlapping
 writes land as the loader left them. ``P2PWEIGHTS_LOADER_REPLAY=0`` turns replay off.
+
+Dispatch modes see only their own thread. Some loaders (DeepSeek's, for host tensors)
+hand copies to a thread pool (sglang's ``should_async_load``); while a load is recorded,
+``inline_loads`` makes them run inline, which changes no byte. Every recording is then
+checked once: replayed onto marker bytes, it must give exactly what the loader wrote.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,6 +268,31 @@ class LoadRecorder(TorchDispatchMode):
 
     def _base(self, owner: int | str) -> torch.Tensor:
         return self._inputs[owner] if isinstance(owner, int) else self._targets[owner]
+
+
+@contextlib.contextmanager
+def inline_loads() -> Iterator[None]:
+    """sglang loaders that would copy host tensors on a thread pool copy inline meanwhile
+    (every loaded sglang module's ``should_async_load`` answers False)."""
+    from sglang.srt.model_loader import utils
+
+    original = utils.should_async_load
+    patched = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("sglang.") and getattr(module, "should_async_load", None) is original
+    ]
+    for module in patched:
+        module.should_async_load = _never  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.should_async_load = original  # type: ignore[attr-defined]
+
+
+def _never(weight: torch.Tensor) -> bool:
+    return False
 
 
 def _pieces(dst: _View, dim: int, pieces: list[tuple[_View, int]]) -> list[_Copy]:
