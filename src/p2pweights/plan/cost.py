@@ -98,12 +98,12 @@ class PipelineModel:
     alternative. Not measured over RDMA NICs (none here)."""
     device_copy_gbps: float = H200_DEVICE_COPY_GBPS
     """The staging copy with device staging: a device copy in one H200 (1,920 GB/s)."""
-    loader_call_s: float = 100e-6
-    """CPU time of sglang's loader per HF tensor loaded (name mapping, narrow, copy
-    launch), measured on the 2-core development machine with kilobyte tensors
-    (``benchmarks/loader_overhead.py``): 35-40 us for Qwen3 and Qwen3-MoE, 92-107 us
-    for DeepSeek-V3's (MLA) loader; the default is the latter. Assumed the same on a
-    GPU host's CPU (where each copy is a kernel launch instead)."""
+    loader_call_s: float = 12e-6
+    """CPU time per HF tensor of a warm update's load: the loader's copies replayed
+    (``replica/sglang/replay.py``), measured on the 2-core development machine with
+    kilobyte tensors (``benchmarks/loader_overhead.py``): 9-12 us for Qwen3, Qwen3-MoE
+    and DeepSeek-V3 (MLA); the first update runs sglang's loaders (25-111 us). Assumed
+    the same on a GPU host's CPU (where each copy is a kernel launch instead)."""
     quantize_gbps: float = 95.0
     """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input: 95 GB/s
     measured on an H200 (``benchmarks/fp8_convert.py``, blocks 128 x 128)."""

@@ -107,12 +107,21 @@ class Replay:
     ) -> None:
         inputs = [t for _, t in hf_tensors]
         targets = {name: d.view(self._dtypes[name]) for name, d in destinations.items()}
+        # GPU -> pinned host copies are queued, not waited for one by one (the loader's
+        # copy_ blocks per tensor); the load returns once its streams are done.
+        waits: set[torch.device] = set()
         for op in self._ops:
             dst = op.dst.of(targets[op.dst.owner])  # type: ignore[index]
             if isinstance(op, _Copy):
-                dst.copy_(op.src.of(inputs[op.src.owner]))  # type: ignore[index]
+                src = op.src.of(inputs[op.src.owner])  # type: ignore[index]
+                queued = src.is_cuda and not dst.is_cuda and dst.is_pinned()
+                dst.copy_(src, non_blocking=queued)
+                if queued:
+                    waits.add(src.device)
             else:
                 dst.fill_(op.value)
+        for device in waits:
+            torch.cuda.current_stream(device).synchronize()
 
 
 class LoadRecorder(TorchDispatchMode):
