@@ -166,7 +166,11 @@ def _cuda() -> Finding:
     if not torch.cuda.is_available():
         return Finding("CUDA", INFO, "no CUDA device: staging in host memory only")
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return Finding("CUDA", OK, f"{len(names)} device(s): {', '.join(names)}")
+    return Finding(
+        "CUDA",
+        OK,
+        f"{len(names)} device(s): {', '.join(names)}; CudaIpcConfig can write engines on this host",
+    )
 
 
 def _memory(buffer_bytes: int) -> list[Finding]:
@@ -373,11 +377,13 @@ def _publication(check: str, client: EngineClient, rank: int) -> Finding:
         publication = client.publication(rank)
     except P2PWeightsError as exc:
         return Finding(name, FAIL, str(exc))
-    usable = _transport_import(publication.backend)
     detail = (
         f"publishes {len(publication.regions)} weights for {publication.backend} "
         f"({publication.peer})"
     )
+    if publication.backend == "cuda_ipc":
+        return _cuda_ipc_reach(name, detail, publication.host_id)
+    usable = _transport_import(publication.backend)
     if usable.status != OK:
         return Finding(name, FAIL, f"{detail}, but this host cannot use it: {usable.detail}")
     if publication.backend == "mooncake":
@@ -390,6 +396,22 @@ def _publication(check: str, client: EngineClient, rank: int) -> Finding:
                 f"{detail}: a loopback address, unreachable from another host; start the "
                 "engine with --host set to an address trainers reach",
             )
+    return Finding(name, OK, detail)
+
+
+def _cuda_ipc_reach(name: str, detail: str, engine_host: str | None) -> Finding:
+    """CUDA IPC reaches an engine on this host, from a process that sees a GPU."""
+    from p2pweights.transfer.transports.cuda_ipc import host_id
+
+    if engine_host != host_id():
+        return Finding(
+            name,
+            FAIL,
+            f"{detail}, on host {engine_host}: CUDA IPC reaches engines on this host "
+            f"({host_id()}) only; publish for mooncake or nixl to reach it from here",
+        )
+    if not torch.cuda.is_available():
+        return Finding(name, FAIL, f"{detail}, but this process sees no CUDA device")
     return Finding(name, OK, detail)
 
 

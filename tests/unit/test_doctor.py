@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from p2pweights import doctor
 from p2pweights.doctor import FAIL, OK, WARN, Finding, engine_findings, rdma_devices
 from p2pweights.engines.client import EngineClient
+from p2pweights.transfer.transports.cuda_ipc import host_id
 
 SGLANG = importlib.metadata.version("sglang")
 
@@ -39,6 +42,7 @@ def _engine(
     *,
     version: str = SGLANG,
     session: str = "10.0.0.5:15000",
+    publication: dict | None = None,
     routes: tuple[str, ...] = ("/begin_weight_update", "/end_weight_update"),
     weight_version: str = "7",
 ) -> tuple[EngineClient, httpx.Client]:
@@ -47,9 +51,8 @@ def _engine(
         if path == "/server_info":
             return httpx.Response(200, json={"version": version, "tp_size": 2, "model_path": "m"})
         if path == "/remote_instance_transfer_engine_info":
-            return httpx.Response(
-                200, json={"remote_instance_transfer_engine_info": [session, {"w": [4096, 4, 2]}]}
-            )
+            info = publication or [session, {"w": [4096, 4, 2]}]
+            return httpx.Response(200, json={"remote_instance_transfer_engine_info": info})
         if path == "/model_info":
             return httpx.Response(200, json={"weight_version": weight_version})
         if path == "/openapi.json":
@@ -101,3 +104,33 @@ def test_an_engine_that_does_not_answer() -> None:
     )
     (finding,) = engine_findings(url, client=client, http=httpx.Client())
     assert finding.status == FAIL and "no server info" in finding.detail
+
+
+def _ipc_publication(host: str) -> dict:
+    handle = base64.b64encode(bytes(64)).decode()
+    segment = {"address": 4096, "num_bytes": 8, "gpu_id": 1, "handle": handle, "offset": 0}
+    return {
+        "backend": "cuda_ipc",
+        "agent_name": "cuda_ipc_weight_tp0_1_x",
+        "host_id": host,
+        "segments": [segment],
+        "weights_info_dict": {"w": [4096, 4, 2, 1]},
+    }
+
+
+def test_a_cuda_ipc_engine_on_another_host_is_a_blocker() -> None:
+    url = "http://10.0.0.5:30000"
+    client, http = _engine(url, publication=_ipc_publication("node-9/boot"))
+    finding = _by_check(engine_findings(url, client=client, http=http))["rank 0"]
+    assert finding.status == FAIL
+    assert "node-9/boot" in finding.detail and "mooncake or nixl" in finding.detail
+
+
+def test_a_cuda_ipc_engine_on_this_host_needs_a_gpu_here() -> None:
+    url = "http://10.0.0.5:30000"
+    client, http = _engine(url, publication=_ipc_publication(host_id()))
+    finding = _by_check(engine_findings(url, client=client, http=http))["rank 0"]
+    if torch.cuda.is_available():
+        assert finding.status == OK
+    else:
+        assert finding.status == FAIL and "no CUDA device" in finding.detail
