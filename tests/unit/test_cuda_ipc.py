@@ -14,17 +14,21 @@ import pytest
 import torch
 
 from p2pweights import CudaIpcConfig, SyncConfig
-from p2pweights.engines.published import parse_publication
-from p2pweights.errors import ConfigError, EngineError
+from p2pweights.engines.published import IpcSegment, parse_publication
+from p2pweights.errors import ConfigError, EngineError, TransferError, TransportError
 from p2pweights.session import _staging_device
 from p2pweights.transfer.transports import Write
 from p2pweights.transfer.transports.cuda_ipc import (
     CudaIpcPublisher,
     CudaIpcTransport,
+    Opened,
     check_reachable,
+    check_segments,
     host_id,
     merge_adjacent,
+    translate,
 )
+from p2pweights.transfer.transports.regions import RegionIndex
 
 URL = "http://engine-a:30000"
 HANDLE = bytes(range(64))
@@ -148,3 +152,53 @@ def test_staging_defaults_to_the_transport_gpu_else_host() -> None:
     default = _staging_device(SyncConfig(transport=CudaIpcConfig(device=0)), None)
     expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     assert default == expected
+
+
+def _two_blocks(**overrides: object) -> dict[str, object]:
+    """Two allocations adjacent in the engine (0x1000-0x2000, 0x2000-0x3000)."""
+    handle = base64.b64encode(HANDLE).decode()
+    segments = [
+        {"address": 0x1000, "num_bytes": 0x1000, "gpu_id": 1, "handle": handle, "offset": 0},
+        {"address": 0x2000, "num_bytes": 0x1000, "gpu_id": 1, "handle": handle, "offset": 0x40},
+    ]
+    table = {"a": [0x1000, 2048, 2, 1], "b": [0x2000, 2048, 2, 1]}
+    return _info(segments=segments, weights_info_dict=table) | overrides
+
+
+def test_adjacent_blocks_mapped_apart_are_written_each_through_its_own_mapping() -> None:
+    pub = parse_publication(URL, 0, {"remote_instance_transfer_engine_info": _two_blocks()})
+    check_segments(pub)
+    opened = Opened(((0x1000, 0x2000, 0x70000000), (0x2000, 0x3000, 0x90000040)), ())
+    sources = RegionIndex([(0x500000, 0x10000)])
+    first = translate(pub, opened, sources, Write(0x500000, 0x1F00, 0x100))
+    second = translate(pub, opened, sources, Write(0x500100, 0x2000, 0x100))
+    assert (first.dst_address, second.dst_address) == (0x70000F00, 0x90000040)
+    # contiguous in the engine and in the source, but two mappings: not merged
+    assert len(merge_adjacent([first, second])) == 2
+    with pytest.raises(TransferError, match=f"not inside one block of the memory engine {URL}"):
+        translate(pub, opened, sources, Write(0x500000, 0x1F00, 0x200))  # crosses blocks
+    with pytest.raises(TransferError, match="not in a registered staging buffer"):
+        translate(pub, opened, sources, Write(0x900000, 0x1000, 0x10))
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"num_bytes": 0}, "impossible"),
+        ({"offset": -1}, "impossible"),
+        ({"address": 0x1800}, "overlapping"),
+    ],
+)
+def test_impossible_segments_are_refused_before_any_handle_is_opened(change, says) -> None:
+    info = _two_blocks()
+    info["segments"][1].update(change)  # type: ignore[index]
+    pub = parse_publication(URL, 0, {"remote_instance_transfer_engine_info": info})
+    with pytest.raises(TransportError, match=says):
+        check_segments(pub)
+
+
+def test_a_parameter_outside_the_segments_is_refused() -> None:
+    info = _two_blocks(weights_info_dict={"c": [0x2F00, 1024, 2, 1]})  # runs past 0x3000
+    pub = parse_publication(URL, 0, {"remote_instance_transfer_engine_info": info})
+    with pytest.raises(TransportError, match="parameter 'c' outside"):
+        check_segments(pub)

@@ -80,6 +80,25 @@ def _added_in_place(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> N
     p["w"][:6].add_(1)
 
 
+def _concatenated_then_clamped(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    both = torch.cat([x["x"], x["y"]])
+    both.clamp_(-1, 1)
+    p["w"].copy_(both)
+
+
+def _branch_on_a_concatenation(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    both = torch.cat([x["x"], x["y"]])
+    if both.abs().max().item() > 100:
+        p["w"].fill_(0)
+    else:
+        p["w"].copy_(both)
+
+
+def _writes_into_its_input(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+    x["x"][:2].copy_(x["y"])
+    p["w"][:6].copy_(x["x"])
+
+
 def test_views_copies_fills_and_concatenations_replay() -> None:
     for loader in (_narrow_copy_and_pad, _concatenated):
         recorder, replayable = _record_and_replay(loader)
@@ -92,6 +111,9 @@ def test_views_copies_fills_and_concatenations_replay() -> None:
         (_scaled, "read or wrote an input"),
         (_value_dependent, "read or wrote an input"),
         (_added_in_place, "read or wrote an input or a parameter"),
+        (_concatenated_then_clamped, "read or wrote an input or a parameter"),
+        (_branch_on_a_concatenation, "read or wrote an input or a parameter"),
+        (_writes_into_its_input, "copied somewhere other than a parameter"),
     ],
 )
 def test_loads_that_compute_on_values_are_not_replayed(loader: Loader, why: str) -> None:
@@ -142,11 +164,12 @@ def _stage(model: str, tp: int, ep: int, rank: int, seeds: tuple[int, ...], env=
 def test_sglang_loaders_replay_bit_exact(
     model: str, tp: int, ep: int, rank: int, monkeypatch
 ) -> None:
-    replica, (_, replayed) = _stage(model, tp, ep, rank, (1, 2))
+    # the first load records, the second confirms (the loader runs), the third replays
+    replica, (*_, replayed) = _stage(model, tp, ep, rank, (1, 2, 3))
     assert replica.replayed_loads >= 1  # replicas are process-wide: count what this run adds
     before = replica.replayed_loads
     monkeypatch.setenv("P2PWEIGHTS_LOADER_REPLAY", "0")
-    plain, (loaded,) = _stage(model, tp, ep, rank, (2,))
+    plain, (loaded,) = _stage(model, tp, ep, rank, (3,))
     assert plain.replayed_loads == before
     assert replayed.keys() == loaded.keys()
     assert [n for n in loaded if not torch.equal(replayed[n], loaded[n])] == []
@@ -164,3 +187,27 @@ def test_a_write_the_recording_missed_is_caught() -> None:
     recorder, replayable = _record_and_replay(_on_a_thread)
     assert not replayable
     assert "do not reproduce ['w']" in (recorder.reason or "")
+
+
+def test_a_branch_on_values_outside_aten_is_caught_on_the_next_load() -> None:
+    """``.tolist()`` reads values without an aten op; the recording looks sound, but on a
+    load with other values it no longer matches the loader, so it is never used."""
+
+    def loader(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]) -> None:
+        if max(x["x"].flatten().tolist()) > 0:
+            p["w"][:6].copy_(x["x"])
+        else:
+            p["w"][:6].fill_(0.0)
+
+    dtypes = {"w": torch.float32}
+    recorded = {"w": torch.zeros(128, dtype=torch.uint8)}
+    first = [("x", torch.ones(6, 4))]
+    recorder = LoadRecorder(first, recorded, dtypes)
+    with recorder:
+        loader(dict(first), {"w": recorded["w"].view(torch.float32).view(8, 4)})
+    replay = recorder.checked_replay(first, recorded)
+    assert replay is not None  # the recorded load alone cannot tell
+    second = [("x", -torch.ones(6, 4))]
+    loaded = {"w": torch.full((128,), 0x5A, dtype=torch.uint8)}  # what ``mark`` leaves
+    loader(dict(second), {"w": loaded["w"].view(torch.float32).view(8, 4)})
+    assert replay.reproduces(second, loaded) == ["w"]

@@ -74,6 +74,8 @@ def serve(
     folder = model_folder(model)
     engine_device = torch.device(device)
     if engine_device.type == "cuda":
+        if engine_device.index is None:  # "cuda": the current GPU, named
+            engine_device = torch.device("cuda", torch.cuda.current_device())
         # sglang's weight checker and loaders use the current device
         torch.cuda.set_device(engine_device)
     torch_dtype = getattr(torch, dtype)

@@ -40,6 +40,7 @@ from p2pweights.replica.sglang.replay import (
     Replay,
     ReplayKey,
     inline_loads,
+    mark,
     replay_key,
 )
 from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
@@ -87,15 +88,15 @@ class ModelReplica:
                 spec, torch.device("meta"), role
             )
             self._to_reload_layout()
+            self.layouts: dict[str, ParamLayout] = {
+                name: _layout_of(name, param) for name, param in self.model.named_parameters()
+            }
+            if role == "draft":
+                self._check_end_update_runs()
             # The Parameter objects are final from here on (loads swap the tensors inside
             # them; the probe checks that loaders never replace one): one walk of the
             # module tree serves every later load, instead of one per staging flush.
             self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
-            self.layouts: dict[str, ParamLayout] = {
-                name: _layout_of(name, param) for name, param in self._params.items()
-            }
-            if role == "draft":
-                self._check_end_update_runs()
         # Parameters an update need not feed: those sglang's own weight check skips (an
         # fp8 attention's k_scale / v_scale, not checkpoint weights), and a draft's
         # embedding and head, which its loader skips: the engine shares the target's.
@@ -112,6 +113,7 @@ class ModelReplica:
         # (None: that load must run the loader every time); see replay.py
         self._replays: dict[ReplayKey, Replay | None] = {}
         self.replayed_loads = 0
+        self._told_not_replayed = False
         """Loads served by a replay instead of the loader (tests and benchmarks read it)."""
 
     @classmethod
@@ -287,8 +289,8 @@ class ModelReplica:
     ) -> None:
         """Run this rank's loader on ``hf_tensors``, writing into ``destinations``.
 
-        ``destinations`` maps sglang parameter names to flat ``torch.uint8`` CPU tensors
-        of exactly ``layouts[name].num_bytes`` (slices of a staging buffer). Every
+        ``destinations`` maps sglang parameter names to flat ``torch.uint8`` tensors (host
+        or device) of exactly ``layouts[name].num_bytes`` (slices of a staging buffer). Every
         parameter the given HF tensors feed must have a destination; the inputs are
         checked against the probe before any byte is written.
         """
@@ -296,8 +298,8 @@ class ModelReplica:
 
         key = replay_key(hf_tensors, destinations) if environment.loader_replay_allowed() else None
         replay = self._replays.get(key) if key is not None else None
-        if replay is not None:
-            # the same names, shapes, dtypes, strides and destinations as a load that
+        if replay is not None and replay.confirmed:
+            # the same names, shapes, dtypes, strides and destinations as loads that
             # passed the checks below: only the values differ
             replay.run(hf_tensors, destinations)
             self.replayed_loads += 1
@@ -315,18 +317,37 @@ class ModelReplica:
                 "destination; load whole groups of LoaderMap.groups at a time"
             )
         with self.loading_scope(destinations):
-            if key is None or key in self._replays:  # replay off, or not replayable
+            if key is None or (key in self._replays and replay is None):
+                # replay off, or this load cannot be replayed
                 self.model.load_weights(iter(hf_tensors))  # type: ignore[operator]
                 return
-            dtypes = {name: self.layouts[name].dtype for name in destinations}
-            recorder = LoadRecorder(hf_tensors, destinations, dtypes)
-            with recorder, inline_loads():
+            if replay is not None:
+                # recorded once: the loader writes, and the replay must do the same
+                mark(destinations)
                 self.model.load_weights(iter(hf_tensors))  # type: ignore[operator]
+            else:
+                dtypes = {name: self.layouts[name].dtype for name in destinations}
+                recorder = LoadRecorder(hf_tensors, destinations, dtypes)
+                with recorder, inline_loads():
+                    self.model.load_weights(iter(hf_tensors))  # type: ignore[operator]
+        if replay is not None:
+            differ = replay.reproduces(hf_tensors, destinations)
+            replay.confirmed = not differ
+            if differ:
+                self._replays[key] = None
+                self._not_replayed(f"on other values its recorded copies differ in {differ[:3]}")
+            return
         if len(self._replays) >= _MAX_REPLAYS:
             self._replays.clear()  # compositions that never repeat must not pile up
         self._replays[key] = recorder.checked_replay(hf_tensors, destinations)
         if recorder.reason is not None:
-            logger.debug("loads of %s run the loader each time: %s", self.spec, recorder.reason)
+            self._not_replayed(recorder.reason)
+
+    def _not_replayed(self, reason: str) -> None:
+        """Say once per replica (at INFO) that some of its loads keep running the loader."""
+        log = logger.debug if self._told_not_replayed else logger.info
+        self._told_not_replayed = True
+        log("some loads of %s run sglang's loader every update: %s", self.spec, reason)
 
     def _check_destinations(self, destinations: Mapping[str, torch.Tensor]) -> None:
         for name, dest in destinations.items():

@@ -1,4 +1,4 @@
-"""Replaying a loader: after one real load, later loads of the same inputs repeat its copies.
+"""Replaying a loader: after real loads, later loads of the same inputs repeat its copies.
 
 sglang's loaders are Python: per HF tensor they map names, narrow to this rank's shard
 and copy (tens of microseconds each, measured in benchmarks/loader_overhead.py and on
@@ -9,24 +9,33 @@ the parameters, plus constant fills (padding). ``LoadRecorder`` watches one real
 there was; ``Replay`` then repeats it on the next inputs of the same names, shapes,
 dtypes and strides, into destinations of the same sizes, with no loader code.
 
-A load is recorded only if every op that touched an input or a destination was a view,
-a ``copy_`` from a view of an input into a view of a destination (both in their own
-dtype), or a constant ``fill_`` / ``zero_`` of a destination. Anything else (arithmetic
-on a weight, a dtype cast to a temporary, ``.item()``, an indexed write) means the
-loader's result may depend on the values, and that set of inputs keeps running the
-loader every time. The copies are replayed in their recorded order, so overlapping
-writes land as the loader left them. ``P2PWEIGHTS_LOADER_REPLAY=0`` turns replay off.
+A load is recorded only if every op that touched an input, a destination or a
+concatenation of inputs was a view, a ``copy_`` from a view of an input (or a whole
+concatenation of input views) into a view of a destination, or a constant ``fill_`` /
+``zero_`` of a destination. Anything else (arithmetic on a weight, a cast to a
+temporary, ``.item()``, an indexed write) means the result may depend on the values,
+and that set of inputs keeps running the loader. The copies are replayed in their
+recorded order; copies queued from the GPU into pinned memory are waited for before
+any later host-side write.
 
-Dispatch modes see only their own thread. Some loaders (DeepSeek's, for host tensors)
-hand copies to a thread pool (sglang's ``should_async_load``); while a load is recorded,
-``inline_loads`` makes them run inline, which changes no byte. Every recording is then
-checked once: replayed onto marker bytes, it must give exactly what the loader wrote.
+What a dispatch mode cannot see, and how it is caught:
+
+* copies on another thread (DeepSeek's loader hands host tensors to a thread pool):
+  ``inline_loads`` runs them inline while a load is recorded, and every recording is
+  replayed onto marker bytes and compared with what the loader wrote;
+* reads outside aten (``.tolist()``, ``.numpy()``) steering the loader by value: a
+  recording is used only after it reproduced the loader's bytes on a second load with
+  other values (``Replay.reproduces``, run on the first load that could replay). A
+  loader that branched on values the two loads did not tell apart would still escape;
+  sglang's loaders branch on names and shapes. ``P2PWEIGHTS_LOADER_REPLAY=0`` turns
+  replay off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +57,8 @@ def replay_key(
 ) -> ReplayKey | None:
     """What a recording is valid for: inputs and destinations alike in all but values
     (None for anything that is not a tensor: the load's own checks will say what)."""
-    if not all(isinstance(t, torch.Tensor) for _, t in hf_tensors) or not all(
-        isinstance(d, torch.Tensor) for d in destinations.values()
+    if not all(_plain(t) for _, t in hf_tensors) or not all(
+        _plain(d) for d in destinations.values()
     ):
         return None
     return (
@@ -60,6 +69,16 @@ def replay_key(
                 for n, d in destinations.items()
             )
         ),
+    )
+
+
+def _plain(tensor: object) -> bool:
+    """A dense tensor with real storage (no subclass, sparse layout, conj or neg bit)."""
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided  # type: ignore[attr-defined]
+        and not tensor.is_conj()  # type: ignore[attr-defined]
+        and not tensor.is_neg()  # type: ignore[attr-defined]
     )
 
 
@@ -95,6 +114,8 @@ class Replay:
     def __init__(self, ops: list[_Copy | _Fill], dtypes: Mapping[str, torch.dtype]):
         self._ops = ops
         self._dtypes = dict(dtypes)
+        self.confirmed = False
+        """Whether it reproduced the loader on a load other than the recorded one."""
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -108,20 +129,52 @@ class Replay:
         inputs = [t for _, t in hf_tensors]
         targets = {name: d.view(self._dtypes[name]) for name, d in destinations.items()}
         # GPU -> pinned host copies are queued, not waited for one by one (the loader's
-        # copy_ blocks per tensor); the load returns once its streams are done.
+        # copy_ blocks per tensor). Any host-side write waits for them first, so writes
+        # land in the recorded order; the load returns once they are done.
         waits: set[torch.device] = set()
         for op in self._ops:
             dst = op.dst.of(targets[op.dst.owner])  # type: ignore[index]
             if isinstance(op, _Copy):
                 src = op.src.of(inputs[op.src.owner])  # type: ignore[index]
                 queued = src.is_cuda and not dst.is_cuda and dst.is_pinned()
+                if waits and not queued:
+                    _wait(waits)
                 dst.copy_(src, non_blocking=queued)
                 if queued:
                     waits.add(src.device)
             else:
+                if waits:
+                    _wait(waits)
                 dst.fill_(op.value)
-        for device in waits:
-            torch.cuda.current_stream(device).synchronize()
+        _wait(waits)
+
+    def reproduces(
+        self,
+        hf_tensors: Sequence[tuple[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+    ) -> list[str]:
+        """Destinations this replay, run onto marker bytes, writes otherwise than they are
+        (they hold what the loader wrote over the same marker). Empty when it reproduces."""
+        scratch = {name: _marked_like(d) for name, d in destinations.items()}
+        self.run(hf_tensors, scratch)
+        return sorted(n for n, d in destinations.items() if not torch.equal(scratch[n], d))
+
+
+def mark(destinations: Mapping[str, torch.Tensor]) -> None:
+    """Fill every destination byte with the marker, before a loader run that is compared."""
+    for d in destinations.values():
+        d.view(torch.uint8).fill_(_MARKER)
+
+
+def _marked_like(d: torch.Tensor) -> torch.Tensor:
+    pinned = not d.is_cuda and d.is_pinned()
+    return torch.empty(d.shape, dtype=d.dtype, device=d.device, pin_memory=pinned).fill_(_MARKER)
+
+
+def _wait(devices: set[torch.device]) -> None:
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    devices.clear()
 
 
 class LoadRecorder(TorchDispatchMode):
@@ -148,13 +201,14 @@ class LoadRecorder(TorchDispatchMode):
         self._spans = spans
         self._ops: list[_Copy | _Fill] = []
         self._cats: dict[int, tuple[torch.Tensor, int, list[tuple[_View, int]]]] = {}
+        self._temps: list[tuple[tuple[int, int], torch.device]] = []
+        """Concatenations of inputs: they hold input values, so they are watched too."""
         self.reason: str | None = None
 
     def __enter__(self) -> LoadRecorder:
         # Every destination byte starts as a marker, so a write the recording missed
         # (a loader thread: dispatch modes are per thread) shows in ``checked_replay``.
-        for target in self._targets.values():
-            target.view(torch.uint8).fill_(_MARKER)
+        mark(self._targets)
         super().__enter__()
         return self
 
@@ -168,9 +222,7 @@ class LoadRecorder(TorchDispatchMode):
         if self.reason is not None:
             return None
         replay = Replay(self._ops, self._dtypes)
-        scratch = {name: torch.full_like(d, _MARKER) for name, d in destinations.items()}
-        replay.run(hf_tensors, scratch)
-        differ = sorted(n for n, d in destinations.items() if not torch.equal(scratch[n], d))
+        differ = replay.reproduces(hf_tensors, destinations)
         if differ:
             self.reason = (
                 f"its recorded copies do not reproduce {differ[:3]} (a write on another "
@@ -192,31 +244,36 @@ class LoadRecorder(TorchDispatchMode):
         if func is aten.cat.default and self._note_cat(args, kwargs, out):
             return
         if func is aten.copy_.default and not kwargs:
-            dst, src = args[0], args[1]
-            dst_view = self._view_of(dst)
-            if dst_view is None:
-                if self._view_of(src) is not None or self._touches(src):
-                    self.reason = "an input was copied somewhere other than a parameter"
-                return
-            cat = self._cats.get(id(src))
-            if cat is not None and cat[0] is src and tuple(dst.shape) == tuple(src.shape):
-                self._ops.extend(_pieces(dst_view, cat[1], cat[2]))
-                return
-            src_view = self._view_of(src)
-            if src_view is None or not isinstance(src_view.owner, int):
-                self.reason = f"parameter {dst_view.owner!r} got bytes not read from an input"
-                return
-            self._ops.append(_Copy(dst_view, src_view))
+            self._note_copy(args[0], args[1])
             return
         if func in _FILLS:
             dst_view = self._view_of(args[0])
-            if dst_view is not None and isinstance(dst_view.owner, str):
-                value = 0 if func is aten.zero_.default else args[1]
-                if isinstance(value, (int, float, bool)):
-                    self._ops.append(_Fill(dst_view, value))
-                    return
+            value = 0 if func is aten.zero_.default else args[1]
+            if (
+                dst_view is not None
+                and isinstance(dst_view.owner, str)
+                and isinstance(value, (int, float, bool))
+            ):
+                self._ops.append(_Fill(dst_view, value))
+                return
         if any(self._touches(t) for t in tree_leaves((args, kwargs))):
             self.reason = f"{func} read or wrote an input or a parameter"
+
+    def _note_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst_view = self._view_of(dst)
+        if dst_view is None or not isinstance(dst_view.owner, str):
+            if self._touches(dst) or self._touches(src):
+                self.reason = "an input was copied somewhere other than a parameter"
+            return
+        cat = self._cats.get(id(src))
+        if cat is not None and cat[0] is src and tuple(dst.shape) == tuple(src.shape):
+            self._ops.extend(_pieces(dst_view, cat[1], cat[2]))
+            return
+        src_view = self._view_of(src)
+        if src_view is None or not isinstance(src_view.owner, int):
+            self.reason = f"parameter {dst_view.owner!r} got bytes not read from an input"
+            return
+        self._ops.append(_Copy(dst_view, src_view))
 
     def _note_cat(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], out: Any) -> bool:
         """Remember a concatenation of input views (DeepSeek's fused q_a / kv_a weight):
@@ -225,11 +282,17 @@ class LoadRecorder(TorchDispatchMode):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         views = [self._view_of(t) for t in tensors]
         found = [v for v in views if v is not None and isinstance(v.owner, int)]
-        if not views or len(found) != len(views):
+        if (
+            not views
+            or len(found) != len(views)
+            or not out.is_contiguous()
+            or any(t.dtype != out.dtype for t in tensors)
+        ):
             return False
         dim %= out.dim()
         pieces = [(v, int(t.shape[dim])) for v, t in zip(found, tensors, strict=True)]
         self._cats[id(out)] = (out, dim, pieces)  # the reference keeps id(out) unique
+        self._temps.append((_span(out), out.device))
         return True
 
     def _owner_of(self, tensor: torch.Tensor) -> tuple[int | str, torch.Tensor] | None:
@@ -273,7 +336,7 @@ class LoadRecorder(TorchDispatchMode):
         return any(
             s < end and start < e and self._base(o).device == tensor.device
             for (s, e), o in self._spans
-        )
+        ) or any(s < end and start < e and d == tensor.device for (s, e), d in self._temps)
 
     def _base(self, owner: int | str) -> torch.Tensor:
         return self._inputs[owner] if isinstance(owner, int) else self._targets[owner]
@@ -285,19 +348,23 @@ def inline_loads() -> Iterator[None]:
     (every loaded sglang module's ``should_async_load`` answers False)."""
     from sglang.srt.model_loader import utils
 
-    original = utils.should_async_load
-    patched = [
-        module
-        for name, module in list(sys.modules.items())
-        if name.startswith("sglang.") and getattr(module, "should_async_load", None) is original
-    ]
-    for module in patched:
-        module.should_async_load = _never  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
+    with _inline_lock:
+        original = utils.should_async_load
+        patched = [
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("sglang.") and getattr(module, "should_async_load", None) is original
+        ]
         for module in patched:
-            module.should_async_load = original  # type: ignore[attr-defined]
+            module.should_async_load = _never  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            for module in patched:
+                module.should_async_load = original  # type: ignore[attr-defined]
+
+
+_inline_lock = threading.Lock()
 
 
 def _never(weight: torch.Tensor) -> bool:

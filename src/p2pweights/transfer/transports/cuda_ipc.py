@@ -22,7 +22,9 @@ tested on a host without a GPU.
 from __future__ import annotations
 
 import base64
+import bisect
 import functools
+import itertools
 import os
 import socket
 import threading
@@ -71,14 +73,21 @@ def check_reachable(target: RankPublication, local_host: str) -> None:
 
 
 @dataclass(frozen=True)
-class _Opened:
+class Opened:
     """One engine publication's allocations, mapped into this process."""
 
-    index: RegionIndex
-    local_by_start: dict[int, int]
-    """Segment address in the engine -> the same byte's address here."""
+    segments: tuple[tuple[int, int, int], ...]
+    """(start, end) in the engine and the start's address here, sorted; never merged:
+    two segments adjacent in the engine may be mapped far apart here."""
     mapped: tuple[int, ...]
     """The pointers ``cudaIpcOpenMemHandle`` returned (closed on disconnect)."""
+
+    def find(self, address: int, num_bytes: int) -> int | None:
+        """Index of the one segment holding ``[address, address + num_bytes)``."""
+        i = bisect.bisect_right([start for start, _, _ in self.segments], address) - 1
+        if i >= 0 and num_bytes > 0 and address + num_bytes <= self.segments[i][1]:
+            return i
+        return None
 
 
 class CudaIpcTransport(Transport):
@@ -101,7 +110,9 @@ class CudaIpcTransport(Transport):
         self._cuda: CudaRuntime = cuda_runtime()
         self._host = host_id()
         self._sources = RegionIndex([])
-        self._opened: dict[str, _Opened] = {}
+        self._opened: dict[str, Opened] = {}
+        self._pending: dict[str, torch.cuda.Event] = {}
+        """Each engine rank's last copies: waited for before its memory or a buffer goes."""
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -116,6 +127,7 @@ class CudaIpcTransport(Transport):
             self._sources = RegionIndex([*self._sources.regions, (address, num_bytes)])
 
     def unregister(self, buffer: torch.Tensor) -> None:
+        self._settle()  # the buffer is freed next: no copy may still read it
         region = (buffer.data_ptr(), buffer.numel() * buffer.element_size())
         with self._lock:
             self._sources = RegionIndex([r for r in self._sources.regions if r != region])
@@ -130,37 +142,44 @@ class CudaIpcTransport(Transport):
         with self._lock:
             if target.peer in self._opened:
                 return
+        check_segments(target)
         mapped: dict[bytes, int] = {}
-        local_by_start = {}
+        segments = []
         try:
             for segment in target.segments:
                 if segment.handle not in mapped:
                     mapped[segment.handle] = self._cuda.open_ipc_handle(
                         segment.handle, self._device
                     )
-                local_by_start[segment.address] = mapped[segment.handle] + segment.offset
+                local = mapped[segment.handle] + segment.offset
+                segments.append((segment.address, segment.end, local))
         except TransportError as exc:
-            for pointer in mapped.values():
-                self._cuda.close_ipc_handle(pointer)
+            self._close_pointers(tuple(mapped.values()))
             raise TransportError(f"cannot open the memory {target.where} published: {exc}") from exc
-        opened = _Opened(
-            RegionIndex([(s.address, s.num_bytes) for s in target.segments]),
-            local_by_start,
-            tuple(mapped.values()),
-        )
+        opened = Opened(tuple(sorted(segments)), tuple(mapped.values()))
         with self._lock:
             self._opened[target.peer] = opened
 
     def disconnect(self, target: RankPublication) -> None:
         with self._lock:
             opened = self._opened.pop(target.peer, None)
+            pending = self._pending.pop(target.peer, None)
+        if pending is not None:
+            pending.synchronize()  # copies given up on still read and write this memory
         if opened is not None:
-            self._close(opened)
+            self._close_pointers(opened.mapped)
 
-    def _close(self, opened: _Opened) -> None:
-        self._cuda.set_device(self._device)
-        for pointer in opened.mapped:
-            self._cuda.close_ipc_handle(pointer)
+    def _close_pointers(self, pointers: tuple[int, ...]) -> None:
+        with self._cuda.on_device(self._device):
+            for pointer in pointers:
+                self._cuda.close_ipc_handle(pointer)
+
+    def _settle(self) -> None:
+        """Wait for every copy issued so far (a timed-out write's copies keep running)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for event in pending:
+            event.synchronize()
 
     def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
         with self._lock:
@@ -168,14 +187,18 @@ class CudaIpcTransport(Transport):
             sources = self._sources
         if opened is None:
             raise TransferError(f"{target.where} is not connected; connect() it first")
-        copies = [self._translate(target, opened, sources, w) for w in merge_adjacent(writes)]
+        copies = merge_adjacent([translate(target, opened, sources, w) for w in writes])
         stream = self._stream()
-        # the runtime's current device is per thread: writer threads select it themselves
-        self._cuda.set_device(self._device)
-        for dst, src, num_bytes in copies:
-            self._cuda.copy_async(dst, src, num_bytes, stream.cuda_stream)
-        done = torch.cuda.Event()
-        done.record(stream)
+        # the runtime's current device is per thread
+        with self._cuda.on_device(self._device):
+            for copy in copies:
+                self._cuda.copy_async(
+                    copy.dst_address, copy.src_address, copy.num_bytes, stream.cuda_stream
+                )
+            done = torch.cuda.Event()
+            done.record(stream)
+        with self._lock:
+            self._pending[target.peer] = done
         deadline = time.monotonic() + timeout_s
         while not done.query():
             if time.monotonic() > deadline:
@@ -185,25 +208,6 @@ class CudaIpcTransport(Transport):
                 )
             time.sleep(_POLL_S)
 
-    def _translate(
-        self, target: RankPublication, opened: _Opened, sources: RegionIndex, write: Write
-    ) -> tuple[int, int, int]:
-        """(local destination, source, bytes) of one write; refuses bytes outside the
-        engine's published segments or the registered staging buffers."""
-        segment = opened.index.find(write.dst_address, write.num_bytes)
-        if segment is None:
-            raise TransferError(
-                f"a write of {write.num_bytes} bytes at {write.dst_address:#x} leaves the "
-                f"memory {target.where} published; nothing was written"
-            )
-        if not sources.covers(write.src_address, write.num_bytes):
-            raise TransferError(
-                f"a write's source {write.src_address:#x} (+{write.num_bytes}) is not in a "
-                f"registered staging buffer"
-            )
-        local = opened.local_by_start[segment[0]] + (write.dst_address - segment[0])
-        return local, write.src_address, write.num_bytes
-
     def _stream(self) -> torch.cuda.Stream:
         """The calling writer thread's own stream on the trainer's device."""
         stream: torch.cuda.Stream | None = getattr(self._local, "stream", None)
@@ -212,11 +216,50 @@ class CudaIpcTransport(Transport):
         return stream
 
     def close(self) -> None:
+        self._settle()
         with self._lock:
             opened, self._opened = list(self._opened.values()), {}
+            self._pending = {}
             self._sources = RegionIndex([])
         for entry in opened:
-            self._close(entry)
+            self._close_pointers(entry.mapped)
+
+
+def translate(target: RankPublication, opened: Opened, sources: RegionIndex, write: Write) -> Write:
+    """The write with its destination as mapped here, and its segment as ``dst_device``
+    (so only copies within one mapping merge); refuses bytes outside one published
+    segment or outside the registered staging buffers."""
+    index = opened.find(write.dst_address, write.num_bytes)
+    if index is None:
+        raise TransferError(
+            f"a write of {write.num_bytes} bytes at {write.dst_address:#x} is not inside "
+            f"one block of the memory {target.where} published; nothing was written"
+        )
+    if not sources.covers(write.src_address, write.num_bytes):
+        raise TransferError(
+            f"a write's source {write.src_address:#x} (+{write.num_bytes}) is not in a "
+            f"registered staging buffer"
+        )
+    start, _, local = opened.segments[index]
+    return Write(write.src_address, local + write.dst_address - start, write.num_bytes, index)
+
+
+def check_segments(target: RankPublication) -> None:
+    """Refuse segments no allocation could hold before opening any of them."""
+    for segment in target.segments:
+        if segment.num_bytes <= 0 or segment.offset < 0 or segment.address <= 0:
+            raise TransportError(
+                f"{target.where} published an impossible CUDA IPC segment {segment}"
+            )
+    ordered = sorted(target.segments, key=lambda s: s.address)
+    for before, after in itertools.pairwise(ordered):
+        if after.address < before.end:
+            raise TransportError(f"{target.where} published overlapping CUDA IPC segments")
+    for name, region in target.regions.items():
+        if not any(s.address <= region.address and region.end <= s.end for s in ordered):
+            raise TransportError(
+                f"{target.where} published parameter {name!r} outside its CUDA IPC segments"
+            )
 
 
 def merge_adjacent(writes: Sequence[Write]) -> list[Write]:
@@ -262,11 +305,12 @@ class CudaIpcPublisher(Publisher):
             )
         cuda = cuda_runtime()
         self._device = next(iter(devices)).index or 0
-        for address, num_bytes in merged_regions(tensors.values()):
-            if self._index.covers(address, num_bytes):
-                continue
-            self._segments.extend(_segments_of(cuda, address, num_bytes, self._device))
-            self._index = RegionIndex([*self._index.regions, (address, num_bytes)])
+        with cuda.on_device(self._device):  # the driver calls need this GPU's context
+            for address, num_bytes in merged_regions(tensors.values()):
+                if self._index.covers(address, num_bytes):
+                    continue
+                self._segments.extend(_segments_of(cuda, address, num_bytes, self._device))
+                self._index = RegionIndex([*self._index.regions, (address, num_bytes)])
 
     def publication(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {

@@ -10,8 +10,10 @@ the writer's device, and copies are issued with ``cudaMemcpyAsync`` on torch str
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from p2pweights.errors import TransportError
@@ -41,6 +43,7 @@ class CudaRuntime:
         rt = self._rt
         rt.cudaGetErrorString.restype = ctypes.c_char_p
         rt.cudaSetDevice.argtypes = [ctypes.c_int]
+        rt.cudaGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
         rt.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(IpcHandle), ctypes.c_void_p]
         rt.cudaIpcOpenMemHandle.argtypes = [
             ctypes.POINTER(ctypes.c_void_p),
@@ -70,6 +73,21 @@ class CudaRuntime:
         """Select ``device`` for the calling thread (the runtime's current device is per thread)."""
         self._check(self._rt.cudaSetDevice(device), f"cudaSetDevice({device})")
 
+    def get_device(self) -> int:
+        device = ctypes.c_int()
+        self._check(self._rt.cudaGetDevice(ctypes.byref(device)), "cudaGetDevice")
+        return int(device.value)
+
+    @contextlib.contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        """``device`` current for the calling thread inside the block, the caller's after."""
+        before = self.get_device()
+        self.set_device(device)
+        try:
+            yield
+        finally:
+            self.set_device(before)
+
     def allocation_range(self, address: int) -> tuple[int, int]:
         """``(base, num_bytes)`` of the device allocation holding ``address``."""
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
@@ -91,15 +109,15 @@ class CudaRuntime:
                 f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}"
             )
         pointer = ctypes.c_void_p()
-        self.set_device(device)
-        self._check(
-            self._rt.cudaIpcOpenMemHandle(
-                ctypes.byref(pointer),
-                IpcHandle.from_buffer_copy(handle),
-                _LAZY_ENABLE_PEER_ACCESS,
-            ),
-            "cudaIpcOpenMemHandle",
-        )
+        with self.on_device(device):
+            self._check(
+                self._rt.cudaIpcOpenMemHandle(
+                    ctypes.byref(pointer),
+                    IpcHandle.from_buffer_copy(handle),
+                    _LAZY_ENABLE_PEER_ACCESS,
+                ),
+                "cudaIpcOpenMemHandle",
+            )
         assert pointer.value is not None
         return int(pointer.value)
 
