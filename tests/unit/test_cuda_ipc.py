@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from p2pweights import CudaIpcConfig, SyncConfig
-from p2pweights.engines.published import IpcSegment, parse_publication
+from p2pweights.engines.published import parse_publication
 from p2pweights.errors import ConfigError, EngineError, TransferError, TransportError
 from p2pweights.session import _staging_device
 from p2pweights.transfer.transports import Write
