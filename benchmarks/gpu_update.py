@@ -13,7 +13,7 @@ and filled by sglang's own model class and loader. Measured side by side:
 * the baseline: the same HF tensors broadcast by NCCL to a second process that holds
   a real model of the rank on the engine GPU, then that model's own ``load_weights``
   (what sglang's ``update_weights_from_distributed`` runs per update), no HTTP;
-* colocated: the engine on the trainer's own GPU (``--colocated``).
+* colocated: the engine on the trainer's own GPU (``--parts ... colocated``).
 
 Every engine rank is checked bit-exact by sglang's weight checker (its checksums
 against a reference model built by sglang's loader on ``cuda:0``) after several

@@ -101,8 +101,8 @@ class PipelineModel:
     loader_call_s: float = 12e-6
     """CPU time per HF tensor of a warm update's load: the loader's copies replayed
     (``replica/sglang/replay.py``), measured on the 2-core development machine with
-    kilobyte tensors (``benchmarks/loader_overhead.py``): 9-12 us for Qwen3, Qwen3-MoE
-    and DeepSeek-V3 (MLA); the first update runs sglang's loaders (25-111 us). Assumed
+    kilobyte tensors (``benchmarks/loader_overhead.py``): 11-12 us for Qwen3, Qwen3-MoE
+    and DeepSeek-V3 (MLA); the first two updates run sglang's loaders (24-99 us). Assumed
     the same on a GPU host's CPU (where each copy is a kernel launch instead)."""
     quantize_gbps: float = 95.0
     """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input: 95 GB/s
