@@ -211,3 +211,16 @@ def test_a_branch_on_values_outside_aten_is_caught_on_the_next_load() -> None:
     loaded = {"w": torch.full((128,), 0x5A, dtype=torch.uint8)}  # what ``mark`` leaves
     loader(dict(second), {"w": loaded["w"].view(torch.float32).view(8, 4)})
     assert replay.reproduces(second, loaded) == ["w"]
+
+
+def test_span_index_finds_holders_and_overlaps_even_where_spans_overlap() -> None:
+    from p2pweights.replica.sglang.replay import _SpanIndex
+
+    spans = [((0, 100), 0), ((100, 200), 1), ((150, 160), "p"), ((0, 100), 2), ((300, 400), "q")]
+    index = _SpanIndex(spans)
+    assert sorted(map(str, index.containing(10, 20))) == ["0", "2"]  # one tensor, two names
+    assert sorted(map(str, index.containing(150, 160))) == ["1", "p"]
+    assert index.containing(90, 110) == []
+    assert sorted(map(str, index.overlapping(90, 110))) == ["0", "1", "2"]
+    assert index.overlapping(200, 300) == []
+    assert index.overlapping(399, 500) == ["q"]

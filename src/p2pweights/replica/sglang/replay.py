@@ -33,7 +33,9 @@ What a dispatch mode cannot see, and how it is caught:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -198,7 +200,7 @@ class LoadRecorder(TorchDispatchMode):
             (_span(t), i) for i, t in enumerate(self._inputs)
         ]
         spans += [(_span(t), name) for name, t in self._targets.items()]
-        self._spans = spans
+        self._spans = _SpanIndex(spans)
         self._ops: list[_Copy | _Fill] = []
         self._cats: dict[int, tuple[torch.Tensor, int, list[tuple[_View, int]]]] = {}
         self._temps: list[tuple[tuple[int, int], torch.device]] = []
@@ -303,8 +305,8 @@ class LoadRecorder(TorchDispatchMode):
         start, end = _span(tensor)
         owners = [
             owner
-            for (s, e), owner in self._spans
-            if s <= start and end <= e and self._base(owner).device == tensor.device
+            for owner in self._spans.containing(start, end)
+            if self._base(owner).device == tensor.device
         ]
         if len(owners) != 1:
             return None
@@ -334,8 +336,7 @@ class LoadRecorder(TorchDispatchMode):
             return False
         start, end = _span(tensor)
         return any(
-            s < end and start < e and self._base(o).device == tensor.device
-            for (s, e), o in self._spans
+            self._base(o).device == tensor.device for o in self._spans.overlapping(start, end)
         ) or any(s < end and start < e and d == tensor.device for (s, e), d in self._temps)
 
     def _base(self, owner: int | str) -> torch.Tensor:
@@ -381,6 +382,44 @@ def _pieces(dst: _View, dim: int, pieces: list[tuple[_View, int]]) -> list[_Copy
         copies.append(_Copy(_View(dst.owner, offset, tuple(shape), dst.stride), src))
         start += size
     return copies
+
+
+class _SpanIndex:
+    """Byte spans of the inputs and destinations, sorted, for the ops of a recording.
+
+    Each query walks back from the last span starting in range and stops once no earlier
+    span reaches far enough (a running maximum of the ends): a step or two when spans do
+    not overlap (slices of one staging buffer, of one flat trainer buffer), so a load of
+    ``n`` tensors records in about ``n`` steps, not ``n`` squared.
+    """
+
+    def __init__(self, spans: Sequence[tuple[tuple[int, int], int | str]]) -> None:
+        ordered = sorted(spans, key=lambda span: span[0])
+        self._starts = [start for (start, _), _ in ordered]
+        self._ends = [end for (_, end), _ in ordered]
+        self._owners = [owner for _, owner in ordered]
+        self._reach = list(itertools.accumulate(self._ends, max))
+        """The largest end among the spans up to each index."""
+
+    def containing(self, start: int, end: int) -> list[int | str]:
+        """Owners of the spans holding all of ``[start, end)``."""
+        found = []
+        i = bisect.bisect_right(self._starts, start) - 1
+        while i >= 0 and self._reach[i] >= end:
+            if self._ends[i] >= end:
+                found.append(self._owners[i])
+            i -= 1
+        return found
+
+    def overlapping(self, start: int, end: int) -> list[int | str]:
+        """Owners of the spans sharing a byte with ``[start, end)``."""
+        found = []
+        i = bisect.bisect_left(self._starts, end) - 1
+        while i >= 0 and self._reach[i] > start:
+            if self._ends[i] > start:
+                found.append(self._owners[i])
+            i -= 1
+        return found
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
