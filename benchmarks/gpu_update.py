@@ -238,7 +238,10 @@ def p2pweights_updates(
     num_updates: int,
     verify_every: int,
     buffer_bytes: int,
+    replay_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
+    """Updates into a fresh local engine on ``engine_gpu``, per staging and replay mode
+    (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update)."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
     from p2pweights.verify import verify_engine
@@ -262,7 +265,9 @@ def p2pweights_updates(
     with engine:
         out["engine_start_s"] = round(time.perf_counter() - started, 1)
         client = EngineClient(engine.url, timeout_s=600)
-        for index, staging in enumerate(stagings):
+        runs = [(staging, mode) for staging in stagings for mode in replay_modes]
+        for index, (staging, mode) in enumerate(runs):
+            os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "1" if mode == "on" else "0"
             config_ = SyncConfig(
                 transport=CudaIpcConfig(device=0), buffer_bytes=buffer_bytes, http_timeout_s=600
             )
@@ -286,15 +291,16 @@ def p2pweights_updates(
                     row["verify_s"] = round(time.perf_counter() - t0, 2)
                     torch.cuda.empty_cache()
                 rows.append(row)
-                print(f"  {model} {staging} update {k}: {report.summary()}", flush=True)
+                print(f"  {model} {staging} replay {mode} update {k}: {report.summary()}")
             session.close()
-            timed = rows[1:] or rows
+            # the first update probes; with replay the second runs the loaders to confirm
+            timed = rows[2 if mode == "on" else 1 :] or rows
             median_s = statistics.median(r["seconds"] for r in timed)
             stages = {
                 name: statistics.median(r["stages"].get(name, 0.0) for r in timed)
                 for name in timed[0]["stages"]
             }
-            out[staging] = {
+            out[staging if mode == "on" else f"{staging}/no-replay"] = {
                 "median_update_s": median_s,
                 "update_gb_s": num_bytes / median_s / 1e9,
                 "median_stages_s": stages,
@@ -413,6 +419,13 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=512)
     parser.add_argument("--stagings", nargs="+", default=["cuda:0", "cpu"])
     parser.add_argument(
+        "--replay",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="loader replay modes to run side by side (off: sglang's loaders every update)",
+    )
+    parser.add_argument(
         "--parts",
         nargs="+",
         default=["updates", "baseline"],
@@ -452,6 +465,7 @@ def main() -> None:
                     args.updates,
                     args.verify_every,
                     args.buffer_mib * 2**20,
+                    tuple(args.replay),
                 ),
             )
         if engine_gpu and "baseline" in args.parts:

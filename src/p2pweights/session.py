@@ -676,8 +676,21 @@ def _staging_device(config: SyncConfig, given: torch.device | str | None) -> tor
     """Where the staging buffers live: as given, else on the GPU a CUDA IPC transport
     copies from (device copies over NVLink), else in pinned host memory."""
     if given is not None:
-        return torch.device(given)
+        device = torch.device(given)
+        transport_gpu = getattr(config.transport, "device", None)
+        if (
+            device.type == "cuda"
+            and None not in (device.index, transport_gpu)
+            and (device.index != transport_gpu)
+        ):
+            logger.warning(
+                "staging on %s while CudaIpcConfig copies from cuda:%d: every copy then "
+                "crosses GPUs twice; stage on the transport's GPU",
+                device,
+                transport_gpu,
+            )
+        return device
     if config.transport.kind == "cuda_ipc" and torch.cuda.is_available():
-        device = config.transport.device
-        return torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        gpu = config.transport.device
+        return torch.device("cuda", torch.cuda.current_device() if gpu is None else gpu)
     return torch.device("cpu")

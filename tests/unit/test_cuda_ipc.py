@@ -202,3 +202,14 @@ def test_a_parameter_outside_the_segments_is_refused() -> None:
     pub = parse_publication(URL, 0, {"remote_instance_transfer_engine_info": info})
     with pytest.raises(TransportError, match="parameter 'c' outside"):
         check_segments(pub)
+
+
+def test_staging_on_another_gpu_than_the_transport_is_warned(caplog) -> None:
+    config = SyncConfig(transport=CudaIpcConfig(device=0))
+    with caplog.at_level("WARNING", logger="p2pweights.session"):
+        assert _staging_device(config, "cuda:1") == torch.device("cuda", 1)
+    assert "crosses GPUs twice" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="p2pweights.session"):
+        _staging_device(config, "cuda:0")
+    assert caplog.text == ""
