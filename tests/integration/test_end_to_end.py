@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _bit_exact import assert_bit_exact, seed_weights
 
 from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
@@ -31,18 +32,6 @@ MATRIX = [
 ]
 
 
-def _weights(folder, seed):
-    return list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
-
-
-def _assert_bit_exact(engines, folder, seed):
-    for engine in engines:
-        client = EngineClient(engine.url)
-        mismatches = verify_engine(client, lambda: _weights(folder, seed))
-        client.close()
-        assert mismatches == {r: [] for r in range(engine.tp)}, f"{engine.url}: {mismatches}"
-
-
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize(("model", "tps"), MATRIX, ids=[m for m, _ in MATRIX])
 def test_updates_are_bit_exact_at_every_rank(model, tps, transport, model_dir, start_engines):
@@ -52,10 +41,10 @@ def test_updates_are_bit_exact_at_every_rank(model, tps, transport, model_dir, s
     with WeightSyncSession(config) as session:
         session.connect([e.url for e in engines])
         for step, seed in enumerate([11, 12]):
-            report = session.update(_weights(folder, seed))
+            report = session.update(seed_weights(folder, seed))
             assert report.version == str(step + 1)
             assert set(report.bytes_by_target) == {(e.url, r) for e in engines for r in range(e.tp)}
-            _assert_bit_exact(engines, folder, seed)
+            assert_bit_exact(engines, folder, seed)
             for engine in engines:
                 assert EngineClient(engine.url).weight_version() == report.version
 
@@ -80,23 +69,23 @@ def test_moe_and_mla_updates_are_bit_exact(model, layouts, transport, model_dir,
     with WeightSyncSession(config) as session:
         session.connect([e.url for e in engines])
         for seed in (31, 32):
-            session.update(_weights(folder, seed))
-            _assert_bit_exact(engines, folder, seed)
+            session.update(seed_weights(folder, seed))
+            assert_bit_exact(engines, folder, seed)
 
 
 def test_streamed_iterator_and_safetensors_engine(model_dir, start_engines, tmp_path):
     """An engine started from a safetensors folder; later updates streamed from a generator."""
     folder = model_dir("qwen3-tiny")
-    save_safetensors(tmp_path, _weights(folder, 5))
+    save_safetensors(tmp_path, seed_weights(folder, 5))
     (engine,) = start_engines(folder, [2], weights=tmp_path, seed=None)
-    _assert_bit_exact([engine], folder, 5)
+    assert_bit_exact([engine], folder, 5)
     config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
     with WeightSyncSession(config) as session:
         session.connect([engine.url])
-        session.update(iter(_weights(folder, 6)))
-        _assert_bit_exact([engine], folder, 6)
+        session.update(iter(seed_weights(folder, 6)))
+        assert_bit_exact([engine], folder, 6)
         session.update(synthetic_weights(folder, seed=7, dtype=torch.bfloat16))  # a generator
-        _assert_bit_exact([engine], folder, 7)
+        assert_bit_exact([engine], folder, 7)
 
 
 def test_check_weight_update_equal_passes_on_the_start_weights(model_dir, start_engines):
@@ -105,9 +94,9 @@ def test_check_weight_update_equal_passes_on_the_start_weights(model_dir, start_
     config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), check_weight_update_equal=True)
     with WeightSyncSession(config) as session:
         session.connect([engine.url])
-        report = session.update(_weights(folder, 3))  # the weights the engine started with
+        report = session.update(seed_weights(folder, 3))  # the weights the engine started with
         assert "verify" in report.stage_seconds
-        _assert_bit_exact([engine], folder, 3)
+        assert_bit_exact([engine], folder, 3)
 
 
 @pytest.mark.parametrize(
@@ -132,9 +121,9 @@ def test_fp8_engines_get_sender_quantized_bytes(block, layouts, start_engines, t
     with WeightSyncSession(sync) as session:
         session.connect([e.url for e in engines])
         for seed in (41, 42):
-            report = session.update(_weights(folder, seed))
+            report = session.update(seed_weights(folder, seed))
             assert report.stage_seconds["convert"] > 0
-            _assert_bit_exact(engines, folder, seed)
+            assert_bit_exact(engines, folder, seed)
 
 
 @pytest.mark.parametrize(
@@ -159,12 +148,12 @@ def test_speculative_draft_runners_are_updated_too(
     with WeightSyncSession(config) as session:
         session.connect([e.url for e in engines])
         for seed in (51, 52):
-            session.update(_weights(folder, seed))
-            _assert_bit_exact(engines, folder, seed)
+            session.update(seed_weights(folder, seed))
+            assert_bit_exact(engines, folder, seed)
             for engine in engines:
                 client = EngineClient(engine.url)
                 draft = verify_engine(
-                    client, lambda seed=seed: _weights(folder, seed), role="draft", skip=shared
+                    client, lambda seed=seed: seed_weights(folder, seed), role="draft", skip=shared
                 )
                 client.close()
                 assert draft == {r: [] for r in range(engine.tp)}, f"{engine.url}: {draft}"

@@ -16,11 +16,11 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from _bit_exact import assert_bit_exact
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
 from p2pweights.testing import synthetic_weights
-from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +29,6 @@ SEEDS = {"whole": 11, "streamed": 12, "failed": 13, "retry": 14}
 
 def _stage_of(name: str) -> int:
     return 0 if name.startswith(("model.embed_tokens.", "model.layers.0.")) else 1
-
-
-def _weights(folder, seed):
-    return list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
 
 
 def _stage_weights(folder, seed, stage):
@@ -82,16 +78,6 @@ def _trainer(rank: int, port: int, urls: list[str], folder: str, gos, out) -> No
         dist.destroy_process_group()
 
 
-def _assert_bit_exact(engines, folder, seed):
-    for engine in engines:
-        client = EngineClient(engine.url)
-        try:
-            mismatches = verify_engine(client, lambda: _weights(folder, seed))
-        finally:
-            client.close()
-        assert mismatches == {r: [] for r in range(engine.tp)}, f"{engine.url}: {mismatches}"
-
-
 def test_two_stages_of_two_ranks_update_tp1_and_tp2_engines(model_dir, start_engines):
     folder = model_dir("qwen3-tiny")
     engines = start_engines(folder, [1, 2], seed=0)
@@ -123,7 +109,7 @@ def test_two_stages_of_two_ranks_update_tp1_and_tp2_engines(model_dir, start_eng
             else:
                 for stage in (0, 1):  # each stage wrote every engine rank once
                     assert sorted(outcomes[2 * stage] + outcomes[2 * stage + 1]) == targets
-                _assert_bit_exact(engines, folder, seed)
+                assert_bit_exact(engines, folder, seed)
             gos[index].set()
     finally:
         for p in trainers:

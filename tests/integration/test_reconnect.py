@@ -10,29 +10,14 @@ running, keeps the first update's weights: nothing was written to a stale regist
 from __future__ import annotations
 
 import pytest
-import torch
+from _bit_exact import assert_bit_exact, seed_weights
 
 from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.inspect import inspect_engine
 from p2pweights.local_engine import LocalEngine
-from p2pweights.testing import synthetic_weights
-from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
-
-
-def _weights(folder, seed):
-    return list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
-
-
-def _bit_exact(engine, folder, seed) -> None:
-    client = EngineClient(engine.url)
-    try:
-        mismatches = verify_engine(client, lambda: _weights(folder, seed))
-    finally:
-        client.close()
-    assert mismatches == {r: [] for r in range(engine.tp)}, f"{engine.url}: {mismatches}"
 
 
 def _peers(engine) -> set[str]:
@@ -49,9 +34,9 @@ def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_eng
     config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
     with WeightSyncSession(config) as session:
         session.connect([a.url, b.url])
-        session.update(_weights(folder, 71))
-        _bit_exact(a, folder, 71)
-        _bit_exact(b, folder, 71)
+        session.update(seed_weights(folder, 71))
+        assert_bit_exact([a], folder, 71)
+        assert_bit_exact([b], folder, 71)
         executor = session._executor
         assert executor is not None
         buffers = [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers]
@@ -74,11 +59,11 @@ def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_eng
         assert all(session._replicas[key] is handle for key, handle in replicas.items())
         assert [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers] == buffers
 
-        report = session.update(_weights(folder, 72))
+        report = session.update(seed_weights(folder, 72))
         assert set(report.bytes_by_target) == connected
-        _bit_exact(restarted, folder, 72)
-        _bit_exact(c, folder, 72)
-        _bit_exact(b, folder, 71)  # removed, still serving: never written again
+        assert_bit_exact([restarted], folder, 72)
+        assert_bit_exact([c], folder, 72)
+        assert_bit_exact([b], folder, 71)  # removed, still serving: never written again
 
     found = inspect_engine(restarted.url)
     assert found["layout"]["tp_size"] == 2 and found["transport"] == ["mooncake"]

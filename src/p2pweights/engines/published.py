@@ -139,13 +139,14 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
     )
 
 
-_IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t
+IPC_HANDLE_BYTES = 64
+"""Size of a ``cudaIpcMemHandle_t``."""
 
 
 def _segment(entry: dict[str, Any]) -> IpcSegment:
     handle = base64.b64decode(entry["handle"], validate=True)
-    if len(handle) != _IPC_HANDLE_BYTES:
-        raise ValueError(f"a CUDA IPC handle has {_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
     return IpcSegment(
         address=int(entry["address"]),
         num_bytes=int(entry["num_bytes"]),

@@ -58,7 +58,7 @@ def replay_key(
     hf_tensors: Sequence[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor]
 ) -> ReplayKey | None:
     """What a recording is valid for: inputs and destinations alike in all but values
-    (None for anything that is not a tensor: the load's own checks will say what)."""
+    (None for anything but plain dense tensors: such loads always run the loader)."""
     if not all(_plain(t) for _, t in hf_tensors) or not all(
         _plain(d) for d in destinations.values()
     ):
@@ -119,9 +119,6 @@ class Replay:
         self.confirmed = False
         """Whether it reproduced the loader on a load other than the recorded one."""
 
-    def __len__(self) -> int:
-        return len(self._ops)
-
     @torch.no_grad()
     def run(
         self,
@@ -180,7 +177,7 @@ def _wait(devices: set[torch.device]) -> None:
 
 
 class LoadRecorder(TorchDispatchMode):
-    """Watches one load; ``replay()`` is its copies, or None with ``reason`` saying why not.
+    """Watches one load; ``checked_replay()`` is its copies, or None with ``reason`` saying why.
 
     ``destinations`` are the flat uint8 tensors the load writes; ``dtypes`` the dtype
     each parameter views its destination as.

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +81,14 @@ class Opened:
     two segments adjacent in the engine may be mapped far apart here."""
     mapped: tuple[int, ...]
     """The pointers ``cudaIpcOpenMemHandle`` returned (closed on disconnect)."""
+    starts: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "starts", tuple(start for start, _, _ in self.segments))
 
     def find(self, address: int, num_bytes: int) -> int | None:
         """Index of the one segment holding ``[address, address + num_bytes)``."""
-        i = bisect.bisect_right([start for start, _, _ in self.segments], address) - 1
+        i = bisect.bisect_right(self.starts, address) - 1
         if i >= 0 and num_bytes > 0 and address + num_bytes <= self.segments[i][1]:
             return i
         return None

@@ -16,9 +16,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from p2pweights.engines.published import IPC_HANDLE_BYTES
 from p2pweights.errors import TransportError
 
-IPC_HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction read from the unified address space
 
@@ -103,11 +103,8 @@ class CudaRuntime:
         return bytes(handle)  # the whole struct: ``.reserved`` would stop at the first NUL
 
     def open_ipc_handle(self, handle: bytes, device: int) -> int:
-        """Map another process's allocation into this process, in ``device``'s context."""
-        if len(handle) != IPC_HANDLE_BYTES:
-            raise TransportError(
-                f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}"
-            )
+        """Map another process's allocation into this process, in ``device``'s context
+        (``handle`` as parsed from a publication, which checks its size)."""
         pointer = ctypes.c_void_p()
         with self.on_device(device):
             self._check(
