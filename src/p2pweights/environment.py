@@ -14,6 +14,9 @@
 ``P2PWEIGHTS_LOADER_REPLAY``             ``0`` runs sglang's loaders on every load instead of
                                          replaying their recorded copies
                                          (``replica/sglang/replay.py``; for A/B runs).
+``P2PWEIGHTS_FUSED_FP8``                 ``0`` quantizes GPU weights to block fp8 with torch
+                                         instead of the one-pass Triton kernel
+                                         (``source/fp8_fused.py``; for A/B runs).
 ``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
                                          (demo, doctor) when unset: NIXL logs INFO lines to
                                          stdout otherwise. Read, never overridden.
@@ -36,6 +39,7 @@ __all__ = [
     "keep_ucx_efa_module_out",
     "progress_allowed",
     "loader_replay_allowed",
+    "fused_fp8_allowed",
     "quiet_nixl_info",
 ]
 
@@ -49,15 +53,20 @@ def sglang_cpu_engine() -> bool:
 
 
 def progress_allowed() -> bool:
-    return os.environ.get("P2PWEIGHTS_PROGRESS", "1").strip().lower() not in ("0", "false", "no")
+    return _flag("P2PWEIGHTS_PROGRESS")
 
 
 def loader_replay_allowed() -> bool:
-    return os.environ.get("P2PWEIGHTS_LOADER_REPLAY", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-    )
+    return _flag("P2PWEIGHTS_LOADER_REPLAY")
+
+
+def fused_fp8_allowed() -> bool:
+    return _flag("P2PWEIGHTS_FUSED_FP8")
+
+
+def _flag(name: str) -> bool:
+    """An on/off variable that is on unless set to 0, false or no."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no")
 
 
 def quiet_nixl_info() -> None:

@@ -27,7 +27,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 @needs_gpu
 @pytest.mark.parametrize("staging", ["cuda:0", "cpu"])
-@pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-fp8-tiny"])
 def test_updates_land_bit_exact_in_a_gpu_engine(model_dir, model: str, staging: str) -> None:
     folder = model_dir(model)
     engine_device = f"cuda:{torch.cuda.device_count() - 1}"

@@ -13,7 +13,8 @@ checkpoints were made: per block, ``scale = max(|w|, 1e-4) / 448`` (448 is the l
 finite e4m3 value), rounded up to a power of two when the config says
 ``scale_fmt: "ue8m0"`` (DeepSeek-V3.1 style, what DeepGEMM reads on Blackwell), and
 ``q = fp8(w * (1 / scale))``. Blocks at the right and bottom edges may be partial; they
-are scaled by their own maximum. The math runs in float32 on the weight's own device.
+are scaled by their own maximum. The math runs in float32 on the weight's own device;
+on a GPU, a one-pass Triton kernel (``fp8_fused``) gives the same bits.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from typing import Any
 import torch
 
 from p2pweights.errors import ConfigError
+from p2pweights.source import fp8_fused
 
 __all__ = ["BlockFp8Format", "quantize", "dequantize", "SCALE_SUFFIX"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_AMAX = 1e-4
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Weights the fused kernel takes: float32 holds them exactly, as torch's math does."""
 SCALE_SUFFIX = "_scale_inv"
 """A quantized weight ``x.weight`` travels with ``x.weight_scale_inv``."""
 
@@ -75,6 +79,8 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
     """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device."""
     if not weight.is_floating_point() or weight.dtype == FP8:
         raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
+    if weight.dtype in _FUSED_DTYPES and fp8_fused.available(weight):
+        return fp8_fused.quantize_fused(weight, fmt.block, fmt.ue8m0)  # the same bits, one pass
     # The blocks stay in the weight's dtype: max and min are exact in any float format,
     # and the multiply below promotes to float32 in the same pass (bf16 -> float32 is
     # exact), so no float32 copy of the weight and no |w| temporary are made.

@@ -1,0 +1,122 @@
+"""When ``quantize`` takes the fused Triton kernel, and its scale math on the CPU.
+
+The kernel's fp8 bytes are compared with torch's on a GPU
+(tests/integration/test_fp8_fused_gpu.py). Here: which weights take it, the switch
+that turns it off, and, under Triton's interpreter, that the kernel's scales (block
+maxima, the 1e-4 floor, the division, ue8m0 rounding, NaN and inf) equal torch's bit
+for bit (a NaN scale only as NaN: numpy keeps NaN payloads a GPU does not). The
+interpreter's own fp8 cast is not the GPU's (it turned 125.5 into 64 and 168 into
+176, where e4m3 rounds to 128 and 160), so its fp8 bytes are not compared here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from p2pweights.source import fp8_block, fp8_fused
+from p2pweights.source.fp8_block import BlockFp8Format, quantize
+
+
+def test_cpu_weights_never_take_the_kernel() -> None:
+    assert not fp8_fused.available(torch.zeros(4, 4))
+
+
+def test_the_switch_turns_it_off(monkeypatch) -> None:
+    cuda_like = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(fp8_fused, "_kernel", lambda: object())
+    assert fp8_fused.available(cuda_like)  # type: ignore[arg-type]
+    monkeypatch.setenv("P2PWEIGHTS_FUSED_FP8", "0")
+    assert not fp8_fused.available(cuda_like)  # type: ignore[arg-type]
+
+
+def test_no_triton_no_kernel(monkeypatch) -> None:
+    cuda_like = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(fp8_fused, "_kernel", lambda: None)
+    assert not fp8_fused.available(cuda_like)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        fp8_fused.quantize_fused(torch.zeros(2, 2), (1, 1), False)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fused"),
+    [(torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float64, False)],
+)
+def test_which_dtypes_take_it(monkeypatch, dtype, fused) -> None:
+    """float64 stays on torch: its math runs in float64 there, not float32."""
+    calls = []
+
+    def fake(weight, block, ue8m0):
+        calls.append((block, ue8m0))
+        return "fused"
+
+    monkeypatch.setattr(fp8_fused, "available", lambda weight: True)
+    monkeypatch.setattr(fp8_fused, "quantize_fused", fake)
+    result = quantize(torch.zeros(128, 128, dtype=dtype), BlockFp8Format((64, 32), ue8m0=True))
+    assert (result == "fused") is fused
+    assert calls == ([((64, 32), True)] if fused else [])
+
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from p2pweights.source import _fp8_triton
+    from p2pweights.source.fp8_block import BlockFp8Format, quantize
+    from p2pweights.source.fp8_fused import _pow2
+
+    def fused(weight, block, ue8m0):
+        rows, cols = weight.shape[-2:]
+        matrices = weight.reshape(-1, rows, cols)
+        grid = (matrices.shape[0], -(-rows // block[0]), -(-cols // block[1]))
+        q = torch.empty(matrices.shape, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(grid)
+        _fp8_triton.block_fp8[grid](
+            matrices, q.view(torch.uint8), scale, rows, cols, *matrices.stride(),
+            BN=block[0], BK=block[1], PAD_N=_pow2(block[0]), PAD_K=_pow2(block[1]),
+            UE8M0=ue8m0,
+        )
+        return q.reshape(weight.shape), scale.reshape(*weight.shape[:-2], *grid[1:])
+
+    torch.manual_seed(0)
+    weight = torch.randn(2, 130, 200) * 0.02
+    weight[0, :64, :64] = 0.0
+    weight[0, 70, 70] = float("inf")
+    weight[1, 129, 199] = float("nan")
+    weight[1, :64, 128:] *= 1e-30
+    failures = []
+    for block, ue8m0, dtype in [
+        ((64, 64), False, torch.bfloat16),
+        ((64, 64), True, torch.float32),
+        ((96, 80), True, torch.bfloat16),
+    ]:
+        w = weight.to(dtype)
+        _, scale = fused(w, block, ue8m0)
+        _, want_scale = quantize(w, BlockFp8Format(block, ue8m0=ue8m0))
+        same_bits = scale.view(torch.int32) == want_scale.view(torch.int32)
+        if not (same_bits | (scale.isnan() & want_scale.isnan())).all():
+            failures.append(f"scales differ for {block} ue8m0={ue8m0} {dtype}")
+    print("\\n".join(failures) or "ok")
+    sys.exit(1 if failures else 0)
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernel_scales_equal_torchs_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+
+
+def test_module_documents_the_switch() -> None:
+    assert "P2PWEIGHTS_FUSED_FP8" in (fp8_block.__doc__ or "") + (fp8_fused.__doc__ or "")
