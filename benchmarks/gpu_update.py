@@ -239,9 +239,12 @@ def p2pweights_updates(
     verify_every: int,
     buffer_bytes: int,
     replay_modes: tuple[str, ...] = ("on",),
+    fused_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
-    """Updates into a fresh local engine on ``engine_gpu``, per staging and replay mode
-    (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update)."""
+    """Updates into a fresh local engine on ``engine_gpu``, per staging, replay mode
+    (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update)
+    and fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``: torch's math, not the
+    one-pass kernel; only fp8 engines quantize)."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
     from p2pweights.verify import verify_engine
@@ -265,9 +268,10 @@ def p2pweights_updates(
     with engine:
         out["engine_start_s"] = round(time.perf_counter() - started, 1)
         client = EngineClient(engine.url, timeout_s=600)
-        runs = [(staging, mode) for staging in stagings for mode in replay_modes]
-        for index, (staging, mode) in enumerate(runs):
+        runs = [(s, r, f) for s in stagings for r in replay_modes for f in fused_modes]
+        for index, (staging, mode, fused) in enumerate(runs):
             os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "1" if mode == "on" else "0"
+            os.environ["P2PWEIGHTS_FUSED_FP8"] = "1" if fused == "on" else "0"
             config_ = SyncConfig(
                 transport=CudaIpcConfig(device=0), buffer_bytes=buffer_bytes, http_timeout_s=600
             )
@@ -291,7 +295,10 @@ def p2pweights_updates(
                     row["verify_s"] = round(time.perf_counter() - t0, 2)
                     torch.cuda.empty_cache()
                 rows.append(row)
-                print(f"  {model} {staging} replay {mode} update {k}: {report.summary()}")
+                print(
+                    f"  {model} {staging} replay {mode} fused {fused} update {k}: "
+                    f"{report.summary()}"
+                )
             session.close()
             # the first update probes; with replay the second runs the loaders to confirm
             timed = rows[2 if mode == "on" else 1 :] or rows
@@ -300,7 +307,8 @@ def p2pweights_updates(
                 name: statistics.median(r["stages"].get(name, 0.0) for r in timed)
                 for name in timed[0]["stages"]
             }
-            out[staging if mode == "on" else f"{staging}/no-replay"] = {
+            key = staging + ("/no-replay" if mode == "off" else "")
+            out[key + ("/no-fused" if fused == "off" else "")] = {
                 "median_update_s": median_s,
                 "update_gb_s": num_bytes / median_s / 1e9,
                 "median_stages_s": stages,
@@ -426,6 +434,13 @@ def main() -> None:
         help="loader replay modes to run side by side (off: sglang's loaders every update)",
     )
     parser.add_argument(
+        "--fused",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="fp8 quantizer modes side by side (off: torch's math instead of the kernel)",
+    )
+    parser.add_argument(
         "--parts",
         nargs="+",
         default=["updates", "baseline"],
@@ -466,6 +481,7 @@ def main() -> None:
                     args.verify_every,
                     args.buffer_mib * 2**20,
                     tuple(args.replay),
+                    tuple(args.fused),
                 ),
             )
         if engine_gpu and "baseline" in args.parts:
