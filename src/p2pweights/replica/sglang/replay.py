@@ -154,9 +154,12 @@ class Replay:
     ) -> list[str]:
         """Destinations this replay, run onto marker bytes, writes otherwise than they are
         (they hold what the loader wrote over the same marker). Empty when it reproduces."""
-        scratch = {name: _marked_like(d) for name, d in destinations.items()}
+        device = _scratch_device(hf_tensors, destinations)
+        scratch = {name: _marked_like(d, device) for name, d in destinations.items()}
         self.run(hf_tensors, scratch)
-        return sorted(n for n, d in destinations.items() if not torch.equal(scratch[n], d))
+        return sorted(
+            n for n, d in destinations.items() if not torch.equal(scratch[n], d.to(device))
+        )
 
 
 def mark(destinations: Mapping[str, torch.Tensor]) -> None:
@@ -165,9 +168,24 @@ def mark(destinations: Mapping[str, torch.Tensor]) -> None:
         d.view(torch.uint8).fill_(_MARKER)
 
 
-def _marked_like(d: torch.Tensor) -> torch.Tensor:
-    pinned = not d.is_cuda and d.is_pinned()
-    return torch.empty(d.shape, dtype=d.dtype, device=d.device, pin_memory=pinned).fill_(_MARKER)
+def _marked_like(d: torch.Tensor, device: torch.device) -> torch.Tensor:
+    pinned = device == d.device and not d.is_cuda and d.is_pinned()
+    return torch.empty(d.shape, dtype=d.dtype, device=device, pin_memory=pinned).fill_(_MARKER)
+
+
+def _scratch_device(
+    hf_tensors: Sequence[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor]
+) -> torch.device:
+    """Where a replay onto marker bytes runs: on the inputs' GPU when they all sit on one
+    and the destinations are host memory (the GPU fills and compares far faster than
+    host threads, and fresh pinned memory is slow to allocate: 9 s per 8 GB load on the
+    H200 host, docs/benchmarks.md); else where the destinations are."""
+    devices = {t.device for _, t in hf_tensors}
+    first = next(iter(destinations.values()), None)
+    if first is None or first.is_cuda or len(devices) != 1:
+        return first.device if first is not None else torch.device("cpu")
+    (device,) = devices
+    return device if device.type == "cuda" else first.device
 
 
 def _wait(devices: set[torch.device]) -> None:
