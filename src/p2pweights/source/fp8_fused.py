@@ -79,7 +79,7 @@ def quantize_fused(
                 PAD_N=_pow2(bn),
                 PAD_K=_pow2(bk),
                 UE8M0=ue8m0,
-                num_warps=8 if bn * bk >= 128 * 128 else 4,
+                num_warps=4,  # the fastest of 4, 8 and 16 on an H200 (fp8_kernel_variants.py)
             )
     return q.reshape(*lead, rows, cols), scale.reshape(*lead, grid_rows, grid_cols)
 
