@@ -224,3 +224,24 @@ def test_span_index_finds_holders_and_overlaps_even_where_spans_overlap() -> Non
     assert sorted(map(str, index.overlapping(90, 110))) == ["0", "1", "2"]
     assert index.overlapping(200, 300) == []
     assert index.overlapping(399, 500) == ["q"]
+
+
+def test_replay_checks_of_host_staging_fed_from_a_gpu_run_on_that_gpu() -> None:
+    """A load from GPU tensors into host staging is checked on the GPU: marker fills and
+    compares of gigabytes there, not in host threads and fresh pinned memory."""
+    from types import SimpleNamespace
+
+    from p2pweights.replica.sglang.replay import _scratch_device
+
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+
+    def tensor(device: torch.device) -> object:
+        return SimpleNamespace(device=device, is_cuda=device.type == "cuda")
+
+    host_dst = {"w": tensor(cpu)}
+    assert _scratch_device([("a", tensor(gpu)), ("b", tensor(gpu))], host_dst) == gpu
+    assert _scratch_device([("a", tensor(cpu))], host_dst) == cpu  # a CPU trainer
+    mixed = [("a", tensor(gpu)), ("b", tensor(torch.device("cuda", 0)))]
+    assert _scratch_device(mixed, host_dst) == cpu  # inputs on two GPUs: stay on the host
+    assert _scratch_device([("a", tensor(gpu))], {"w": tensor(gpu)}) == gpu  # device staging
+    assert _scratch_device([("a", tensor(gpu))], {}) == cpu  # nothing to check
