@@ -291,9 +291,20 @@ def host_findings(buffer_bytes: int = 1 << 30, loopback: bool = True) -> list[Fi
     found = [_python(), *_sglang()]
     transports = {kind: _transport_import(kind) for kind in ("mooncake", "nixl")}
     found += transports.values()
+    cuda = _cuda()
     if not any(f.status == OK for f in transports.values()):
-        found.append(Finding("transports", FAIL, "neither Mooncake nor NIXL is importable"))
-    found += [_rdma(), _cuda(), *_memory(buffer_bytes)]
+        if cuda.status == OK:  # CudaIpcConfig needs neither
+            found.append(
+                Finding(
+                    "transports",
+                    WARN,
+                    "neither Mooncake nor NIXL is importable: only CudaIpcConfig works here, "
+                    "for engines on this host",
+                )
+            )
+        else:
+            found.append(Finding("transports", FAIL, "neither Mooncake nor NIXL is importable"))
+    found += [_rdma(), cuda, *_memory(buffer_bytes)]
     if loopback:
         found += [_loopback(kind) for kind, f in transports.items() if f.status == OK]
     return found

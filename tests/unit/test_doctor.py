@@ -134,3 +134,19 @@ def test_a_cuda_ipc_engine_on_this_host_needs_a_gpu_here() -> None:
         assert finding.status == OK
     else:
         assert finding.status == FAIL and "no CUDA device" in finding.detail
+
+
+@pytest.mark.parametrize(("gpu", "status"), [(True, doctor.WARN), (False, doctor.FAIL)])
+def test_no_rdma_transport_is_a_blocker_only_without_a_gpu(monkeypatch, gpu, status) -> None:
+    """Found on the H200 machine: with neither Mooncake nor NIXL but a GPU, CudaIpcConfig
+    still updates engines on this host; doctor called that a blocker."""
+    missing = {
+        kind: doctor.Finding(kind, doctor.WARN, "not importable") for kind in ("mooncake", "nixl")
+    }
+    monkeypatch.setattr(doctor, "_transport_import", lambda kind: missing[kind])
+    cuda = doctor.Finding("CUDA", doctor.OK, "1 device(s)") if gpu else doctor._cuda()
+    monkeypatch.setattr(doctor, "_cuda", lambda: cuda)
+    found = {f.check: f for f in doctor.host_findings(1 << 20, loopback=False)}
+    assert found["transports"].status == status
+    if gpu:
+        assert "CudaIpcConfig" in found["transports"].detail
