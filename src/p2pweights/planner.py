@@ -24,9 +24,7 @@ import tempfile
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, NamedTuple
 
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import ConfigError, EngineError
@@ -219,26 +217,25 @@ class _RankLoads:
             per_stage = _written_bytes(
                 handle.key, written, stages, self._num_stages, self._buffer_bytes
             )
-            fp8 = [0] * self._num_stages
-            for layout, stage in zip(written.values(), stages, strict=True):
-                if layout.dtype == torch.float8_e4m3fn:
-                    fp8[stage] += layout.num_bytes
             spec = RankSpec.from_server_info(server_info, rank)
+            inputs = self._inputs(spec)
             load = self._done[handle.key] = RankLoad(
                 layout_key=handle.key,
                 bytes_by_stage=tuple(per_stage),
-                loader_inputs_by_stage=self._loader_inputs(spec),
-                quantized_bytes_by_stage=tuple(fp8),
+                loader_inputs_by_stage=inputs.loader_calls,
+                quantized_bytes_by_stage=inputs.quantized_bytes,
+                quantized_inputs_by_stage=inputs.quantized,
             )
         return load
 
     def _stage(self, name: str) -> int:
         return pipeline_stage_of(name, self._num_layers, self._num_stages)
 
-    def _loader_inputs(self, spec: RankSpec) -> tuple[int, ...]:
+    def _inputs(self, spec: RankSpec) -> _RankInputs:
         """HF tensors this rank's loaders read (an estimate for the predicted time: every
-        tensor but other ranks' routed experts, scales counted apart)."""
-        counts = [0] * self._num_stages
+        tensor but other ranks' routed experts, scales counted apart) and those of them
+        the sender quantizes (whole, from the trainer's bf16)."""
+        calls, quantized, quantized_bytes = ([0] * self._num_stages for _ in range(3))
         local = None
         if self._num_experts:
             per_rank = int(self._num_experts) // max(spec.moe_ep_size, 1)
@@ -250,9 +247,22 @@ class _RankLoads:
             match = _EXPERT.search(name)
             if match is not None and local is not None and int(match.group(1)) not in local:
                 continue
-            counts[self._stage(name)] += 2 if tensor.scale_shape is not None else 1
-        return tuple(counts)
+            stage = self._stage(name)
+            calls[stage] += 2 if tensor.scale_shape is not None else 1
+            if tensor.scale_shape is not None:
+                quantized[stage] += 1
+                quantized_bytes[stage] += math.prod(tensor.shape) * _TRAINER_BYTES
+        return _RankInputs(tuple(calls), tuple(quantized), tuple(quantized_bytes))
 
+
+_TRAINER_BYTES = 2
+"""Bytes per element of what a trainer sends an fp8 engine to quantize (bf16)."""
+
+
+class _RankInputs(NamedTuple):
+    loader_calls: tuple[int, ...]
+    quantized: tuple[int, ...]
+    quantized_bytes: tuple[int, ...]
 
 def _written_bytes(
     key: Hashable,

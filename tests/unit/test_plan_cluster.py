@@ -123,6 +123,7 @@ def test_predicted_time_by_hand():
         buffer_bytes=10**9,
         loader_call_s=1e-4,
         quantize_gbps=100.0,
+        quantize_call_s=1e-4,
         flush_overhead_s=1e-3,
         control_call_s=0.01,
         engine_finish_s=0.5,
@@ -133,10 +134,11 @@ def test_predicted_time_by_hand():
         write_bytes=20 * 10**9,  # writes two targets of one layout
         load_bytes=10 * 10**9,
         loader_inputs=1000,
-        quantized_bytes=10**9,
+        quantized_bytes=2 * 10**9,  # bf16 in: 0.02 s of GPU time
+        quantized_inputs=500,  # 0.05 s of launches: the longer one counts
     )
     prediction = predict([sender], [], 3, links, pipeline)
-    load = 10 / 55 + 1000 * 1e-4 + 2 * 1 / 100
+    load = 10 / 55 + 1000 * 1e-4 + max(2 / 100, 500 * 1e-4)
     write = 20 / 50
     transfer = max(load, write) + min(load, write) / 10 + 10 * 1e-3
     assert prediction.load_s == pytest.approx(load)

@@ -71,7 +71,10 @@ class RankLoad:
     loader_inputs_by_stage: tuple[int, ...] | None = None
     """HF tensors the rank's loaders read, per stage (for the predicted time only)."""
     quantized_bytes_by_stage: tuple[int, ...] | None = None
-    """fp8 bytes the sender quantizes for this rank, per stage (fp8 engines)."""
+    """bf16 bytes the sender quantizes for this rank, per stage (fp8 engines): whole HF
+    tensors, since they are quantized before the loaders take the rank's slice."""
+    quantized_inputs_by_stage: tuple[int, ...] | None = None
+    """HF tensors the sender quantizes for this rank, per stage."""
 
     @property
     def num_bytes(self) -> int:
@@ -82,6 +85,10 @@ class RankLoad:
 
     def quantized_bytes(self, stage: int) -> int:
         values = self.quantized_bytes_by_stage
+        return 0 if values is None else values[stage]
+
+    def quantized_inputs(self, stage: int) -> int:
+        values = self.quantized_inputs_by_stage
         return 0 if values is None else values[stage]
 
 
@@ -291,6 +298,7 @@ def plan_cluster(
                 load_bytes=sum(rank.bytes_by_stage[stage] for rank in distinct),
                 loader_inputs=sum(rank.loader_inputs(stage) for rank in distinct),
                 quantized_bytes=sum(rank.quantized_bytes(stage) for rank in distinct),
+                quantized_inputs=sum(rank.quantized_inputs(stage) for rank in distinct),
             )
             senders.append(SenderPlan(rank_id, stage, tuple(keys), load))
     receivers = [

@@ -104,9 +104,14 @@ class PipelineModel:
     kilobyte tensors (``benchmarks/loader_overhead.py``): 11-12 us for Qwen3, Qwen3-MoE
     and DeepSeek-V3 (MLA); the first two updates run sglang's loaders (24-99 us). Assumed
     the same on a GPU host's CPU (where each copy is a kernel launch instead)."""
-    quantize_gbps: float = 95.0
-    """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input: 95 GB/s
-    measured on an H200 (``benchmarks/fp8_convert.py``, blocks 128 x 128)."""
+    quantize_gbps: float = 1900.0
+    """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input: the fused
+    Triton kernel's GPU time on an H200, 1,940-2,340 GB/s for DeepSeek-V3 weight shapes
+    (``benchmarks/fp8_kernel_variants.py``; torch's several passes ran at 95)."""
+    quantize_call_s: float = 49e-6
+    """Host time per quantized HF tensor (Triton's launch and the output allocations),
+    measured on the H200 host: launches queue while earlier ones run, so a sender's
+    quantization takes the longer of its host time and its GPU time."""
     flush_overhead_s: float = (
         H200_PIPELINE_S
         - (
@@ -152,7 +157,10 @@ class SenderLoad:
     loader_inputs: int = 0
     """HF tensors its loaders read (each layout once)."""
     quantized_bytes: int = 0
-    """fp8 bytes among ``load_bytes`` it quantizes from bf16 (twice as many bytes in)."""
+    """bf16 bytes it quantizes to fp8: whole HF tensors (quantized before the loaders
+    narrow them to a rank's slice), each layout once."""
+    quantized_inputs: int = 0
+    """HF tensors it quantizes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +252,8 @@ def predict(
 ) -> Prediction:
     """Time of one warm update (after the first: no probe, no check) through our pipeline.
 
-    Per sender: ``load = staged bytes / staging rate + loader calls + quantization``,
+    Per sender: ``load = staged bytes / staging rate + loader calls + quantization``
+    (quantization: the longer of its GPU time and its launches' host time),
     ``write = written bytes / (NIC x transport efficiency)``; two buffers overlap them, so
     ``pipeline = max(load, write) + min(load, write) / flushes + flushes x overhead``
     (the first buffer loads before any write, the last writes after every load). A
@@ -258,7 +267,10 @@ def predict(
         load = (
             s.load_bytes / stage_rate
             + s.loader_inputs * pipeline.loader_call_s
-            + 2 * s.quantized_bytes / (pipeline.quantize_gbps * GB)
+            + max(
+                s.quantized_bytes / (pipeline.quantize_gbps * GB),
+                s.quantized_inputs * pipeline.quantize_call_s,
+            )
         )
         write = s.write_bytes / nic
         flushes = max(1, math.ceil(s.load_bytes / pipeline.buffer_bytes))
