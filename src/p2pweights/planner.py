@@ -264,6 +264,7 @@ class _RankInputs(NamedTuple):
     quantized: tuple[int, ...]
     quantized_bytes: tuple[int, ...]
 
+
 def _written_bytes(
     key: Hashable,
     layouts: Mapping[str, Any],
