@@ -240,11 +240,13 @@ def p2pweights_updates(
     buffer_bytes: int,
     replay_modes: tuple[str, ...] = ("on",),
     fused_modes: tuple[str, ...] = ("on",),
+    direct_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
     """Updates into a fresh local engine on ``engine_gpu``, per staging, replay mode
     (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update)
     and fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``: torch's math, not the
-    one-pass kernel; only fp8 engines quantize)."""
+    one-pass kernel; only fp8 engines quantize) and ``CudaIpcConfig.direct`` (off: an
+    engine on the trainer's GPU is staged like any other)."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
     from p2pweights.verify import verify_engine
@@ -268,12 +270,20 @@ def p2pweights_updates(
     with engine:
         out["engine_start_s"] = round(time.perf_counter() - started, 1)
         client = EngineClient(engine.url, timeout_s=600)
-        runs = [(s, r, f) for s in stagings for r in replay_modes for f in fused_modes]
-        for index, (staging, mode, fused) in enumerate(runs):
+        runs = [
+            (s, r, f, d)
+            for s in stagings
+            for r in replay_modes
+            for f in fused_modes
+            for d in direct_modes
+        ]
+        for index, (staging, mode, fused, direct) in enumerate(runs):
             os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "1" if mode == "on" else "0"
             os.environ["P2PWEIGHTS_FUSED_FP8"] = "1" if fused == "on" else "0"
             config_ = SyncConfig(
-                transport=CudaIpcConfig(device=0), buffer_bytes=buffer_bytes, http_timeout_s=600
+                transport=CudaIpcConfig(device=0, direct=direct == "on"),
+                buffer_bytes=buffer_bytes,
+                http_timeout_s=600,
             )
             session = WeightSyncSession(config_, staging_device=staging)
             session.connect([engine.url])
@@ -296,7 +306,7 @@ def p2pweights_updates(
                     torch.cuda.empty_cache()
                 rows.append(row)
                 print(
-                    f"  {model} {staging} replay {mode} fused {fused} update {k}: "
+                    f"  {model} {staging} replay {mode} fused {fused} direct {direct} update {k}: "
                     f"{report.summary()}"
                 )
             session.close()
@@ -308,7 +318,8 @@ def p2pweights_updates(
                 for name in timed[0]["stages"]
             }
             key = staging + ("/no-replay" if mode == "off" else "")
-            out[key + ("/no-fused" if fused == "off" else "")] = {
+            key += "/no-fused" if fused == "off" else ""
+            out[key + ("/no-direct" if direct == "off" else "")] = {
                 "median_update_s": median_s,
                 "update_gb_s": num_bytes / median_s / 1e9,
                 "median_stages_s": stages,
@@ -441,6 +452,13 @@ def main() -> None:
         help="fp8 quantizer modes side by side (off: torch's math instead of the kernel)",
     )
     parser.add_argument(
+        "--direct",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="CudaIpcConfig.direct modes side by side (off: a colocated engine is staged)",
+    )
+    parser.add_argument(
         "--parts",
         nargs="+",
         default=["updates", "baseline"],
@@ -482,6 +500,7 @@ def main() -> None:
                     args.buffer_mib * 2**20,
                     tuple(args.replay),
                     tuple(args.fused),
+                    tuple(args.direct),
                 ),
             )
         if engine_gpu and "baseline" in args.parts:

@@ -98,6 +98,9 @@ class CudaIpcConfig(_Config):
     kind: Literal["cuda_ipc"] = "cuda_ipc"
     device: int | None = None
     """The trainer GPU that issues the copies; defaults to the process's current device."""
+    direct: bool = True
+    """Engine memory on that same GPU (colocated training and rollout) is filled by the
+    loaders directly, with no staging copy; False stages it like any other."""
 
 
 TransportConfig = Annotated[

@@ -54,3 +54,27 @@ def test_a_cpu_engine_cannot_publish_over_cuda_ipc(model_dir) -> None:
     with pytest.raises(EngineError) as caught, engine:
         pass
     assert "CUDA IPC shares GPU memory only" in str(caught.value)
+
+
+@needs_gpu
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_engine_on_the_trainers_gpu_is_loaded_directly(model_dir, direct: bool) -> None:
+    """Colocated: the loaders write the engine's memory themselves (no staging copy, no
+    IPC write), bit-exact; ``CudaIpcConfig(direct=False)`` stages it like any other."""
+    folder = model_dir("qwen3-moe-tiny")
+    with LocalEngine(folder, tp=2, transport="cuda_ipc", device="cuda:0") as engine:
+        config = SyncConfig(transport=CudaIpcConfig(device=0, direct=direct), buffer_bytes="1MiB")
+        with WeightSyncSession(config, staging_device="cuda:0") as session:
+            session.connect([engine.url])
+            client = EngineClient(engine.url)
+            for seed in (21, 22, 23):
+                tensors = [
+                    (name, t.to("cuda:0"))
+                    for name, t in synthetic_weights(folder / "config.json", seed=seed)
+                ]
+                session.update(tensors)
+                mismatches = verify_engine(client, tensors.__iter__, device="cuda:0")
+                assert mismatches == {0: [], 1: []}, f"update from seed {seed}"
+            transport = session._executor.transport  # what the transport mapped for loads
+            assert bool(transport._direct) is direct
+            client.close()

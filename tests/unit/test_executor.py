@@ -220,3 +220,79 @@ def test_growing_buffers_deregisters_the_old_ones():
     assert sorted(transport.unregistered) == sorted(first) and len(transport.registered) == 2
     executor.close()
     assert transport.registered == []
+
+
+class MappingTransport(CopyingTransport):
+    """Maps engine ``direct_url``'s memory for plain copies, as CUDA IPC does for an
+    engine on the trainer's own GPU; every other engine is written through staging."""
+
+    def __init__(self, direct_url: str, memory: dict[str, torch.Tensor]):
+        super().__init__()
+        self.direct_url = direct_url
+        self.memory = [t.view(torch.uint8) for t in memory.values()]
+        self.views: list[tuple[int, int]] = []
+
+    def direct_view(self, target, address, num_bytes):
+        if target.engine_url != self.direct_url:
+            return None
+        for region in self.memory:
+            start = region.data_ptr()
+            if start <= address and address + num_bytes <= start + region.numel():
+                self.views.append((address, num_bytes))
+                return region[address - start : address - start + num_bytes]
+        raise TransferError(f"{num_bytes} bytes at {address:#x} are outside what was published")
+
+
+def test_a_mapped_engine_is_loaded_directly_and_the_others_through_staging():
+    source = _params(3)
+    mapped = {n: torch.zeros_like(t) for n, t in source.items()}
+    remote = {n: torch.zeros_like(t) for n, t in source.items()}
+    transport = MappingTransport("http://mapped", mapped)
+    targets = [_engine("http://mapped", 0, mapped), _engine("http://remote", 0, remote)]
+    loads: list = []
+    _, result = _run(transport, 3 * aligned(600), source, targets, loads=loads)
+    for engine in (mapped, remote):
+        for name, value in source.items():
+            assert torch.equal(engine[name].view(torch.uint8), value.view(torch.uint8)), name
+    # the mapped engine got no write, only loads into its memory; the other only writes
+    written_to = {session for _, session, _ in transport.calls}
+    assert all(url == "http://remote" for url, _ in transport.threads)
+    assert written_to == {"target-peer"}
+    assert len(transport.views) == len(source)
+    everything = sum(_nbytes(t) for t in source.values())
+    assert result.bytes_by_target == {
+        ("http://mapped", 0): everything,
+        ("http://remote", 0): everything,
+    }
+    # every group loaded once per destination: once staged, once straight into the engine
+    loaded = sorted(n for _, names in loads for n in names)
+    assert loaded == sorted(list(source) * 2)
+
+
+def test_direct_loads_are_bounded_by_the_buffer_size():
+    """A direct load's replay check allocates scratch of its size: at most a buffer's."""
+    source = _params(4)
+    mapped = {n: torch.zeros_like(t) for n, t in source.items()}
+    transport = MappingTransport("http://mapped", mapped)
+    loads: list = []
+    buffer_bytes = 2 * aligned(600)
+    _, result = _run(
+        transport, buffer_bytes, source, [_engine("http://mapped", 0, mapped)], loads=loads
+    )
+    assert transport.calls == []  # nothing staged, nothing written
+    assert len(loads) > 2
+    for _, names in loads:
+        assert sum(aligned(_nbytes(source[n])) for n in names) <= buffer_bytes
+    for name, value in source.items():
+        assert torch.equal(mapped[name].view(torch.uint8), value.view(torch.uint8)), name
+    assert result.bytes_written == sum(_nbytes(t) for t in source.values())
+
+
+def test_a_direct_view_outside_the_published_memory_fails_before_loading():
+    source = _params(5)
+    mapped = {n: torch.zeros_like(t) for n, t in source.items()}
+    transport = MappingTransport("http://mapped", {"p0": mapped["p0"]})  # maps p0 alone
+    loads: list = []
+    with pytest.raises(TransferError, match="outside what was published"):
+        _run(transport, 4096, source, [_engine("http://mapped", 0, mapped)], loads=loads)
+    assert loads == []  # refused while staging, before the first flush loads anything

@@ -12,6 +12,11 @@ go to the writers, and filling continues in the other buffer, reused only once
 every write reading it has returned. A failed or late write fails its engine rank,
 not the others: later batches to it are skipped while the other ranks get all
 their bytes, and ``RunResult`` says which engines received everything.
+
+Where the transport maps an engine rank's memory for plain device copies
+(``Transport.direct_view``: CUDA IPC into the trainer's own GPU, colocated), that
+rank's groups skip staging: the replicas load straight into its memory, at each flush
+with the staged groups, at most a buffer's worth at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError
-from p2pweights.plan.byte_plan import BytePlan, GroupPlan
+from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
 from p2pweights.transfer.transports.base import Transport, Write
 from p2pweights.transfer.writers import FailedTargets, RankWriter, TargetKey, WriteBatch
@@ -182,7 +187,7 @@ class TransferExecutor:
                 f"staging buffers of {self.buffer_bytes} bytes cannot hold the plan's largest "
                 f"group ({plan.buffer_bytes} bytes); reserve() them first"
             )
-        update = _Run(self._buffers, self._writers, self._timeout_s, load)
+        update = _Run(self._buffers, self._writers, self._timeout_s, load, self._transport)
         try:
             for group, inputs in ready:
                 update.stage(group, inputs)
@@ -234,6 +239,15 @@ def _one_intra_op_thread(on_host: bool) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@dataclass
+class _DirectLoad:
+    """Groups of one replica an engine rank receives straight into its memory."""
+
+    target: RankPublication
+    inputs: list[HfInput] = field(default_factory=list)
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
     """Who a publication is reached through (a target and its draft may share it)."""
     return (pub.backend, pub.session_id, pub.agent_name)
@@ -248,13 +262,18 @@ class _Run:
         writers: dict[TargetKey, RankWriter],
         timeout_s: float,
         load: LoadFn,
+        transport: Transport,
     ):
         self._buffers = buffers
         self._writers = writers
         self._timeout_s = timeout_s
         self._load = load
+        self._transport = transport
         buffers.reset()
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
+        # loads straight into engine memory, per (replica, engine rank and runner)
+        self._direct: dict[tuple[Hashable, tuple[str, int, str]], _DirectLoad] = {}
+        self._direct_bytes = 0
         # one batch per publication: a rank's draft is reached through its own handle
         self._batches: dict[tuple[str, int, str], WriteBatch] = {}
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
@@ -264,6 +283,39 @@ class _Run:
         """Writes given up on after the timeout that have not returned yet."""
 
     def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
+        staged = []
+        for tw in group.targets:
+            views = self._direct_views(group, tw)
+            if views is None:
+                staged.append(tw)
+                continue
+            if self._direct_bytes + group.block_bytes > self._buffers.current.capacity_bytes:
+                self._flush()  # bounds a load's size (and its replay check's scratch)
+            key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
+            direct = self._direct.setdefault((group.key, key), _DirectLoad(tw.target))
+            direct.inputs.extend(inputs)
+            direct.views.update(views)
+            self._direct_bytes += group.block_bytes
+        if staged:
+            self._stage(group, inputs, staged)
+
+    def _direct_views(self, group: GroupPlan, tw: TargetWrites) -> dict[str, torch.Tensor] | None:
+        """The engine rank's memory for every slot of ``group``, if the transport maps it
+        for plain copies (a load writes every slot of its group: all or none)."""
+        if {w.slot for w in tw.writes} != set(range(len(group.slots))):
+            return None
+        views = {}
+        for w in tw.writes:
+            slot = group.slots[w.slot]
+            view = self._transport.direct_view(tw.target, w.dst_address, slot.num_bytes)
+            if view is None:
+                return None
+            views[slot.param] = view
+        return views
+
+    def _stage(
+        self, group: GroupPlan, inputs: Sequence[HfInput], targets: Sequence[TargetWrites]
+    ) -> None:
         buffer = self._buffers.current
         if buffer.capacity_bytes - buffer.used_bytes < group.block_bytes:
             buffer = self._flush()
@@ -274,7 +326,7 @@ class _Run:
         start = buffer.address + base
         for slot in group.slots:
             views[slot.param] = buffer.view(base + slot.offset, slot.num_bytes)
-        for tw in group.targets:
+        for tw in targets:
             key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
             batch = self._batches.get(key)
             if batch is None:
@@ -293,9 +345,17 @@ class _Run:
             for key, (inputs, views) in self._staged.items():
                 self._load(key, inputs, views)
         self._staged = {}
-        if self._buffers.current.tensor.is_cuda:
-            # Loaders copy asynchronously on the GPU; writers must read finished bytes.
-            torch.cuda.current_stream(self._buffers.current.tensor.device).synchronize()
+        devices = {self._buffers.current.tensor.device} if self._staged_on_gpu else set()
+        for (key, _), direct in self._direct.items():
+            self._load(key, direct.inputs, direct.views)
+            devices.update(view.device for view in direct.views.values() if view.is_cuda)
+            target = (direct.target.engine_url, direct.target.engine_rank)
+            self.result.bytes_by_target[target] += sum(v.numel() for v in direct.views.values())
+        self._direct, self._direct_bytes = {}, 0
+        for device in devices:
+            # Loaders copy asynchronously on the GPU: writers, and an engine reading its
+            # memory after end_weight_update, must find finished bytes.
+            torch.cuda.current_stream(device).synchronize()
         self.result.load_s += time.perf_counter() - started
         index = self._buffers.current_index
         for batch in self._batches.values():
@@ -311,8 +371,12 @@ class _Run:
         buffer.used_bytes = 0
         return buffer
 
+    @property
+    def _staged_on_gpu(self) -> bool:
+        return self._buffers.current.tensor.is_cuda
+
     def finish(self) -> RunResult:
-        if self._batches or self._staged:
+        if self._batches or self._staged or self._direct:
             self._flush()
         for index in (0, 1):
             self._wait(self._pending[index])

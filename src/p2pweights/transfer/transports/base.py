@@ -64,6 +64,15 @@ class Transport(ABC):
         Safe to call from one thread per target concurrently.
         """
 
+    def direct_view(
+        self, target: RankPublication, address: int, num_bytes: int
+    ) -> torch.Tensor | None:
+        """A uint8 tensor over ``num_bytes`` of ``target``'s memory at its ``address``, if
+        this process writes there as fast with its own device copies as through a write
+        (the loaders then fill it directly and the staging copy is skipped); else None.
+        Raises ``TransferError`` for bytes outside the memory ``target`` published."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Deregister memory and release every connection."""

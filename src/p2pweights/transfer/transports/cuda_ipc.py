@@ -119,6 +119,9 @@ class CudaIpcTransport(Transport):
         """Each engine rank's last copies: waited for before its memory or a buffer goes."""
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._direct: dict[tuple[str, int], torch.Tensor | None] = {}
+        """(peer, segment index) -> the mapped segment as a tensor, None if not on our GPU."""
+        self._direct_allowed = config.direct
 
     @property
     def device(self) -> int:
@@ -164,10 +167,44 @@ class CudaIpcTransport(Transport):
         with self._lock:
             self._opened[target.peer] = opened
 
+    def direct_view(
+        self, target: RankPublication, address: int, num_bytes: int
+    ) -> torch.Tensor | None:
+        """Engine memory on this transport's own GPU (colocated training and rollout): a
+        tensor over the mapping, so the loaders copy into it as into a staging buffer.
+        Memory on another GPU stays written through staging: torch would copy into it
+        from that GPU's context, the slow path of ``cuda_runtime``'s finding."""
+        if not self._direct_allowed:
+            return None
+        with self._lock:
+            opened = self._opened.get(target.peer)
+        if opened is None:
+            raise TransferError(f"{target.where} is not connected; connect() it first")
+        index = opened.find(address, num_bytes)
+        if index is None:
+            raise TransferError(
+                f"{num_bytes} bytes at {address:#x} are not inside one block of the memory "
+                f"{target.where} published; nothing was written"
+            )
+        with self._lock:
+            key = (target.peer, index)
+            if key not in self._direct:
+                start, end, local = opened.segments[index]
+                mapped = torch.as_tensor(_MappedBytes(local, end - start))  # no copy
+                on_ours = mapped.device == torch.device("cuda", self._device)
+                self._direct[key] = mapped if on_ours else None
+            segment = self._direct[key]
+        if segment is None:
+            return None
+        offset = address - opened.segments[index][0]
+        return segment[offset : offset + num_bytes]
+
     def disconnect(self, target: RankPublication) -> None:
         with self._lock:
             opened = self._opened.pop(target.peer, None)
             pending = self._pending.pop(target.peer, None)
+            # views over the mapping must go before it is closed
+            self._direct = {k: v for k, v in self._direct.items() if k[0] != target.peer}
         if pending is not None:
             pending.synchronize()  # copies given up on still read and write this memory
         if opened is not None:
@@ -224,9 +261,24 @@ class CudaIpcTransport(Transport):
         with self._lock:
             opened, self._opened = list(self._opened.values()), {}
             self._pending = {}
+            self._direct = {}
             self._sources = RegionIndex([])
         for entry in opened:
             self._close_pointers(entry.mapped)
+
+
+class _MappedBytes:
+    """Device memory mapped here, as ``torch.as_tensor`` takes it (the CUDA array
+    interface; torch asks the runtime which GPU it is on)."""
+
+    def __init__(self, pointer: int, num_bytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (num_bytes,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def translate(target: RankPublication, opened: Opened, sources: RegionIndex, write: Write) -> Write:
