@@ -225,6 +225,7 @@ class _RankLoads:
                 loader_inputs_by_stage=inputs.loader_calls,
                 quantized_bytes_by_stage=inputs.quantized_bytes,
                 quantized_inputs_by_stage=inputs.quantized,
+                quantized_key=(spec.moe_ep_size, spec.moe_ep_rank) if self._num_experts else 0,
             )
         return load
 

@@ -33,7 +33,7 @@ def _both(weight: torch.Tensor, fmt: BlockFp8Format, monkeypatch) -> None:
     assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
 
 
-@pytest.mark.parametrize("block", [(128, 128), (64, 64), (128, 64), (96, 80)])
+@pytest.mark.parametrize("block", [(128, 128), (64, 64), (128, 64), (96, 80), (1, 128)])
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("shape", [(7168, 2048), (300, 200), (4, 130, 257), (1, 5)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -61,10 +61,11 @@ def test_fused_equals_torch_on_special_values(ue8m0, monkeypatch) -> None:
     weight[128:256, 128:256] = torch.finfo(torch.bfloat16).max  # the largest values
     weight[256, 0] = float("inf")
     weight[256, 200] = float("-inf")
-    weight[300, 300] = float("nan")
-    weight[400, 400] = -float("nan")
     weight[384:, 384:] = torch.linspace(-448, 448, 128 * 128, device="cuda").view(128, 128)
-    for dtype in (torch.float32, torch.bfloat16):
+    weight[300, 300] = float("nan")
+    negative_nan = torch.tensor(-(1 << 22), dtype=torch.int32).view(torch.float32)  # 0xFFC00000
+    weight[400, 300] = negative_nan.item()  # another block; float32 keeps its sign
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         _both(weight.to(dtype), BlockFp8Format((128, 128), ue8m0=ue8m0), monkeypatch)
     ties = torch.arange(-512, 512, 0.5, device="cuda").view(16, 128)  # halfway cases
     _both(ties, BlockFp8Format((16, 128), ue8m0=ue8m0), monkeypatch)
@@ -76,3 +77,10 @@ def test_float64_takes_the_torch_path() -> None:
     want_q, want_scale = quantize(weight.cpu(), BlockFp8Format((128, 128)))
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale.cpu(), want_scale)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_fused_equals_torch_on_another_gpu_than_the_current_one(monkeypatch) -> None:
+    weight = (torch.randn(300, 700, device="cuda:1") * 0.02).bfloat16()
+    assert torch.cuda.current_device() == 0
+    _both(weight, BlockFp8Format((128, 128)), monkeypatch)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 import torch
@@ -27,18 +26,65 @@ def test_cpu_weights_never_take_the_kernel() -> None:
     assert not fp8_fused.available(torch.zeros(4, 4))
 
 
-def test_the_switch_turns_it_off(monkeypatch) -> None:
-    cuda_like = types.SimpleNamespace(is_cuda=True)
+@pytest.fixture
+def capable(monkeypatch):
+    """A GPU the kernel compiles for, and the kernel, as far as ``usable`` asks."""
+    monkeypatch.setattr(fp8_fused, "_capable", lambda device: True)
     monkeypatch.setattr(fp8_fused, "_kernel", lambda: object())
-    assert fp8_fused.available(cuda_like)  # type: ignore[arg-type]
+    monkeypatch.setattr(fp8_fused, "_broken", [])
+
+
+GPU = torch.device("cuda", 0)
+
+
+def test_the_switch_turns_it_off(monkeypatch, capable) -> None:
+    assert fp8_fused.usable(GPU, (256, 256), (128, 128))
     monkeypatch.setenv("P2PWEIGHTS_FUSED_FP8", "0")
-    assert not fp8_fused.available(cuda_like)  # type: ignore[arg-type]
+    assert not fp8_fused.usable(GPU, (256, 256), (128, 128))
 
 
-def test_no_triton_no_kernel(monkeypatch) -> None:
-    cuda_like = types.SimpleNamespace(is_cuda=True)
+def test_gpus_older_than_ada_and_rocm_keep_torch(monkeypatch, capable) -> None:
+    """Triton casts to e4m3 only from compute capability 8.9 (an A100 cannot compile it)."""
+    monkeypatch.setattr(fp8_fused, "_capable", lambda device: False)
+    assert not fp8_fused.usable(GPU, (256, 256), (128, 128))
+    monkeypatch.setattr(fp8_fused, "_capable", lambda device: True)
+    monkeypatch.setattr(fp8_fused.torch.version, "hip", "6.2")
+    assert not fp8_fused.usable(GPU, (256, 256), (128, 128))
+
+
+def test_blocks_and_grids_one_launch_cannot_take_keep_torch(capable) -> None:
+    assert fp8_fused.usable(GPU, (65535 * 128, 7168), (128, 128))
+    assert not fp8_fused.usable(GPU, (65536 * 128, 7168), (128, 128))  # grid rows
+    assert not fp8_fused.usable(GPU, (7, 65536 * 2), (1, 2))  # grid columns
+    assert not fp8_fused.usable(GPU, (1024, 1024), (512, 512))  # block too large
+
+
+def test_subclasses_keep_torchs_dispatch(capable) -> None:
+    class Wrapped(torch.Tensor):
+        pass
+
+    assert not fp8_fused.available(torch.zeros(4, 4).as_subclass(Wrapped))
+
+
+def test_a_kernel_that_fails_gives_way_to_torch_for_good(monkeypatch, capable, caplog) -> None:
+    def fails(weight, block, ue8m0):
+        raise RuntimeError("PTX compile failed")
+
+    monkeypatch.setattr(fp8_fused, "quantize_fused", fails)
+    monkeypatch.setattr(fp8_fused, "available", lambda weight, block: not fp8_fused._broken)
+    weight = torch.randn(256, 256).bfloat16()
+    q, scale = quantize(weight, BlockFp8Format((128, 128)))  # torch's, after the failure
+    monkeypatch.setenv("P2PWEIGHTS_FUSED_FP8", "0")
+    want_q, want_scale = quantize(weight, BlockFp8Format((128, 128)))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    assert not fp8_fused.usable(GPU, (256, 256), (128, 128))
+    assert "PTX compile failed" in caplog.text
+
+
+def test_no_triton_no_kernel(monkeypatch, capable) -> None:
     monkeypatch.setattr(fp8_fused, "_kernel", lambda: None)
-    assert not fp8_fused.available(cuda_like)  # type: ignore[arg-type]
+    assert not fp8_fused.usable(GPU, (256, 256), (128, 128))
     with pytest.raises(RuntimeError, match="needs Triton"):
         fp8_fused.quantize_fused(torch.zeros(2, 2), (1, 1), False)
 
@@ -55,7 +101,7 @@ def test_which_dtypes_take_it(monkeypatch, dtype, fused) -> None:
         calls.append((block, ue8m0))
         return "fused"
 
-    monkeypatch.setattr(fp8_fused, "available", lambda weight: True)
+    monkeypatch.setattr(fp8_fused, "available", lambda weight, block: True)
     monkeypatch.setattr(fp8_fused, "quantize_fused", fake)
     result = quantize(torch.zeros(128, 128, dtype=dtype), BlockFp8Format((64, 32), ue8m0=True))
     assert (result == "fused") is fused

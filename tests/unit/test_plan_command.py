@@ -90,3 +90,16 @@ def test_bad_engine_spec_is_refused_before_any_replica():
     done = _plan("--model", "qwen3-tiny", "--engine", "ep=2", "--senders", "1")
     assert done.returncode == 2
     assert "needs tp=T" in done.stderr
+
+
+def test_a_sender_quantizes_each_tensor_once_for_all_its_tp_ranks() -> None:
+    """TP ranks read slices of the same tensors: one sender serving both quantizes once
+    (one conversion per checkpoint format), as two senders, one rank each, do apiece."""
+    from p2pweights.planner import build_cluster_plan, parse_engine_spec
+
+    engines = [parse_engine_spec("tp=2")]
+    one = build_cluster_plan("deepseek-v3-fp8-tiny", engines, num_senders=1).senders[0].load
+    two = build_cluster_plan("deepseek-v3-fp8-tiny", engines, num_senders=2).senders
+    assert one.quantized_bytes > 0
+    assert one.quantized_bytes == two[0].load.quantized_bytes == two[1].load.quantized_bytes
+    assert one.quantized_inputs == two[0].load.quantized_inputs

@@ -75,6 +75,10 @@ class RankLoad:
     tensors, since they are quantized before the loaders take the rank's slice."""
     quantized_inputs_by_stage: tuple[int, ...] | None = None
     """HF tensors the sender quantizes for this rank, per stage."""
+    quantized_key: Hashable = None
+    """Equal for ranks whose loaders read the same quantized tensors (TP ranks of one EP
+    rank): a sender quantizes each tensor once, whatever the number of such ranks.
+    None: ``layout_key`` stands for it."""
 
     @property
     def num_bytes(self) -> int:
@@ -292,13 +296,17 @@ def plan_cluster(
             for key in keys:
                 writers[key].append(rank_id)
             distinct = {ranks[key].layout_key: ranks[key] for key in keys}.values()
+            quantizing = {
+                rank.layout_key if rank.quantized_key is None else rank.quantized_key: rank
+                for rank in distinct
+            }.values()
             load = SenderLoad(
                 rank=rank_id,
                 write_bytes=sum(ranks[key].bytes_by_stage[stage] for key in keys),
                 load_bytes=sum(rank.bytes_by_stage[stage] for rank in distinct),
                 loader_inputs=sum(rank.loader_inputs(stage) for rank in distinct),
-                quantized_bytes=sum(rank.quantized_bytes(stage) for rank in distinct),
-                quantized_inputs=sum(rank.quantized_inputs(stage) for rank in distinct),
+                quantized_bytes=sum(rank.quantized_bytes(stage) for rank in quantizing),
+                quantized_inputs=sum(rank.quantized_inputs(stage) for rank in quantizing),
             )
             senders.append(SenderPlan(rank_id, stage, tuple(keys), load))
     receivers = [

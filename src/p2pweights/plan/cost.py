@@ -104,10 +104,12 @@ class PipelineModel:
     kilobyte tensors (``benchmarks/loader_overhead.py``): 11-12 us for Qwen3, Qwen3-MoE
     and DeepSeek-V3 (MLA); the first two updates run sglang's loaders (24-99 us). Assumed
     the same on a GPU host's CPU (where each copy is a kernel launch instead)."""
-    quantize_gbps: float = 1900.0
-    """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input: the fused
-    Triton kernel's GPU time on an H200, 1,940-2,340 GB/s for DeepSeek-V3 weight shapes
-    (``benchmarks/fp8_kernel_variants.py``; torch's several passes ran at 95)."""
+    quantize_gbps: float = 1700.0
+    """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input, GPU time:
+    the library's own call of the fused Triton kernel on an H200 took 1,674-2,091 GB/s
+    for DeepSeek-V3 weight shapes (the raw kernel at 4 warps 1,883-2,345;
+    ``benchmarks/fp8_kernel_variants.py``); the lower reading is taken. torch's several
+    passes ran at 95."""
     quantize_call_s: float = 49e-6
     """Host time per quantized HF tensor (Triton's launch and the output allocations),
     measured on the H200 host: launches queue while earlier ones run, so a sender's

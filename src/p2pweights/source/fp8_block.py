@@ -79,8 +79,10 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
     """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device."""
     if not weight.is_floating_point() or weight.dtype == FP8:
         raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
-    if weight.dtype in _FUSED_DTYPES and fp8_fused.available(weight):
-        return fp8_fused.quantize_fused(weight, fmt.block, fmt.ue8m0)  # the same bits, one pass
+    if weight.dtype in _FUSED_DTYPES and fp8_fused.available(weight, fmt.block):
+        fused = fp8_fused.quantize_or_none(weight, fmt.block, fmt.ue8m0)
+        if fused is not None:
+            return fused  # the same bits, in one pass
     # The blocks stay in the weight's dtype: max and min are exact in any float format,
     # and the multiply below promotes to float32 in the same pass (bf16 -> float32 is
     # exact), so no float32 copy of the weight and no |w| temporary are made.

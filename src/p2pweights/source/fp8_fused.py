@@ -7,7 +7,7 @@ Here each Triton program owns one scaling block: it loads the block once, takes 
 absolute maximum, computes the scale and writes the fp8 block and its scale.
 
 Bit-equal to the torch quantizer, operation by operation (checked on an H200 by
-``tests/integration/test_fp8_fused_gpu.py`` and ``benchmarks/fp8_quantize.py``):
+``tests/integration/test_fp8_fused_gpu.py`` and ``benchmarks/fp8_convert.py``):
 
 * the maximum of ``|w|`` is exact in any float format; a block holding a NaN gets a
   NaN maximum, as ``torch.amax`` gives;
@@ -19,7 +19,11 @@ Bit-equal to the torch quantizer, operation by operation (checked on an H200 by
 * the cast to e4m3 rounds to nearest even, as torch's; a NaN keeps its sign bit
   (``0x7F`` / ``0xFF``), as torch's cast does.
 
-Only used for CUDA tensors when Triton imports (``available()``);
+Only used where it was checked (``available()``): plain CUDA tensors on NVIDIA GPUs
+of compute capability 8.9 or more (Triton casts to e4m3 in hardware there; older GPUs
+cannot compile the kernel), with Triton importable and blocks and grids within what one
+launch takes. Should the kernel fail to compile or launch anyway, torch's quantizer
+takes over for the rest of the process (same bytes), with one warning.
 ``P2PWEIGHTS_FUSED_FP8=0`` turns it off.
 """
 
@@ -27,18 +31,61 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any
 
 import torch
 
 from p2pweights import environment
 
-__all__ = ["available", "quantize_fused"]
+__all__ = ["available", "usable", "quantize_fused", "quantize_or_none"]
+
+logger = logging.getLogger(__name__)
+
+_MIN_CAPABILITY = (8, 9)
+"""Triton's e4m3 cast needs Ada / Hopper or newer."""
+_MAX_GRID = 65535
+"""CUDA's limit on a launch grid's second and third dimensions (block rows, columns)."""
+_MAX_BLOCK_ELEMENTS = 1 << 16
+"""Larger scaling blocks than 256 x 256 stay on torch (registers, Triton's tensor limit)."""
+_broken: list[BaseException] = []
+"""The error that made the kernel unusable in this process, if one did."""
 
 
-def available(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can take the fused path (a CUDA tensor, Triton present)."""
-    return weight.is_cuda and environment.fused_fp8_allowed() and _kernel() is not None
+def available(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> bool:
+    """Whether ``weight`` takes the fused path (see the module's docstring)."""
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter) or not weight.is_cuda:
+        return False  # a subclass (DTensor, ...) keeps torch's dispatch
+    return usable(weight.device, tuple(weight.shape), block)
+
+
+def usable(device: torch.device, shape: tuple[int, ...], block: tuple[int, int]) -> bool:
+    """Whether the kernel runs for a CUDA weight of ``shape`` on ``device``."""
+    if _broken or not environment.fused_fp8_allowed() or torch.version.hip is not None:
+        return False
+    bn, bk = block
+    rows, cols = shape[-2:] if len(shape) >= 2 else (0, 0)
+    if bn * bk > _MAX_BLOCK_ELEMENTS or -(-rows // bn) > _MAX_GRID or -(-cols // bk) > _MAX_GRID:
+        return False
+    return _capable(device) and _kernel() is not None
+
+
+@functools.cache
+def _capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= _MIN_CAPABILITY
+
+
+def quantize_or_none(
+    weight: torch.Tensor, block: tuple[int, int], ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``quantize_fused``, or None (the caller quantizes with torch) if the kernel cannot
+    run here: it is then given up on for this process, with one warning."""
+    try:
+        return quantize_fused(weight, block, ue8m0)
+    except Exception as exc:  # a compile or launch failure: torch gives the same bytes
+        _broken.append(exc)
+        logger.warning("the fused fp8 kernel failed (%s); torch quantizes from now on", exc)
+        return None
 
 
 def quantize_fused(

@@ -155,6 +155,20 @@ class Replay:
         """Destinations this replay, run onto marker bytes, writes otherwise than they are
         (they hold what the loader wrote over the same marker). Empty when it reproduces."""
         device = _scratch_device(hf_tensors, destinations)
+        try:
+            return self._differ_on(device, hf_tensors, destinations)
+        except torch.cuda.OutOfMemoryError:
+            host = next(iter(destinations.values())).device
+            if device == host:
+                raise
+            return self._differ_on(host, hf_tensors, destinations)  # slower, but it fits
+
+    def _differ_on(
+        self,
+        device: torch.device,
+        hf_tensors: Sequence[tuple[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+    ) -> list[str]:
         scratch = {name: _marked_like(d, device) for name, d in destinations.items()}
         self.run(hf_tensors, scratch)
         return sorted(
@@ -179,7 +193,13 @@ def _scratch_device(
     """Where a replay onto marker bytes runs: on the inputs' GPU when they all sit on one
     and the destinations are host memory (the GPU fills and compares far faster than
     host threads, and fresh pinned memory is slow to allocate: 9 s per 8 GB load on the
-    H200 host, docs/benchmarks.md); else where the destinations are."""
+    H200 host, docs/benchmarks.md); else where the destinations are.
+
+    On the GPU the check copies device to device where the real replay queues copies
+    into pinned memory: the bytes are the same (a copy moves bytes; a copy that also
+    casts would be refused for replay if the two devices cast a NaN differently, and
+    such loads then keep running the loader). Its scratch takes up to twice a staging
+    buffer on that GPU, on the first two updates; out of memory, it runs on the host."""
     devices = {t.device for _, t in hf_tensors}
     first = next(iter(destinations.values()), None)
     if first is None or first.is_cuda or len(devices) != 1:
