@@ -29,6 +29,7 @@ from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError, EngineUnreachable, P2PWeightsError
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
+from p2pweights.transfer.transports.base import Transport
 
 PARAMS = {"qkv": 600 * 1024, "o": 600 * 1024}  # two groups: two flushes of a 1 MiB buffer
 GROUPS = [ParamGroup(frozenset({"q", "k", "v"}), ("qkv",)), ParamGroup(frozenset({"o"}), ("o",))]
@@ -181,7 +182,9 @@ class FakeHandle:
             view.fill_(int(inputs[0][1][0]))
 
 
-class FakeTransport:
+class FakeTransport(Transport):
+    name = "fake"
+
     def __init__(self, engines: dict[str, FakeEngine]):
         self.engines = engines
 
