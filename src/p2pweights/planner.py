@@ -223,9 +223,7 @@ class _RankLoads:
                 layout_key=handle.key,
                 bytes_by_stage=tuple(per_stage),
                 loader_inputs_by_stage=inputs.loader_calls,
-                quantized_bytes_by_stage=inputs.quantized_bytes,
-                quantized_inputs_by_stage=inputs.quantized,
-                quantized_key=(spec.moe_ep_size, spec.moe_ep_rank) if self._num_experts else 0,
+                quantized_by_stage=inputs.quantized,
             )
         return load
 
@@ -236,7 +234,8 @@ class _RankLoads:
         """HF tensors this rank's loaders read (an estimate for the predicted time: every
         tensor but other ranks' routed experts, scales counted apart) and those of them
         the sender quantizes (whole, from the trainer's bf16)."""
-        calls, quantized, quantized_bytes = ([0] * self._num_stages for _ in range(3))
+        calls = [0] * self._num_stages
+        quantized: list[dict[str, int]] = [{} for _ in range(self._num_stages)]
         local = None
         if self._num_experts:
             per_rank = int(self._num_experts) // max(spec.moe_ep_size, 1)
@@ -251,9 +250,8 @@ class _RankLoads:
             stage = self._stage(name)
             calls[stage] += 2 if tensor.scale_shape is not None else 1
             if tensor.scale_shape is not None:
-                quantized[stage] += 1
-                quantized_bytes[stage] += math.prod(tensor.shape) * _TRAINER_BYTES
-        return _RankInputs(tuple(calls), tuple(quantized), tuple(quantized_bytes))
+                quantized[stage][name] = math.prod(tensor.shape) * _TRAINER_BYTES
+        return _RankInputs(tuple(calls), tuple(quantized))
 
 
 _TRAINER_BYTES = 2
@@ -262,8 +260,7 @@ _TRAINER_BYTES = 2
 
 class _RankInputs(NamedTuple):
     loader_calls: tuple[int, ...]
-    quantized: tuple[int, ...]
-    quantized_bytes: tuple[int, ...]
+    quantized: tuple[dict[str, int], ...]
 
 
 def _written_bytes(

@@ -288,11 +288,18 @@ def test_direct_loads_are_bounded_by_the_buffer_size():
     assert result.bytes_written == sum(_nbytes(t) for t in source.values())
 
 
-def test_a_direct_view_outside_the_published_memory_fails_before_loading():
+def test_a_refused_direct_view_fails_its_engine_rank_alone():
+    """As a failed write does: that rank gets nothing more, the others everything."""
     source = _params(5)
     mapped = {n: torch.zeros_like(t) for n, t in source.items()}
+    remote = {n: torch.zeros_like(t) for n, t in source.items()}
     transport = MappingTransport("http://mapped", {"p0": mapped["p0"]})  # maps p0 alone
+    targets = [_engine("http://mapped", 0, mapped), _engine("http://remote", 0, remote)]
     loads: list = []
-    with pytest.raises(TransferError, match="outside what was published"):
-        _run(transport, 4096, source, [_engine("http://mapped", 0, mapped)], loads=loads)
-    assert loads == []  # refused while staging, before the first flush loads anything
+    _, result = _run(transport, 4096, source, targets, loads=loads)
+    assert list(result.failures) == [("http://mapped", 0)]
+    assert "outside what was published" in str(result.failures[("http://mapped", 0)])
+    assert result.complete("http://remote") and not result.complete("http://mapped")
+    for name, value in source.items():
+        assert torch.equal(remote[name].view(torch.uint8), value.view(torch.uint8)), name
+    assert all(not t.any() for t in mapped.values())  # not even p0: its rank had failed

@@ -82,6 +82,20 @@ def test_a_kernel_that_fails_gives_way_to_torch_for_good(monkeypatch, capable, c
     assert "PTX compile failed" in caplog.text
 
 
+def test_out_of_memory_is_not_the_kernels_fault(monkeypatch, capable) -> None:
+    def no_memory(weight, block, ue8m0):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(fp8_fused, "quantize_fused", no_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fp8_fused.quantize_or_none(torch.zeros(4, 4), (2, 2), False)
+    assert fp8_fused.usable(GPU, (256, 256), (128, 128))  # still on for the next weight
+
+
+def test_vectors_keep_torchs_refusal(capable) -> None:
+    assert not fp8_fused.usable(GPU, (4096,), (128, 128))
+
+
 def test_no_triton_no_kernel(monkeypatch, capable) -> None:
     monkeypatch.setattr(fp8_fused, "_kernel", lambda: None)
     assert not fp8_fused.usable(GPU, (256, 256), (128, 128))

@@ -92,14 +92,21 @@ def test_bad_engine_spec_is_refused_before_any_replica():
     assert "needs tp=T" in done.stderr
 
 
-def test_a_sender_quantizes_each_tensor_once_for_all_its_tp_ranks() -> None:
-    """TP ranks read slices of the same tensors: one sender serving both quantizes once
-    (one conversion per checkpoint format), as two senders, one rank each, do apiece."""
+def test_a_sender_quantizes_each_tensor_once_for_all_its_ranks() -> None:
+    """One conversion per checkpoint format: whatever ranks, EP sizes or engines a sender
+    serves, each tensor is quantized once; two senders, one TP rank each, do it apiece."""
     from p2pweights.planner import build_cluster_plan, parse_engine_spec
 
-    engines = [parse_engine_spec("tp=2")]
-    one = build_cluster_plan("deepseek-v3-fp8-tiny", engines, num_senders=1).senders[0].load
-    two = build_cluster_plan("deepseek-v3-fp8-tiny", engines, num_senders=2).senders
-    assert one.quantized_bytes > 0
-    assert one.quantized_bytes == two[0].load.quantized_bytes == two[1].load.quantized_bytes
-    assert one.quantized_inputs == two[0].load.quantized_inputs
+    def quantized(*specs: str, senders: int = 1) -> list[tuple[int, int]]:
+        engines = [parse_engine_spec(spec) for spec in specs]
+        plan = build_cluster_plan("deepseek-v3-fp8-tiny", engines, num_senders=senders)
+        return [(s.load.quantized_inputs, s.load.quantized_bytes) for s in plan.senders]
+
+    (whole,) = quantized("tp=2")
+    assert whole[0] > 0
+    assert quantized("tp=2", senders=2) == [whole, whole]
+    assert quantized("tp=4") == quantized("tp=4,ep=4") == quantized("tp=4,ep=2") == [whole]
+    assert quantized("tp=4,ep=4", "tp=2") == [whole]  # two engines, one sender
+    # one EP rank reads its own experts only: fewer tensors than the whole checkpoint's
+    ep_rank, _ = quantized("tp=2,ep=2", senders=2)
+    assert ep_rank[0] < whole[0]

@@ -70,15 +70,10 @@ class RankLoad:
     bytes_by_stage: tuple[int, ...]
     loader_inputs_by_stage: tuple[int, ...] | None = None
     """HF tensors the rank's loaders read, per stage (for the predicted time only)."""
-    quantized_bytes_by_stage: tuple[int, ...] | None = None
-    """bf16 bytes the sender quantizes for this rank, per stage (fp8 engines): whole HF
-    tensors, since they are quantized before the loaders take the rank's slice."""
-    quantized_inputs_by_stage: tuple[int, ...] | None = None
-    """HF tensors the sender quantizes for this rank, per stage."""
-    quantized_key: Hashable = None
-    """Equal for ranks whose loaders read the same quantized tensors (TP ranks of one EP
-    rank): a sender quantizes each tensor once, whatever the number of such ranks.
-    None: ``layout_key`` stands for it."""
+    quantized_by_stage: tuple[Mapping[str, int], ...] | None = None
+    """HF tensors quantized for this rank (fp8 engines), per stage, with their bf16 bytes:
+    whole tensors, quantized before the loaders take the rank's slice. A sender quantizes
+    each tensor once, however many of its ranks read it (one conversion per format)."""
 
     @property
     def num_bytes(self) -> int:
@@ -87,13 +82,8 @@ class RankLoad:
     def loader_inputs(self, stage: int) -> int:
         return 0 if self.loader_inputs_by_stage is None else self.loader_inputs_by_stage[stage]
 
-    def quantized_bytes(self, stage: int) -> int:
-        values = self.quantized_bytes_by_stage
-        return 0 if values is None else values[stage]
-
-    def quantized_inputs(self, stage: int) -> int:
-        values = self.quantized_inputs_by_stage
-        return 0 if values is None else values[stage]
+    def quantized(self, stage: int) -> Mapping[str, int]:
+        return {} if self.quantized_by_stage is None else self.quantized_by_stage[stage]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,17 +286,16 @@ def plan_cluster(
             for key in keys:
                 writers[key].append(rank_id)
             distinct = {ranks[key].layout_key: ranks[key] for key in keys}.values()
-            quantizing = {
-                rank.layout_key if rank.quantized_key is None else rank.quantized_key: rank
-                for rank in distinct
-            }.values()
+            quantized: dict[str, int] = {}
+            for key in keys:
+                quantized.update(ranks[key].quantized(stage))
             load = SenderLoad(
                 rank=rank_id,
                 write_bytes=sum(ranks[key].bytes_by_stage[stage] for key in keys),
                 load_bytes=sum(rank.bytes_by_stage[stage] for rank in distinct),
                 loader_inputs=sum(rank.loader_inputs(stage) for rank in distinct),
-                quantized_bytes=sum(rank.quantized_bytes(stage) for rank in quantizing),
-                quantized_inputs=sum(rank.quantized_inputs(stage) for rank in quantizing),
+                quantized_bytes=sum(quantized.values()),
+                quantized_inputs=len(quantized),
             )
             senders.append(SenderPlan(rank_id, stage, tuple(keys), load))
     receivers = [

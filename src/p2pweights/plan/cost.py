@@ -107,7 +107,8 @@ class PipelineModel:
     quantize_gbps: float = 1700.0
     """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input, GPU time:
     the library's own call of the fused Triton kernel on an H200 took 1,674-2,091 GB/s
-    for DeepSeek-V3 weight shapes (the raw kernel at 4 warps 1,883-2,345;
+    for DeepSeek-V3 weight shapes, measured at 8 warps before the switch to 4 (the raw
+    kernel at 4 warps 1,883-2,345;
     ``benchmarks/fp8_kernel_variants.py``); the lower reading is taken. torch's several
     passes ran at 95."""
     quantize_call_s: float = 49e-6

@@ -48,8 +48,9 @@ _MAX_GRID = 65535
 """CUDA's limit on a launch grid's second and third dimensions (block rows, columns)."""
 _MAX_BLOCK_ELEMENTS = 1 << 16
 """Larger scaling blocks than 256 x 256 stay on torch (registers, Triton's tensor limit)."""
-_broken: list[BaseException] = []
-"""The error that made the kernel unusable in this process, if one did."""
+_broken: list[str] = []
+"""Why the kernel is unusable in this process, if it is (a message: an exception would
+keep its traceback's frames, and the tensors they hold, alive)."""
 
 
 def available(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> bool:
@@ -63,8 +64,10 @@ def usable(device: torch.device, shape: tuple[int, ...], block: tuple[int, int])
     """Whether the kernel runs for a CUDA weight of ``shape`` on ``device``."""
     if _broken or not environment.fused_fp8_allowed() or torch.version.hip is not None:
         return False
+    if len(shape) < 2:
+        return False  # torch's path refuses it, saying why
     bn, bk = block
-    rows, cols = shape[-2:] if len(shape) >= 2 else (0, 0)
+    rows, cols = shape[-2:]
     if bn * bk > _MAX_BLOCK_ELEMENTS or -(-rows // bn) > _MAX_GRID or -(-cols // bk) > _MAX_GRID:
         return False
     return _capable(device) and _kernel() is not None
@@ -82,8 +85,10 @@ def quantize_or_none(
     run here: it is then given up on for this process, with one warning."""
     try:
         return quantize_fused(weight, block, ue8m0)
+    except torch.cuda.OutOfMemoryError:
+        raise  # not the kernel's fault, and torch's passes need more memory still
     except Exception as exc:  # a compile or launch failure: torch gives the same bytes
-        _broken.append(exc)
+        _broken.append(f"{type(exc).__name__}: {exc}")
         logger.warning("the fused fp8 kernel failed (%s); torch quantizes from now on", exc)
         return None
 

@@ -273,7 +273,9 @@ class _Run:
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
         # loads straight into engine memory, per (replica, engine rank and runner)
         self._direct: dict[tuple[Hashable, tuple[str, int, str]], _DirectLoad] = {}
-        self._direct_bytes = 0
+        self._direct_bytes: dict[tuple[str, int, str], int] = defaultdict(int)
+        self._direct_devices: set[torch.device] = set()
+        """GPUs direct loads queued copies on: synchronized before the run returns or fails."""
         # one batch per publication: a rank's draft is reached through its own handle
         self._batches: dict[tuple[str, int, str], WriteBatch] = {}
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
@@ -285,17 +287,23 @@ class _Run:
     def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
         staged = []
         for tw in group.targets:
-            views = self._direct_views(group, tw)
+            key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
+            if self._failed.get(key[:2]) is not None:
+                continue  # this rank already failed; the others carry on
+            try:
+                views = self._direct_views(group, tw)
+            except TransferError as exc:  # refused for this rank alone, as a failed write
+                self._failed.record(key[:2], exc)
+                continue
             if views is None:
                 staged.append(tw)
                 continue
-            if self._direct_bytes + group.block_bytes > self._buffers.current.capacity_bytes:
+            if self._direct_bytes[key] + group.block_bytes > self._buffers.current.capacity_bytes:
                 self._flush()  # bounds a load's size (and its replay check's scratch)
-            key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
             direct = self._direct.setdefault((group.key, key), _DirectLoad(tw.target))
             direct.inputs.extend(inputs)
             direct.views.update(views)
-            self._direct_bytes += group.block_bytes
+            self._direct_bytes[key] += group.block_bytes
         if staged:
             self._stage(group, inputs, staged)
 
@@ -345,17 +353,9 @@ class _Run:
             for key, (inputs, views) in self._staged.items():
                 self._load(key, inputs, views)
         self._staged = {}
-        devices = {self._buffers.current.tensor.device} if self._staged_on_gpu else set()
-        for (key, _), direct in self._direct.items():
-            self._load(key, direct.inputs, direct.views)
-            devices.update(view.device for view in direct.views.values() if view.is_cuda)
-            target = (direct.target.engine_url, direct.target.engine_rank)
-            self.result.bytes_by_target[target] += sum(v.numel() for v in direct.views.values())
-        self._direct, self._direct_bytes = {}, 0
-        for device in devices:
-            # Loaders copy asynchronously on the GPU: writers, and an engine reading its
-            # memory after end_weight_update, must find finished bytes.
-            torch.cuda.current_stream(device).synchronize()
+        if self._staged_on_gpu:
+            # Loaders copy asynchronously on the GPU; writers must read finished bytes.
+            torch.cuda.current_stream(self._buffers.current.tensor.device).synchronize()
         self.result.load_s += time.perf_counter() - started
         index = self._buffers.current_index
         for batch in self._batches.values():
@@ -365,11 +365,33 @@ class _Run:
             self._pending[index].append((future, batch))
             self.result.bytes_by_target[batch.key] += batch.num_bytes
         self._batches = {}
+        self._load_direct()  # while the writers send the staged bytes
         self.result.num_flushes += 1
         buffer = self._buffers.swap()
         self._wait(self._pending[1 - index])
         buffer.used_bytes = 0
         return buffer
+
+    def _load_direct(self) -> None:
+        """Load the direct groups into the engines' memory, and wait for the copies: an
+        engine reads its memory once ``end_weight_update`` returns."""
+        started = time.perf_counter()
+        for (key, target), direct in self._direct.items():
+            if self._failed.get(target[:2]) is not None:
+                continue
+            self._direct_devices.update(v.device for v in direct.views.values() if v.is_cuda)
+            self._load(key, direct.inputs, direct.views)
+            num_bytes = sum(v.numel() for v in direct.views.values())
+            self.result.bytes_by_target[target[:2]] += num_bytes
+        self._direct = {}
+        self._direct_bytes.clear()
+        self._sync_direct()
+        self.result.load_s += time.perf_counter() - started
+
+    def _sync_direct(self) -> None:
+        for device in self._direct_devices:
+            torch.cuda.current_stream(device).synchronize()
+        self._direct_devices.clear()
 
     @property
     def _staged_on_gpu(self) -> bool:
@@ -385,7 +407,10 @@ class _Run:
         return self.result
 
     def abort(self) -> list[Future[None]]:
-        """Cancel queued writes; return those already running (they still read the buffers)."""
+        """Cancel queued writes; return those already running (they still read the buffers).
+        Copies a direct load queued are waited for: the engine's memory may be closed next."""
+        with contextlib.suppress(Exception):  # the run failed already; report that error
+            self._sync_direct()
         running = []
         for pending in self._pending.values():
             for future, _ in pending:

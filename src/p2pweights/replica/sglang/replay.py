@@ -155,13 +155,14 @@ class Replay:
         """Destinations this replay, run onto marker bytes, writes otherwise than they are
         (they hold what the loader wrote over the same marker). Empty when it reproduces."""
         device = _scratch_device(hf_tensors, destinations)
+        home = next(iter(destinations.values())).device if destinations else device
         try:
             return self._differ_on(device, hf_tensors, destinations)
         except torch.cuda.OutOfMemoryError:
-            host = next(iter(destinations.values())).device
-            if device == host:
+            if device == home:
                 raise
-            return self._differ_on(host, hf_tensors, destinations)  # slower, but it fits
+        # out of the handler, so the first attempt's scratch is freed: slower, but it fits
+        return self._differ_on(home, hf_tensors, destinations)
 
     def _differ_on(
         self,
@@ -199,7 +200,9 @@ def _scratch_device(
     into pinned memory: the bytes are the same (a copy moves bytes; a copy that also
     casts would be refused for replay if the two devices cast a NaN differently, and
     such loads then keep running the loader). Its scratch takes up to twice a staging
-    buffer on that GPU, on the first two updates; out of memory, it runs on the host."""
+    buffer on that GPU, on the first two updates; out of memory there, it runs on the
+    host. Checks of GPU destinations (device staging, direct loads) have no other place:
+    their scratch is one load's destinations, at most a staging buffer's size."""
     devices = {t.device for _, t in hf_tensors}
     first = next(iter(destinations.values()), None)
     if first is None or first.is_cuda or len(devices) != 1:

@@ -187,12 +187,13 @@ class CudaIpcTransport(Transport):
                 f"{target.where} published; nothing was written"
             )
         with self._lock:
+            if self._opened.get(target.peer) is not opened:
+                raise TransferError(f"{target.where} was disconnected while being written")
             key = (target.peer, index)
             if key not in self._direct:
                 start, end, local = opened.segments[index]
-                mapped = torch.as_tensor(_MappedBytes(local, end - start))  # no copy
-                on_ours = mapped.device == torch.device("cuda", self._device)
-                self._direct[key] = mapped if on_ours else None
+                on_ours = self._cuda.pointer_device(local) == self._device
+                self._direct[key] = _alias(local, end - start, self._device) if on_ours else None
             segment = self._direct[key]
         if segment is None:
             return None
@@ -265,6 +266,17 @@ class CudaIpcTransport(Transport):
             self._sources = RegionIndex([])
         for entry in opened:
             self._close_pointers(entry.mapped)
+
+
+def _alias(pointer: int, num_bytes: int, device: int) -> torch.Tensor | None:
+    """A tensor over mapped memory on ``device``, or None if torch would not alias it:
+    loads must fill the engine's memory, never a copy (``as_tensor`` copies to the default
+    device when one is set and differs, so that is set here, and the result checked)."""
+    with torch.device("cuda", device):  # as_tensor takes the default device as its own
+        mapped = torch.as_tensor(_MappedBytes(pointer, num_bytes))
+    if mapped.data_ptr() != pointer or mapped.device != torch.device("cuda", device):
+        return None
+    return mapped
 
 
 class _MappedBytes:

@@ -21,6 +21,7 @@ from p2pweights.errors import TransportError
 
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction read from the unified address space
+_POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 
 
 class IpcHandle(ctypes.Structure):
@@ -57,6 +58,11 @@ class CudaRuntime:
             ctypes.c_size_t,
             ctypes.c_int,
             ctypes.c_void_p,
+        ]
+        self._driver.cuPointerGetAttribute.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_uint64,
         ]
         self._driver.cuMemGetAddressRange_v2.argtypes = [
             ctypes.POINTER(ctypes.c_uint64),
@@ -95,6 +101,16 @@ class CudaRuntime:
         if code != 0:
             raise TransportError(f"cuMemGetAddressRange({address:#x}) failed: CUDA driver {code}")
         return int(base.value), int(size.value)
+
+    def pointer_device(self, address: int) -> int:
+        """The device (this process's numbering) whose memory ``address`` points into."""
+        ordinal = ctypes.c_int()
+        code = self._driver.cuPointerGetAttribute(
+            ctypes.byref(ordinal), _POINTER_DEVICE_ORDINAL, address
+        )
+        if code != 0:
+            raise TransportError(f"cuPointerGetAttribute({address:#x}) failed: CUDA driver {code}")
+        return int(ordinal.value)
 
     def ipc_handle(self, base: int) -> bytes:
         """The IPC handle of the allocation starting at ``base``."""
