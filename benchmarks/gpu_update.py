@@ -437,27 +437,18 @@ def main() -> None:
     parser.add_argument("--verify-every", type=int, default=2)
     parser.add_argument("--buffer-mib", type=int, default=512)
     parser.add_argument("--stagings", nargs="+", default=["cuda:0", "cpu"])
-    parser.add_argument(
-        "--replay",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="loader replay modes to run side by side (off: sglang's loaders every update)",
-    )
-    parser.add_argument(
-        "--fused",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="fp8 quantizer modes side by side (off: torch's math instead of the kernel)",
-    )
-    parser.add_argument(
-        "--direct",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="CudaIpcConfig.direct modes side by side (off: a colocated engine is staged)",
-    )
+    for switch, off in (
+        ("replay", "sglang's loaders every update"),
+        ("fused", "torch's fp8 math instead of the kernel"),
+        ("direct", "CudaIpcConfig(direct=False): a colocated engine is staged"),
+    ):
+        parser.add_argument(
+            f"--{switch}",
+            nargs="+",
+            default=["on"],
+            choices=["on", "off"],
+            help=f"modes to run side by side (off: {off})",
+        )
     parser.add_argument(
         "--parts",
         nargs="+",

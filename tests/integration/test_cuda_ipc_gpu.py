@@ -25,6 +25,24 @@ pytestmark = pytest.mark.integration
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _updates_verified(session, engine, folder, seeds) -> list:
+    """One update per seed from tensors on cuda:0, each checked bit-exact on every rank."""
+    client = EngineClient(engine.url)
+    reports = []
+    try:
+        for seed in seeds:
+            tensors = [
+                (name, t.to("cuda:0"))
+                for name, t in synthetic_weights(folder / "config.json", seed=seed)
+            ]
+            reports.append(session.update(tensors))
+            mismatches = verify_engine(client, tensors.__iter__, device="cuda:0")
+            assert mismatches == {r: [] for r in range(engine.tp)}, f"update from seed {seed}"
+    finally:
+        client.close()
+    return reports
+
+
 @needs_gpu
 @pytest.mark.parametrize("staging", ["cuda:0", "cpu"])
 @pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-fp8-tiny"])
@@ -35,17 +53,8 @@ def test_updates_land_bit_exact_in_a_gpu_engine(model_dir, model: str, staging: 
         config = SyncConfig(transport=CudaIpcConfig(device=0), buffer_bytes="1MiB")
         with WeightSyncSession(config, staging_device=staging) as session:
             session.connect([engine.url])
-            client = EngineClient(engine.url)
-            for seed in (11, 12, 13):
-                tensors = [
-                    (name, t.to("cuda:0"))
-                    for name, t in synthetic_weights(folder / "config.json", seed=seed)
-                ]
-                report = session.update(tensors)
+            for report in _updates_verified(session, engine, folder, (11, 12, 13)):
                 assert report.bytes_written > 0
-                mismatches = verify_engine(client, tensors.__iter__, device="cuda:0")
-                assert mismatches == {0: [], 1: []}, f"update from seed {seed}"
-            client.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a host without a GPU")
@@ -66,16 +75,7 @@ def test_an_engine_on_the_trainers_gpu_is_loaded_directly(model_dir, direct: boo
         config = SyncConfig(transport=CudaIpcConfig(device=0, direct=direct), buffer_bytes="1MiB")
         with WeightSyncSession(config, staging_device="cuda:0") as session:
             session.connect([engine.url])
-            client = EngineClient(engine.url)
-            for seed in (21, 22, 23):
-                tensors = [
-                    (name, t.to("cuda:0"))
-                    for name, t in synthetic_weights(folder / "config.json", seed=seed)
-                ]
-                session.update(tensors)
-                mismatches = verify_engine(client, tensors.__iter__, device="cuda:0")
-                assert mismatches == {0: [], 1: []}, f"update from seed {seed}"
+            _updates_verified(session, engine, folder, (21, 22, 23))
             transport = session._executor.transport  # what the transport mapped for loads
             mapped = [view for view in transport._direct.values() if view is not None]
             assert bool(mapped) is direct
-            client.close()

@@ -107,7 +107,7 @@ def test_no_triton_no_kernel(monkeypatch, capable) -> None:
     ("dtype", "fused"),
     [(torch.bfloat16, True), (torch.float16, True), (torch.float32, True), (torch.float64, False)],
 )
-def test_which_dtypes_take_it(monkeypatch, dtype, fused) -> None:
+def test_which_dtypes_take_it(monkeypatch, capable, dtype, fused) -> None:
     """float64 stays on torch: its math runs in float64 there, not float32."""
     calls = []
 
@@ -115,7 +115,10 @@ def test_which_dtypes_take_it(monkeypatch, dtype, fused) -> None:
         calls.append((block, ue8m0))
         return "fused"
 
-    monkeypatch.setattr(fp8_fused, "available", lambda weight, block: True)
+    def on_a_gpu(weight, block):  # the CPU weight stands for a CUDA one of its dtype
+        return fp8_fused.usable(GPU, tuple(weight.shape), block, weight.dtype)
+
+    monkeypatch.setattr(fp8_fused, "available", on_a_gpu)
     monkeypatch.setattr(fp8_fused, "quantize_fused", fake)
     result = quantize(torch.zeros(128, 128, dtype=dtype), BlockFp8Format((64, 32), ue8m0=True))
     assert (result == "fused") is fused
@@ -127,22 +130,8 @@ _INTERPRETED = textwrap.dedent(
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from p2pweights.source import _fp8_triton
     from p2pweights.source.fp8_block import BlockFp8Format, quantize
-    from p2pweights.source.fp8_fused import _pow2
-
-    def fused(weight, block, ue8m0):
-        rows, cols = weight.shape[-2:]
-        matrices = weight.reshape(-1, rows, cols)
-        grid = (matrices.shape[0], -(-rows // block[0]), -(-cols // block[1]))
-        q = torch.empty(matrices.shape, dtype=torch.float8_e4m3fn)
-        scale = torch.empty(grid)
-        _fp8_triton.block_fp8[grid](
-            matrices, q.view(torch.uint8), scale, rows, cols, *matrices.stride(),
-            BN=block[0], BK=block[1], PAD_N=_pow2(block[0]), PAD_K=_pow2(block[1]),
-            UE8M0=ue8m0,
-        )
-        return q.reshape(weight.shape), scale.reshape(*weight.shape[:-2], *grid[1:])
+    from p2pweights.source.fp8_fused import quantize_fused as fused
 
     torch.manual_seed(0)
     weight = torch.randn(2, 130, 200) * 0.02

@@ -33,8 +33,6 @@ __all__ = ["BlockFp8Format", "quantize", "dequantize", "SCALE_SUFFIX"]
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_AMAX = 1e-4
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-"""Weights the fused kernel takes: float32 holds them exactly, as torch's math does."""
 SCALE_SUFFIX = "_scale_inv"
 """A quantized weight ``x.weight`` travels with ``x.weight_scale_inv``."""
 
@@ -79,7 +77,7 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
     """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device."""
     if not weight.is_floating_point() or weight.dtype == FP8:
         raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
-    if weight.dtype in _FUSED_DTYPES and fp8_fused.available(weight, fmt.block):
+    if fp8_fused.available(weight, fmt.block):
         fused = fp8_fused.quantize_or_none(weight, fmt.block, fmt.ue8m0)
         if fused is not None:
             return fused  # the same bits, in one pass

@@ -48,6 +48,9 @@ _MAX_GRID = 65535
 """CUDA's limit on a launch grid's second and third dimensions (block rows, columns)."""
 _MAX_BLOCK_ELEMENTS = 1 << 16
 """Larger scaling blocks than 256 x 256 stay on torch (registers, Triton's tensor limit)."""
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Weights it takes: float32 holds them exactly, as torch's math does (float64 stays on
+torch, whose math then runs in float64)."""
 _broken: list[str] = []
 """Why the kernel is unusable in this process, if it is (a message: an exception would
 keep its traceback's frames, and the tensors they hold, alive)."""
@@ -57,12 +60,19 @@ def available(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> bool
     """Whether ``weight`` takes the fused path (see the module's docstring)."""
     if type(weight) not in (torch.Tensor, torch.nn.Parameter) or not weight.is_cuda:
         return False  # a subclass (DTensor, ...) keeps torch's dispatch
-    return usable(weight.device, tuple(weight.shape), block)
+    return usable(weight.device, tuple(weight.shape), block, weight.dtype)
 
 
-def usable(device: torch.device, shape: tuple[int, ...], block: tuple[int, int]) -> bool:
-    """Whether the kernel runs for a CUDA weight of ``shape`` on ``device``."""
+def usable(
+    device: torch.device,
+    shape: tuple[int, ...],
+    block: tuple[int, int],
+    dtype: torch.dtype = torch.bfloat16,
+) -> bool:
+    """Whether the kernel runs for a CUDA weight of ``shape`` and ``dtype`` on ``device``."""
     if _broken or not environment.fused_fp8_allowed() or torch.version.hip is not None:
+        return False
+    if dtype not in _DTYPES:
         return False
     if len(shape) < 2:
         return False  # torch's path refuses it, saying why
@@ -112,12 +122,10 @@ def quantize_fused(
         (matrices.shape[0], grid_rows, grid_cols), dtype=torch.float32, device=weight.device
     )
     if q.numel():
-        # Triton launches on the current device: switch only when the weight is elsewhere
-        on_weights_gpu = (
-            contextlib.nullcontext()
-            if weight.device.index == torch.cuda.current_device()
-            else torch.cuda.device(weight.device)
-        )
+        # Triton launches on the current device: switch only when the weight is on
+        # another GPU (a CPU weight runs only under Triton's interpreter, in the tests)
+        elsewhere = weight.is_cuda and weight.device.index != torch.cuda.current_device()
+        on_weights_gpu = torch.cuda.device(weight.device) if elsewhere else contextlib.nullcontext()
         with on_weights_gpu:
             kernel[(matrices.shape[0], grid_rows, grid_cols)](
                 matrices,

@@ -353,7 +353,7 @@ class _Run:
             for key, (inputs, views) in self._staged.items():
                 self._load(key, inputs, views)
         self._staged = {}
-        if self._staged_on_gpu:
+        if self._buffers.current.tensor.is_cuda:
             # Loaders copy asynchronously on the GPU; writers must read finished bytes.
             torch.cuda.current_stream(self._buffers.current.tensor.device).synchronize()
         self.result.load_s += time.perf_counter() - started
@@ -392,10 +392,6 @@ class _Run:
         for device in self._direct_devices:
             torch.cuda.current_stream(device).synchronize()
         self._direct_devices.clear()
-
-    @property
-    def _staged_on_gpu(self) -> bool:
-        return self._buffers.current.tensor.is_cuda
 
     def finish(self) -> RunResult:
         if self._batches or self._staged or self._direct:

@@ -86,12 +86,16 @@ class Opened:
     def __post_init__(self) -> None:
         object.__setattr__(self, "starts", tuple(start for start, _, _ in self.segments))
 
-    def find(self, address: int, num_bytes: int) -> int | None:
-        """Index of the one segment holding ``[address, address + num_bytes)``."""
-        i = bisect.bisect_right(self.starts, address) - 1
-        if i >= 0 and num_bytes > 0 and address + num_bytes <= self.segments[i][1]:
-            return i
-        return None
+    def locate(self, target: RankPublication, address: int, num_bytes: int) -> int:
+        """Index of the one segment holding ``[address, address + num_bytes)``; refuses
+        bytes outside one segment ``target`` published."""
+        index = bisect.bisect_right(self.starts, address) - 1
+        if index < 0 or num_bytes <= 0 or address + num_bytes > self.segments[index][1]:
+            raise TransferError(
+                f"a write of {num_bytes} bytes at {address:#x} is not inside one block of "
+                f"the memory {target.where} published; nothing was written"
+            )
+        return index
 
 
 class CudaIpcTransport(Transport):
@@ -176,16 +180,8 @@ class CudaIpcTransport(Transport):
         from that GPU's context, the slow path of ``cuda_runtime``'s finding."""
         if not self._direct_allowed:
             return None
-        with self._lock:
-            opened = self._opened.get(target.peer)
-        if opened is None:
-            raise TransferError(f"{target.where} is not connected; connect() it first")
-        index = opened.find(address, num_bytes)
-        if index is None:
-            raise TransferError(
-                f"{num_bytes} bytes at {address:#x} are not inside one block of the memory "
-                f"{target.where} published; nothing was written"
-            )
+        opened = self._opened_for(target)
+        index = opened.locate(target, address, num_bytes)
         with self._lock:
             if self._opened.get(target.peer) is not opened:
                 raise TransferError(f"{target.where} was disconnected while being written")
@@ -223,12 +219,17 @@ class CudaIpcTransport(Transport):
         for event in pending:
             event.synchronize()
 
-    def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
+    def _opened_for(self, target: RankPublication) -> Opened:
         with self._lock:
             opened = self._opened.get(target.peer)
-            sources = self._sources
         if opened is None:
             raise TransferError(f"{target.where} is not connected; connect() it first")
+        return opened
+
+    def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
+        opened = self._opened_for(target)
+        with self._lock:
+            sources = self._sources
         copies = merge_adjacent([translate(target, opened, sources, w) for w in writes])
         stream = self._stream()
         # the runtime's current device is per thread
@@ -297,12 +298,7 @@ def translate(target: RankPublication, opened: Opened, sources: RegionIndex, wri
     """The write with its destination as mapped here, and its segment as ``dst_device``
     (so only copies within one mapping merge); refuses bytes outside one published
     segment or outside the registered staging buffers."""
-    index = opened.find(write.dst_address, write.num_bytes)
-    if index is None:
-        raise TransferError(
-            f"a write of {write.num_bytes} bytes at {write.dst_address:#x} is not inside "
-            f"one block of the memory {target.where} published; nothing was written"
-        )
+    index = opened.locate(target, write.dst_address, write.num_bytes)
     if not sources.covers(write.src_address, write.num_bytes):
         raise TransferError(
             f"a write's source {write.src_address:#x} (+{write.num_bytes}) is not in a "
