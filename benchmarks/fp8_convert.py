@@ -9,6 +9,11 @@ is one, the GPU, where torch's several-pass math and the one-pass Triton kernel
 scale, a bf16 -> bf16 copy of the same bytes (what staging a bf16 engine's weight
 costs at least). Medians of ``--repeats`` after a warm-up.
 
+On a GPU it also quantizes ``--batch`` separate weights of each shape (a layer's
+experts) the two ways an update can: one call per weight, and one launch for all
+(``quantize_many``), each queued whole before one wait; per weight, the wall time and
+the host time until the calls returned, and whether the bytes are equal.
+
     .venv/bin/python benchmarks/fp8_convert.py [--shapes 7168x2048 16x2048x7168] [--out F]
 """
 
@@ -24,7 +29,7 @@ from pathlib import Path
 import torch
 
 from p2pweights.source import fp8_fused
-from p2pweights.source.fp8_block import BlockFp8Format, quantize
+from p2pweights.source.fp8_block import BlockFp8Format, quantize, quantize_many
 
 
 def _median_seconds(step, repeats: int, device: torch.device) -> float:
@@ -68,6 +73,9 @@ def main() -> None:
         "--back-to-back", type=int, default=16, help="fused calls queued before one wait"
     )
     parser.add_argument("--devices", nargs="+", default=None, help="default: cpu and cuda")
+    parser.add_argument(
+        "--batch", type=int, default=64, help="separate weights per shape for the batch rows"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     names = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -122,6 +130,8 @@ def main() -> None:
                         }
                     )
             del weight, out
+            if device.type == "cuda":
+                rows += _batch_rows(shape_text, shape, device, args.batch, args.repeats)
     print(f"load average {os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}")
     print("| shape | device | step | GB/s of bf16 input | of a copy | back to back | bit-equal |")
     print("|---|---|---|---|---|---|---|")
@@ -131,6 +141,15 @@ def main() -> None:
             f"{row.get('of_copy', 1.0):.2f} | {row.get('back_to_back_of_copy', '')} | "
             f"{row.get('bit_equal_to_torch', '')} |"
         )
+    batches = [row for row in rows if "us_per_weight" in row]
+    print("| shape | weights | how | us per weight | host us per weight | GB/s | bit-equal |")
+    print("|---|---|---|---|---|---|---|")
+    for row in batches:
+        print(
+            f"| {row['shape']} | {row['weights']} | {row['case']} | {row['us_per_weight']:.1f} | "
+            f"{row['host_us_per_weight']:.1f} | {row['gb_per_s']:.0f} | "
+            f"{row.get('bit_equal_to_alone', '')} |"
+        )
     if args.out is not None:
         machine = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
         args.out.write_text(
@@ -139,6 +158,45 @@ def main() -> None:
                 indent=1,
             )
         )
+
+
+def _batch_rows(
+    shape_text: str, shape: tuple[int, ...], device: torch.device, count: int, repeats: int
+) -> list[dict[str, object]]:
+    """``count`` separate weights of ``shape``: one fused call each, then one launch."""
+    weights = [(torch.randn(shape, device=device) * 0.02).bfloat16() for _ in range(count)]
+    gb = sum(w.nbytes for w in weights) / 1e9
+    fmt = BlockFp8Format((128, 128))
+    ways = {
+        "one call per weight": lambda: [quantize(w, fmt) for w in weights],
+        "one launch (quantize_many)": lambda: quantize_many(weights, fmt),
+    }
+    rows: list[dict[str, object]] = []
+    for case, step in ways.items():
+        wall = _median_seconds(step, repeats, device)
+        host = []
+        for _ in range(repeats):
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - started)
+            torch.cuda.synchronize(device)
+        rows.append(
+            {
+                "shape": shape_text,
+                "device": str(device),
+                "weights": count,
+                "case": case,
+                "us_per_weight": wall / count * 1e6,
+                "host_us_per_weight": statistics.median(host) / count * 1e6,
+                "gb_per_s": gb / wall,
+            }
+        )
+    alone, batched = ways["one call per weight"](), ways["one launch (quantize_many)"]()
+    rows[-1]["bit_equal_to_alone"] = all(
+        _same_bytes(a, b) for a, b in zip(alone, batched, strict=True)
+    )
+    return rows
 
 
 if __name__ == "__main__":

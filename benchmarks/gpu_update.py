@@ -241,15 +241,20 @@ def p2pweights_updates(
     replay_modes: tuple[str, ...] = ("on",),
     fused_modes: tuple[str, ...] = ("on",),
     direct_modes: tuple[str, ...] = ("on",),
+    batch_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
     """Updates into a fresh local engine on ``engine_gpu``, per staging, replay mode
-    (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update)
-    and fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``: torch's math, not the
-    one-pass kernel; only fp8 engines quantize) and ``CudaIpcConfig.direct`` (off: an
-    engine on the trainer's GPU is staged like any other)."""
+        (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update)
+        and fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``: torch's math, not the
+        one-pass kernel; only fp8 engines quantize) and ``CudaIpcConfig.direct`` (off: an
+        engine on the trainer's GPU is staged like any other) and fp8 quantization in batches
+    (off: one kernel launch per weight, as before batches)."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
+    from p2pweights.source import collect
     from p2pweights.verify import verify_engine
+
+    default_batch = collect._BATCH_TENSORS
 
     config = _config(model)
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"p2pw-{model}.json"
@@ -271,14 +276,16 @@ def p2pweights_updates(
         out["engine_start_s"] = round(time.perf_counter() - started, 1)
         client = EngineClient(engine.url, timeout_s=600)
         runs = [
-            (s, r, f, d)
+            (s, r, f, d, b)
             for s in stagings
             for r in replay_modes
             for f in fused_modes
             for d in direct_modes
+            for b in batch_modes
         ]
-        for index, (staging, mode, fused, direct) in enumerate(runs):
+        for index, (staging, mode, fused, direct, batch) in enumerate(runs):
             os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "1" if mode == "on" else "0"
+            collect._BATCH_TENSORS = default_batch if batch == "on" else 1
             os.environ["P2PWEIGHTS_FUSED_FP8"] = "1" if fused == "on" else "0"
             config_ = SyncConfig(
                 transport=CudaIpcConfig(device=0, direct=direct == "on"),
@@ -306,8 +313,8 @@ def p2pweights_updates(
                     torch.cuda.empty_cache()
                 rows.append(row)
                 print(
-                    f"  {model} {staging} replay {mode} fused {fused} direct {direct} update {k}: "
-                    f"{report.summary()}"
+                    f"  {model} {staging} replay {mode} fused {fused} direct {direct} "
+                    f"batch {batch} update {k}: {report.summary()}"
                 )
             session.close()
             # the first update probes; with replay the second runs the loaders to confirm
@@ -319,7 +326,8 @@ def p2pweights_updates(
             }
             key = staging + ("/no-replay" if mode == "off" else "")
             key += "/no-fused" if fused == "off" else ""
-            out[key + ("/no-direct" if direct == "off" else "")] = {
+            key += "/no-direct" if direct == "off" else ""
+            out[key + ("/no-batch" if batch == "off" else "")] = {
                 "median_update_s": median_s,
                 "update_gb_s": num_bytes / median_s / 1e9,
                 "median_stages_s": stages,
@@ -441,6 +449,7 @@ def main() -> None:
         ("replay", "sglang's loaders every update"),
         ("fused", "torch's fp8 math instead of the kernel"),
         ("direct", "CudaIpcConfig(direct=False): a colocated engine is staged"),
+        ("batch", "one fp8 kernel launch per weight"),
     ):
         parser.add_argument(
             f"--{switch}",
@@ -492,6 +501,7 @@ def main() -> None:
                     tuple(args.replay),
                     tuple(args.fused),
                     tuple(args.direct),
+                    tuple(args.batch),
                 ),
             )
         if engine_gpu and "baseline" in args.parts:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from p2pweights.source import fp8_fused
-from p2pweights.source.fp8_block import BlockFp8Format, quantize
+from p2pweights.source.fp8_block import BlockFp8Format, quantize, quantize_many
 
 pytestmark = [
     pytest.mark.integration,
@@ -84,3 +84,32 @@ def test_fused_equals_torch_on_another_gpu_than_the_current_one(monkeypatch) -> 
     weight = (torch.randn(300, 700, device="cuda:1") * 0.02).bfloat16()
     assert torch.cuda.current_device() == 0
     _both(weight, BlockFp8Format((128, 128)), monkeypatch)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "block"),
+    [((2048, 7168), (128, 128)), ((300, 200), (64, 64)), ((3, 130, 257), (128, 64))],
+)
+def test_a_batch_of_separate_weights_equals_torch(shape, block, ue8m0, monkeypatch) -> None:
+    """One launch over separate tensors (a layer's experts), addresses from a table."""
+    fmt = BlockFp8Format(block, ue8m0=ue8m0)
+    weights = [(torch.randn(shape, device="cuda") * 0.02).bfloat16() for _ in range(5)]
+    weights[3][..., 0, 0] = float("nan")
+    weights[4].mul_(1e-30)
+    batches = []
+    real_batch = fp8_fused.quantize_batch
+
+    def counted(ws, b, u):
+        batches.append(len(ws))
+        return real_batch(ws, b, u)
+
+    monkeypatch.setattr(fp8_fused, "quantize_batch", counted)
+    weights.append(weights[0][..., :100, :])  # another shape: quantized alone
+    got = quantize_many(weights, fmt)
+    assert batches == [5]
+    monkeypatch.setenv("P2PWEIGHTS_FUSED_FP8", "0")
+    for weight, (q, scale) in zip(weights, got, strict=True):
+        want_q, want_scale = quantize(weight, fmt)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))

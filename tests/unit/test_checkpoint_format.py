@@ -88,3 +88,62 @@ def test_collector_converts_once_per_format_and_releases_groups() -> None:
     assert by_key["bf16"]["q.weight"] is weight
     collector.raise_if_incomplete()
     assert collector.convert_s > 0
+
+
+class _Batching(QuantizeToBlockFp8):
+    """Batches every weight it quantizes (as GPU weights do) and records each batch."""
+
+    def __init__(self, fmt, names):
+        super().__init__(fmt, names)
+        object.__setattr__(self, "batches_seen", [])
+
+    def batches(self, name, tensor):
+        return name in self.names
+
+    def convert_many(self, named):
+        self.batches_seen.append([name for name, _ in named])
+        return super().convert_many(named)
+
+
+def test_batched_weights_wait_for_their_batch_and_come_out_as_alone(monkeypatch) -> None:
+    from p2pweights.source import collect
+
+    monkeypatch.setattr(collect, "_BATCH_TENSORS", 2)
+    names = ["e0.weight", "e1.weight", "q.weight"]
+    fmt = _Batching(FMT, frozenset(names))
+    groups = {"fp8": [frozenset({n, n + "_scale_inv"}) for n in names]}
+    groups["fp8"].append(frozenset({"norm.weight"}))
+    collector = ConvertingCollector(groups, {"fp8": fmt})
+    weights = {n: torch.randn(64, 64).bfloat16() for n in names}
+    assert collector.add("e0.weight", weights["e0.weight"]) == []  # held for a batch
+    assert [i for _, i, _ in collector.add("norm.weight", torch.ones(64))] == [3]  # not held
+    released = collector.add("e1.weight", weights["e1.weight"])  # the batch is full
+    assert [i for _, i, _ in released] == [0, 1]
+    assert collector.add("q.weight", weights["q.weight"]) == []
+    released += collector.flush()  # the update's tensors ended
+    assert fmt.batches_seen == [["e0.weight", "e1.weight"], ["q.weight"]]
+    collector.raise_if_incomplete()
+    for _, index, inputs in released:
+        name = names[index]
+        want = QuantizeToBlockFp8(FMT, frozenset(names)).convert(name, weights[name])
+        assert [n for n, _ in inputs] == sorted(n for n, _ in want)
+        for (_, got), (_, expected) in zip(inputs, sorted(want), strict=True):
+            assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_a_batch_is_converted_once_its_bytes_reach_the_limit(monkeypatch) -> None:
+    from p2pweights.source import collect
+
+    monkeypatch.setattr(collect, "_BATCH_BYTES", 64 * 64 * 2 * 2)  # two bf16 weights
+    fmt = _Batching(FMT, frozenset({"e0.weight", "e1.weight"}))
+    groups = {"fp8": [frozenset({n, n + "_scale_inv"}) for n in ("e0.weight", "e1.weight")]}
+    collector = ConvertingCollector(groups, {"fp8": fmt})
+    assert collector.add("e0.weight", torch.randn(64, 64).bfloat16()) == []
+    assert len(collector.add("e1.weight", torch.randn(64, 64).bfloat16())) == 2
+    assert collector.flush() == []
+
+
+def test_cpu_weights_are_not_held_for_batches() -> None:
+    fmt = QuantizeToBlockFp8(FMT, frozenset({"q.weight"}))
+    assert not fmt.batches("q.weight", torch.randn(128, 64).bfloat16())
+    assert not AS_GIVEN.batches("q.weight", torch.randn(128, 64).bfloat16())

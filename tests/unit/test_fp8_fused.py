@@ -131,7 +131,7 @@ _INTERPRETED = textwrap.dedent(
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from p2pweights.source.fp8_block import BlockFp8Format, quantize
-    from p2pweights.source.fp8_fused import quantize_fused as fused
+    from p2pweights.source.fp8_fused import quantize_batch, quantize_fused as fused
 
     torch.manual_seed(0)
     weight = torch.randn(2, 130, 200) * 0.02
@@ -151,6 +151,14 @@ _INTERPRETED = textwrap.dedent(
         same_bits = scale.view(torch.int32) == want_scale.view(torch.int32)
         if not (same_bits | (scale.isnan() & want_scale.isnan())).all():
             failures.append(f"scales differ for {block} ue8m0={ue8m0} {dtype}")
+    # one launch for separate tensors (addresses from a table): each as alone
+    alone = [fused(w, (64, 64), True) for w in weight.bfloat16()]
+    batch = quantize_batch(list(weight.bfloat16()), (64, 64), True)
+    for (q, scale), (want_q, want_scale) in zip(batch, alone):
+        if not torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)):
+            failures.append("a batch's fp8 bytes differ from the weight's alone")
+        if not torch.equal(scale.nan_to_num(), want_scale.nan_to_num()):
+            failures.append("a batch's scales differ from the weight's alone")
     print("\\n".join(failures) or "ok")
     sys.exit(1 if failures else 0)
     """
@@ -169,3 +177,48 @@ def test_kernel_scales_equal_torchs_under_the_interpreter() -> None:
 
 def test_module_documents_the_switch() -> None:
     assert "P2PWEIGHTS_FUSED_FP8" in (fp8_block.__doc__ or "") + (fp8_fused.__doc__ or "")
+
+
+def test_quantize_many_batches_weights_of_one_shape(monkeypatch, capable) -> None:
+    """Same shape, dtype and strides share a launch; the rest go alone; the bits are
+    ``quantize``'s. (The CPU weights stand for CUDA ones; the fake batch quantizes each
+    with torch, as the kernel's batch gives the same bits: checked on the GPU.)"""
+    batches = []
+
+    def batch(weights, block, ue8m0):
+        batches.append([tuple(w.shape) for w in weights])
+        return [fp8_block.quantize(w, BlockFp8Format(block, ue8m0)) for w in weights]
+
+    monkeypatch.setattr(fp8_fused, "available", lambda weight, block: weight.dim() == 2)
+    monkeypatch.setattr(fp8_fused, "quantize_batch_or_none", batch)
+    monkeypatch.setattr(fp8_fused, "quantize_or_none", lambda weight, block, ue8m0: None)
+    weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(64, 32), torch.randn(2, 4, 4)]
+    weights.append(torch.randn(32, 64).t())  # (64, 32) with other strides
+    fmt = BlockFp8Format((16, 16))
+    got = fp8_block.quantize_many(weights, fmt)
+    assert batches == [[(64, 32), (64, 32)]]
+    for weight, (q, scale) in zip(weights, got, strict=True):
+        want_q, want_scale = quantize(weight, fmt)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
+
+
+def test_a_failed_batch_gives_way_to_torch(monkeypatch, capable) -> None:
+    monkeypatch.setattr(fp8_fused, "available", lambda weight, block: not fp8_fused._broken)
+    monkeypatch.setattr(fp8_fused, "quantize_batch", _raises)
+    weights = [torch.randn(32, 32).bfloat16() for _ in range(3)]
+    got = fp8_block.quantize_many(weights, BlockFp8Format((16, 16)))
+    assert fp8_fused._broken and "no kernel image" in fp8_fused._broken[0]
+    for weight, (q, _) in zip(weights, got, strict=True):
+        assert torch.equal(
+            q.view(torch.uint8), quantize(weight, BlockFp8Format((16, 16)))[0].view(torch.uint8)
+        )
+
+
+def test_a_batch_takes_alike_weights_only() -> None:
+    with pytest.raises(ValueError, match="one shape, dtype, device and strides"):
+        fp8_fused.quantize_batch([torch.zeros(4, 4), torch.zeros(4, 8)], (2, 2), False)
+
+
+def _raises(weights, block, ue8m0):
+    raise RuntimeError("no kernel image is available for execution")

@@ -15,6 +15,7 @@ def _max_keeping_nan(a, b):
 @triton.jit
 def block_fp8(
     w_ptr,
+    table_ptr,
     q_ptr,
     scale_ptr,
     rows,
@@ -27,10 +28,17 @@ def block_fp8(
     PAD_N: tl.constexpr,
     PAD_K: tl.constexpr,
     UE8M0: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """One scaling block of one matrix: fp8 bytes into ``q_ptr`` (uint8), the float32
-    scale into ``scale_ptr``. Grid: (matrix, block row, block column)."""
+    scale into ``scale_ptr``. Grid: (matrix, block row, block column). Matrix ``m``
+    starts at ``w_ptr + m * stride_m``, or with ``TABLE`` at the address ``table_ptr[m]``
+    (separate tensors of one shape, dtype and strides as ``w_ptr``'s, in one launch)."""
     matrix = tl.program_id(0).to(tl.int64)
+    if TABLE:
+        base = tl.load(table_ptr + matrix).to(tl.pointer_type(w_ptr.dtype.element_ty))
+    else:
+        base = w_ptr + matrix * stride_m
     block_row = tl.program_id(1)
     block_col = tl.program_id(2)
     r = block_row * BN + tl.arange(0, PAD_N)
@@ -43,7 +51,7 @@ def block_fp8(
     )
     rows_at = r[:, None].to(tl.int64)
     cols_at = c[None, :].to(tl.int64)
-    src = w_ptr + matrix * stride_m + rows_at * stride_r + cols_at * stride_c
+    src = base + rows_at * stride_r + cols_at * stride_c
     w = tl.load(src, mask=inside, other=0.0).to(tl.float32)
     amax = tl.reduce(tl.abs(w), None, _max_keeping_nan)
     amax = tl.maximum(amax, 1e-4, propagate_nan=tl.PropagateNan.ALL)

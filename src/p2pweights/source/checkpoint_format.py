@@ -17,14 +17,21 @@ rank's replica shows, and the trainer did not send it quantized already.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.source.fp8_block import FP8, SCALE_SUFFIX, BlockFp8Format, quantize
+from p2pweights.source import fp8_fused
+from p2pweights.source.fp8_block import (
+    FP8,
+    SCALE_SUFFIX,
+    BlockFp8Format,
+    quantize,
+    quantize_many,
+)
 from p2pweights.source.inputs import InputSpec
 
 __all__ = ["CheckpointFormat", "AS_GIVEN", "AsGiven", "QuantizeToBlockFp8", "unify"]
@@ -49,6 +56,13 @@ class CheckpointFormat(Protocol):
     def convert(self, name: str, tensor: torch.Tensor) -> Named:
         """The loader inputs for one trainer tensor."""
 
+    def batches(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether converting this tensor together with others (``convert_many``) is
+        cheaper than alone, so it is worth holding until a batch is full."""
+
+    def convert_many(self, named: Sequence[tuple[str, torch.Tensor]]) -> Named:
+        """The loader inputs for several trainer tensors, the same as ``convert`` of each."""
+
 
 @dataclass(frozen=True)
 class AsGiven:
@@ -66,6 +80,12 @@ class AsGiven:
 
     def convert(self, name: str, tensor: torch.Tensor) -> Named:
         return [(name, tensor)]
+
+    def batches(self, name: str, tensor: torch.Tensor) -> bool:
+        return False
+
+    def convert_many(self, named: Sequence[tuple[str, torch.Tensor]]) -> Named:
+        return list(named)
 
 
 AS_GIVEN = AsGiven()
@@ -103,6 +123,18 @@ class QuantizeToBlockFp8:
         with torch.no_grad():
             weight, scale_inv = quantize(tensor, self.fmt)
         return [(name, weight), (name + SCALE_SUFFIX, scale_inv)]
+
+    def batches(self, name: str, tensor: torch.Tensor) -> bool:
+        return name in self.names and fp8_fused.available(tensor, self.fmt.block)
+
+    def convert_many(self, named: Sequence[tuple[str, torch.Tensor]]) -> Named:
+        ours = [(name, tensor) for name, tensor in named if name in self.names]
+        with torch.no_grad():
+            pairs = quantize_many([tensor for _, tensor in ours], self.fmt)
+        out: Named = [(name, tensor) for name, tensor in named if name not in self.names]
+        for (name, _), (weight, scale_inv) in zip(ours, pairs, strict=True):
+            out += [(name, weight), (name + SCALE_SUFFIX, scale_inv)]
+        return out
 
     @classmethod
     def choose(

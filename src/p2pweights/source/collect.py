@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,8 +77,29 @@ class GroupCollector:
         return {group: sorted(names) for group, names in self._waiting.items() if names}
 
 
+_BATCH_TENSORS = 128
+_BATCH_BYTES = 1 << 30
+"""A batch of tensors converted together (``CheckpointFormat.batches``) is converted
+once it holds this many tensors or bytes, or when the update's tensors end."""
+
+
+@dataclass
+class _Lane:
+    """One checkpoint format's conversion and collection, with the tensors held for a batch."""
+
+    fmt: CheckpointFormat
+    collector: GroupCollector
+    held: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    held_bytes: int = 0
+
+
 class ConvertingCollector:
-    """Group collection per checkpoint format, converting each tensor once per format."""
+    """Group collection per checkpoint format, converting each tensor once per format.
+
+    Tensors a format converts more cheaply in batches (fp8 quantization of GPU weights:
+    one kernel launch for a layer's experts) are held until a batch is full, then
+    converted together; their groups are released then.
+    """
 
     def __init__(
         self,
@@ -90,34 +112,57 @@ class ConvertingCollector:
             fmt = formats[key]
             by_format.setdefault(fmt.key, {})[key] = key_groups
             converters[fmt.key] = fmt
-        self._collectors = [
-            (converters[fmt_key], GroupCollector(layouts)) for fmt_key, layouts in by_format.items()
+        self._lanes = [
+            _Lane(converters[fmt_key], GroupCollector(layouts))
+            for fmt_key, layouts in by_format.items()
         ]
         self.convert_s = 0.0
         """Seconds spent converting tensors (e.g. fp8 quantization)."""
 
     def add(self, name: str, tensor: torch.Tensor) -> list[Released]:
         ready: list[Released] = []
-        for fmt, collector in self._collectors:
-            if fmt.converts(name):
+        for lane in self._lanes:
+            if lane.fmt.batches(name, tensor):
+                lane.held.append((name, tensor))
+                lane.held_bytes += tensor.numel() * tensor.element_size()
+                if len(lane.held) >= _BATCH_TENSORS or lane.held_bytes >= _BATCH_BYTES:
+                    ready += self._convert_held(lane)
+                continue
+            if lane.fmt.converts(name):
                 started = time.perf_counter()
-                converted = fmt.convert(name, tensor)
+                converted = lane.fmt.convert(name, tensor)
                 self.convert_s += time.perf_counter() - started
             else:
                 converted = [(name, tensor)]
             for converted_name, converted_tensor in converted:
-                ready += collector.add(converted_name, converted_tensor)
+                ready += lane.collector.add(converted_name, converted_tensor)
         return ready
+
+    def flush(self) -> list[Released]:
+        """Convert the tensors held for batches: the groups they complete."""
+        return [released for lane in self._lanes for released in self._convert_held(lane)]
+
+    def _convert_held(self, lane: _Lane) -> list[Released]:
+        held, lane.held, lane.held_bytes = lane.held, [], 0
+        if not held:
+            return []
+        started = time.perf_counter()
+        converted = lane.fmt.convert_many(held)
+        self.convert_s += time.perf_counter() - started
+        return [r for name, tensor in converted for r in lane.collector.add(name, tensor)]
 
     def collect(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Released]:
         """Every group of every layout, as the tensors complete them; raises at the end if
         some group never got all its inputs."""
         for name, tensor in tensors:
             yield from self.add(name, tensor)
+        yield from self.flush()
         self.raise_if_incomplete()
 
     def raise_if_incomplete(self) -> None:
-        missing = {g: names for _, c in self._collectors for g, names in c.missing().items()}
+        missing = {
+            g: names for lane in self._lanes for g, names in lane.collector.missing().items()
+        }
         if not missing:
             return
         lines = sorted({f"{', '.join(names)}" for names in missing.values()})

@@ -19,7 +19,7 @@ on a GPU, a one-pass Triton kernel (``fp8_fused``) gives the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 from p2pweights.errors import ConfigError
 from p2pweights.source import fp8_fused
 
-__all__ = ["BlockFp8Format", "quantize", "dequantize", "SCALE_SUFFIX"]
+__all__ = ["BlockFp8Format", "quantize", "quantize_many", "dequantize", "SCALE_SUFFIX"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -75,8 +75,7 @@ class BlockFp8Format:
 
 def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device."""
-    if not weight.is_floating_point() or weight.dtype == FP8:
-        raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
+    _check_quantizable(weight)
     if fp8_fused.available(weight, fmt.block):
         fused = fp8_fused.quantize_or_none(weight, fmt.block, fmt.ue8m0)
         if fused is not None:
@@ -98,6 +97,37 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
     padded_shape = (*weight.shape[:-2], blocks.shape[-4] * blocks.shape[-3], -1)
     q = quantized.reshape(padded_shape)[..., :rows, :cols].contiguous()
     return q, scale.squeeze(-1).squeeze(-2).contiguous()
+
+
+def quantize_many(
+    weights: Sequence[torch.Tensor], fmt: BlockFp8Format
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``quantize`` of each weight, the same bits; GPU weights of one shape, dtype and
+    strides (a layer's experts) share one launch of the fused kernel, whose host cost
+    per launch is most of a small weight's quantization (docs/benchmarks.md)."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(weights)
+    alike: dict[tuple[object, ...], list[int]] = {}
+    for i, weight in enumerate(weights):
+        _check_quantizable(weight)
+        if fp8_fused.available(weight, fmt.block):
+            key = (tuple(weight.shape), weight.dtype, weight.device, weight.stride())
+            alike.setdefault(key, []).append(i)
+        else:
+            out[i] = quantize(weight, fmt)
+    for batch in alike.values():
+        done = None
+        if len(batch) > 1:
+            done = fp8_fused.quantize_batch_or_none(
+                [weights[i] for i in batch], fmt.block, fmt.ue8m0
+            )
+        for k, i in enumerate(batch):
+            out[i] = done[k] if done is not None else quantize(weights[i], fmt)
+    return [pair for pair in out if pair is not None]
+
+
+def _check_quantizable(weight: torch.Tensor) -> None:
+    if not weight.is_floating_point() or weight.dtype == FP8:
+        raise ConfigError(f"quantize takes a floating weight in high precision, got {weight.dtype}")
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFp8Format) -> torch.Tensor:

@@ -32,13 +32,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from p2pweights import environment
 
-__all__ = ["available", "usable", "quantize_fused", "quantize_or_none"]
+__all__ = [
+    "available",
+    "usable",
+    "quantize_fused",
+    "quantize_batch",
+    "quantize_or_none",
+    "quantize_batch_or_none",
+]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +103,19 @@ def quantize_or_none(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``quantize_fused``, or None (the caller quantizes with torch) if the kernel cannot
     run here: it is then given up on for this process, with one warning."""
+    return _or_none(lambda: quantize_fused(weight, block, ue8m0))
+
+
+def quantize_batch_or_none(
+    weights: Sequence[torch.Tensor], block: tuple[int, int], ue8m0: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``quantize_batch``, or None as ``quantize_or_none``."""
+    return _or_none(lambda: quantize_batch(weights, block, ue8m0))
+
+
+def _or_none(quantize: Callable[[], T]) -> T | None:
     try:
-        return quantize_fused(weight, block, ue8m0)
+        return quantize()
     except torch.cuda.OutOfMemoryError:
         raise  # not the kernel's fault, and torch's passes need more memory still
     except Exception as exc:  # a compile or launch failure: torch gives the same bytes
@@ -107,28 +128,73 @@ def quantize_fused(
     weight: torch.Tensor, block: tuple[int, int], ue8m0: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 weight, float32 scale_inv)`` of a CUDA ``weight`` ``[..., N, K]``."""
+    rows, cols = weight.shape[-2:]
+    matrices = weight.reshape(-1, rows, cols)  # a view unless the leading dims are strided
+    q, scale = _launch(matrices, None, matrices.shape[0], block, ue8m0)
+    lead = weight.shape[:-2]
+    return q.reshape(*lead, rows, cols), scale.reshape(*lead, *scale.shape[-2:])
+
+
+def quantize_batch(
+    weights: Sequence[torch.Tensor], block: tuple[int, int], ue8m0: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``quantize_fused`` of each weight, in one launch: the weights are separate tensors
+    of one shape, dtype, device and strides (e.g. a layer's experts). The results are
+    views of two stacked tensors, alive while any of them is."""
+    if not weights:
+        return []
+    first = weights[0]
+    alike = (first.shape, first.dtype, first.device, first.stride())
+    if any((w.shape, w.dtype, w.device, w.stride()) != alike for w in weights):
+        raise ValueError("quantize_batch takes weights of one shape, dtype, device and strides")
+    rows, cols = first.shape[-2:]
+    lead = first.shape[:-2]
+    matrices = [w.reshape(-1, rows, cols) for w in weights]
+    per_weight = matrices[0].shape[0]
+    step = matrices[0].stride(0) * first.element_size()
+    table = torch.tensor(
+        [m.data_ptr() + j * step for m in matrices for j in range(per_weight)],
+        dtype=torch.int64,
+        device=first.device,
+    )
+    q, scale = _launch(matrices[0], table, len(table), block, ue8m0)
+    return [
+        (
+            q[k * per_weight : (k + 1) * per_weight].reshape(*lead, rows, cols),
+            scale[k * per_weight : (k + 1) * per_weight].reshape(*lead, *scale.shape[-2:]),
+        )
+        for k in range(len(weights))
+    ]
+
+
+def _launch(
+    matrices: torch.Tensor,
+    table: torch.Tensor | None,
+    count: int,
+    block: tuple[int, int],
+    ue8m0: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``count`` matrices ``[rows, cols]`` into new stacked outputs: those of
+    ``matrices`` (``[count, rows, cols]``), or with a ``table`` of addresses, matrices
+    laid out as ``matrices[0]`` at each address."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the fused fp8 quantizer needs Triton")
-    rows, cols = weight.shape[-2:]
-    lead = weight.shape[:-2]
-    matrices = weight.reshape(-1, rows, cols)  # a view unless the leading dims are strided
+    _, rows, cols = matrices.shape
     bn, bk = block
     grid_rows, grid_cols = -(-rows // bn), -(-cols // bk)
-    q = torch.empty(
-        (matrices.shape[0], rows, cols), dtype=torch.float8_e4m3fn, device=weight.device
-    )
-    scale = torch.empty(
-        (matrices.shape[0], grid_rows, grid_cols), dtype=torch.float32, device=weight.device
-    )
+    device = matrices.device
+    q = torch.empty((count, rows, cols), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((count, grid_rows, grid_cols), dtype=torch.float32, device=device)
     if q.numel():
         # Triton launches on the current device: switch only when the weight is on
         # another GPU (a CPU weight runs only under Triton's interpreter, in the tests)
-        elsewhere = weight.is_cuda and weight.device.index != torch.cuda.current_device()
-        on_weights_gpu = torch.cuda.device(weight.device) if elsewhere else contextlib.nullcontext()
+        elsewhere = matrices.is_cuda and device.index != torch.cuda.current_device()
+        on_weights_gpu = torch.cuda.device(device) if elsewhere else contextlib.nullcontext()
         with on_weights_gpu:
-            kernel[(matrices.shape[0], grid_rows, grid_cols)](
+            kernel[(count, grid_rows, grid_cols)](
                 matrices,
+                matrices if table is None else table,  # unread without TABLE
                 q.view(torch.uint8),
                 scale,
                 rows,
@@ -139,9 +205,10 @@ def quantize_fused(
                 PAD_N=_pow2(bn),
                 PAD_K=_pow2(bk),
                 UE8M0=ue8m0,
+                TABLE=table is not None,
                 num_warps=4,  # the fastest of 4, 8 and 16 on an H200 (fp8_kernel_variants.py)
             )
-    return q.reshape(*lead, rows, cols), scale.reshape(*lead, grid_rows, grid_cols)
+    return q, scale
 
 
 def _pow2(n: int) -> int:

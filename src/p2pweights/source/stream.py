@@ -78,6 +78,8 @@ class UpdateSource:
                         check_finite(name, tensor)
                 for key, index, inputs in collector.add(name, tensor):
                     yield plan.group(key, index), inputs
+            for key, index, inputs in collector.flush():
+                yield plan.group(key, index), inputs
             collector.raise_if_incomplete()
         finally:
             self.convert_s = collector.convert_s
