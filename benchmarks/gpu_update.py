@@ -244,17 +244,20 @@ def p2pweights_updates(
     batch_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
     """Updates into a fresh local engine on ``engine_gpu``, per staging, replay mode
-        (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update)
+    (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update;
+    ``"ops"`` replays op by op on a GPU too, as before copies were batched)
         and fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``: torch's math, not the
         one-pass kernel; only fp8 engines quantize) and ``CudaIpcConfig.direct`` (off: an
         engine on the trainer's GPU is staged like any other) and fp8 quantization in batches
     (off: one kernel launch per weight, as before batches)."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
+    from p2pweights.replica.sglang.replay import Replay
     from p2pweights.source import collect
     from p2pweights.verify import verify_engine
 
     default_batch = collect._BATCH_TENSORS
+    batched = Replay._run_on_one_gpu
 
     config = _config(model)
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"p2pw-{model}.json"
@@ -284,7 +287,10 @@ def p2pweights_updates(
             for b in batch_modes
         ]
         for index, (staging, mode, fused, direct, batch) in enumerate(runs):
-            os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "1" if mode == "on" else "0"
+            os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "0" if mode == "off" else "1"
+            Replay._run_on_one_gpu = (  # type: ignore[method-assign]
+                Replay._run_in_order if mode == "ops" else batched
+            )
             collect._BATCH_TENSORS = default_batch if batch == "on" else 1
             os.environ["P2PWEIGHTS_FUSED_FP8"] = "1" if fused == "on" else "0"
             config_ = SyncConfig(
@@ -318,13 +324,13 @@ def p2pweights_updates(
                 )
             session.close()
             # the first update probes; with replay the second runs the loaders to confirm
-            timed = rows[2 if mode == "on" else 1 :] or rows
+            timed = rows[1 if mode == "off" else 2 :] or rows
             median_s = statistics.median(r["seconds"] for r in timed)
             stages = {
                 name: statistics.median(r["stages"].get(name, 0.0) for r in timed)
                 for name in timed[0]["stages"]
             }
-            key = staging + ("/no-replay" if mode == "off" else "")
+            key = staging + {"on": "", "off": "/no-replay", "ops": "/replay-op-by-op"}[mode]
             key += "/no-fused" if fused == "off" else ""
             key += "/no-direct" if direct == "off" else ""
             out[key + ("/no-batch" if batch == "off" else "")] = {
@@ -446,7 +452,7 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=512)
     parser.add_argument("--stagings", nargs="+", default=["cuda:0", "cpu"])
     for switch, off in (
-        ("replay", "sglang's loaders every update"),
+        ("replay", "sglang's loaders every update; ops: replayed op by op, not batched"),
         ("fused", "torch's fp8 math instead of the kernel"),
         ("direct", "CudaIpcConfig(direct=False): a colocated engine is staged"),
         ("batch", "one fp8 kernel launch per weight"),
@@ -455,7 +461,7 @@ def main() -> None:
             f"--{switch}",
             nargs="+",
             default=["on"],
-            choices=["on", "off"],
+            choices=["on", "off", "ops"] if switch == "replay" else ["on", "off"],
             help=f"modes to run side by side (off: {off})",
         )
     parser.add_argument(

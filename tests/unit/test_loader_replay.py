@@ -23,9 +23,11 @@ from p2pweights.testing import model_config, synthetic_weights, write_model_dir
 Loader = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]
 
 
-def _record_and_replay(loader: Loader) -> tuple[LoadRecorder, bool]:
+def _record_and_replay(
+    loader: Loader, b_dtype: torch.dtype = torch.float32
+) -> tuple[LoadRecorder, bool]:
     """Record ``loader`` on one set of values; replay on another; compare with the loader."""
-    dtypes = {"w": torch.float32, "b": torch.float32}
+    dtypes = {"w": torch.float32, "b": b_dtype}
 
     def inputs(seed: int) -> list[tuple[str, torch.Tensor]]:
         g = torch.Generator().manual_seed(seed)
@@ -34,7 +36,7 @@ def _record_and_replay(loader: Loader) -> tuple[LoadRecorder, bool]:
     def views(destinations: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {
             "w": destinations["w"].view(torch.float32).view(8, 4),
-            "b": destinations["b"].view(torch.float32),
+            "b": destinations["b"].view(b_dtype),
         }
 
     recorded = {"w": torch.zeros(128, dtype=torch.uint8), "b": torch.zeros(16, dtype=torch.uint8)}
@@ -51,6 +53,11 @@ def _record_and_replay(loader: Loader) -> tuple[LoadRecorder, bool]:
     expected = {k: v.clone() for k, v in recorded.items()}
     loader(dict(second), views(expected))
     assert all(torch.equal(replayed[k], expected[k]) for k in expected)
+    # the way a GPU runs it (steps of disjoint copies, batched), here on the CPU
+    batched = {k: v.clone() for k, v in recorded.items()}
+    targets = {k: v.view(dtypes[k]) for k, v in batched.items()}
+    replay._run_on_one_gpu([t for _, t in second], targets)
+    assert all(torch.equal(batched[k], expected[k]) for k in expected)
     return recorder, True
 
 
@@ -99,6 +106,33 @@ def _writes_into_its_input(x: dict[str, torch.Tensor], p: dict[str, torch.Tensor
     p["w"][:6].copy_(x["x"])
 
 
+def _overlapping_strided_and_converting(
+    x: dict[str, torch.Tensor], p: dict[str, torch.Tensor]
+) -> None:
+    p["w"][:4].copy_(x["x"][:4])
+    p["w"][2:4].copy_(x["y"])  # over part of the copy before: order matters
+    p["w"][4:, :2].copy_(x["x"][2:6, 2:])  # strided both sides
+    p["w"][4:, 2:].copy_(x["x"][:4, :2])
+    p["b"][:4].copy_(x["x"][0])  # float32 into bfloat16
+
+
+def test_replay_keeps_the_order_of_overlapping_copies_and_converts_dtypes() -> None:
+    recorder, replayable = _record_and_replay(_overlapping_strided_and_converting, torch.bfloat16)
+    assert replayable, recorder.reason
+
+
+def test_copies_run_in_steps_of_disjoint_destinations() -> None:
+    from p2pweights.replica.sglang.replay import _Copy, _Fill, _steps, _View
+
+    def copy(offset: int, rows: int) -> _Copy:
+        return _Copy(_View("w", offset, (rows, 4), (4, 1)), _View(0, 0, (rows, 4), (4, 1)))
+
+    fill = _Fill(_View("b", 0, (4,), (1,)), 0.0)
+    first, second, overlapping, elsewhere = copy(0, 2), copy(8, 2), copy(4, 2), copy(16, 1)
+    steps = _steps([first, second, overlapping, elsewhere, fill, first])
+    assert steps == [[first, second], [overlapping, elsewhere], fill, [first]]
+
+
 def test_views_copies_fills_and_concatenations_replay() -> None:
     for loader in (_narrow_copy_and_pad, _concatenated):
         recorder, replayable = _record_and_replay(loader)
@@ -131,7 +165,7 @@ def test_the_key_tells_inputs_apart_by_everything_but_values() -> None:
     assert replay_key([("x", 3)], dst) is None
 
 
-def _stage(model: str, tp: int, ep: int, rank: int, seeds: tuple[int, ...], env=None):
+def _stage(model: str, tp: int, ep: int, rank: int, seeds: tuple[int, ...], device="cpu"):
     config = model_config(model)
     folder = write_model_dir(config, Path(tempfile.mkdtemp()) / model)
     handle = replica_for({"model_path": str(folder), "tp_size": tp, "ep_size": ep}, rank)
@@ -143,33 +177,38 @@ def _stage(model: str, tp: int, ep: int, rank: int, seeds: tuple[int, ...], env=
     out = []
     for seed in seeds:
         views = {
-            name: torch.empty(layout.num_bytes, dtype=torch.uint8)
+            name: torch.empty(layout.num_bytes, dtype=torch.uint8, device=device)
             for name, layout in handle.layouts.items()
         }
-        inputs = [(n, t) for n, t in synthetic_weights(folder, seed=seed) if n in fed]
+        inputs = [(n, t.to(device)) for n, t in synthetic_weights(folder, seed=seed) if n in fed]
         handle.load_into(inputs, views)
         out.append(views)
     return handle.replica, out
 
 
-@pytest.mark.parametrize(
-    ("model", "tp", "ep", "rank"),
-    [
-        ("qwen3-tiny", 2, 1, 1),
-        ("qwen3-moe-tiny", 2, 2, 1),
-        ("glm4-moe-tiny", 2, 1, 0),
-        ("deepseek-v3-tiny", 2, 2, 0),  # MLA: q_a and kv_a concatenated; a threaded loader
-    ],
+_LAYOUTS = [
+    ("qwen3-tiny", 2, 1, 1),
+    ("qwen3-moe-tiny", 2, 2, 1),
+    ("glm4-moe-tiny", 2, 1, 0),
+    ("deepseek-v3-tiny", 2, 2, 0),  # MLA: q_a and kv_a concatenated; a threaded loader
+]
+_ON_A_GPU = pytest.param(
+    "cuda",
+    marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
 )
+
+
+@pytest.mark.parametrize("device", ["cpu", _ON_A_GPU])  # on a GPU: batched copies
+@pytest.mark.parametrize(("model", "tp", "ep", "rank"), _LAYOUTS)
 def test_sglang_loaders_replay_bit_exact(
-    model: str, tp: int, ep: int, rank: int, monkeypatch
+    model: str, tp: int, ep: int, rank: int, device: str, monkeypatch
 ) -> None:
     # the first load records, the second confirms (the loader runs), the third replays
-    replica, (*_, replayed) = _stage(model, tp, ep, rank, (1, 2, 3))
+    replica, (*_, replayed) = _stage(model, tp, ep, rank, (1, 2, 3), device)
     assert replica.replayed_loads >= 1  # replicas are process-wide: count what this run adds
     before = replica.replayed_loads
     monkeypatch.setenv("P2PWEIGHTS_LOADER_REPLAY", "0")
-    plain, (loaded,) = _stage(model, tp, ep, rank, (3,))
+    plain, (loaded,) = _stage(model, tp, ep, rank, (3,), device)
     assert plain.replayed_loads == before
     assert replayed.keys() == loaded.keys()
     assert [n for n in loaded if not torch.equal(replayed[n], loaded[n])] == []

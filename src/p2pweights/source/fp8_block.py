@@ -105,24 +105,22 @@ def quantize_many(
     """``quantize`` of each weight, the same bits; GPU weights of one shape, dtype and
     strides (a layer's experts) share one launch of the fused kernel, whose host cost
     per launch is most of a small weight's quantization (docs/benchmarks.md)."""
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(weights)
     alike: dict[tuple[object, ...], list[int]] = {}
     for i, weight in enumerate(weights):
-        _check_quantizable(weight)
-        if fp8_fused.available(weight, fmt.block):
-            key = (tuple(weight.shape), weight.dtype, weight.device, weight.stride())
-            alike.setdefault(key, []).append(i)
-        else:
-            out[i] = quantize(weight, fmt)
+        key = (type(weight), weight.shape, weight.dtype, weight.device, weight.stride())
+        alike.setdefault(key, []).append(i)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(weights)  # type: ignore[list-item]
     for batch in alike.values():
+        first = weights[batch[0]]
+        _check_quantizable(first)
         done = None
-        if len(batch) > 1:
+        if len(batch) > 1 and fp8_fused.available(first, fmt.block):
             done = fp8_fused.quantize_batch_or_none(
                 [weights[i] for i in batch], fmt.block, fmt.ue8m0
             )
         for k, i in enumerate(batch):
             out[i] = done[k] if done is not None else quantize(weights[i], fmt)
-    return [pair for pair in out if pair is not None]
+    return out
 
 
 def _check_quantizable(weight: torch.Tensor) -> None:

@@ -149,22 +149,19 @@ def quantize_batch(
         raise ValueError("quantize_batch takes weights of one shape, dtype, device and strides")
     rows, cols = first.shape[-2:]
     lead = first.shape[:-2]
-    matrices = [w.reshape(-1, rows, cols) for w in weights]
-    per_weight = matrices[0].shape[0]
-    step = matrices[0].stride(0) * first.element_size()
-    table = torch.tensor(
-        [m.data_ptr() + j * step for m in matrices for j in range(per_weight)],
-        dtype=torch.int64,
-        device=first.device,
-    )
-    q, scale = _launch(matrices[0], table, len(table), block, ue8m0)
-    return [
-        (
-            q[k * per_weight : (k + 1) * per_weight].reshape(*lead, rows, cols),
-            scale[k * per_weight : (k + 1) * per_weight].reshape(*lead, *scale.shape[-2:]),
-        )
-        for k in range(len(weights))
-    ]
+    # a view unless the leading dims are strided (then a copy, kept until the launch)
+    matrices = [w.reshape(-1, rows, cols) for w in weights] if lead else [first.unsqueeze(0)]
+    if lead:
+        step = matrices[0].stride(0) * first.element_size()
+        count = matrices[0].shape[0]
+        addresses = [m.data_ptr() + j * step for m in matrices for j in range(count)]
+    else:
+        addresses = [w.data_ptr() for w in weights]
+    table = torch.tensor(addresses, dtype=torch.int64, device=first.device)
+    q, scale = _launch(matrices[0], table, len(addresses), block, ue8m0)
+    q = q.view(len(weights), *lead, rows, cols)
+    scale = scale.view(len(weights), *lead, *scale.shape[-2:])
+    return list(zip(q.unbind(0), scale.unbind(0), strict=True))  # views in one call each
 
 
 def _launch(

@@ -97,6 +97,13 @@ class _View:
     def of(self, base: torch.Tensor) -> torch.Tensor:
         return torch.as_strided(base, self.shape, self.stride, base.storage_offset() + self.offset)
 
+    def span(self) -> tuple[int, int]:
+        """``[first, last + 1)`` elements of the owner it covers (empty for no elements)."""
+        if 0 in self.shape:
+            return self.offset, self.offset
+        last = sum((size - 1) * step for size, step in zip(self.shape, self.stride, strict=True))
+        return self.offset, self.offset + last + 1
+
 
 @dataclass(frozen=True)
 class _Copy:
@@ -110,12 +117,94 @@ class _Fill:
     value: float | int | bool
 
 
+def _steps(ops: Sequence[_Copy | _Fill]) -> list[_Fill | list[_Copy]]:
+    """``ops`` as steps to run in order: each fill alone, and each longest run of
+    consecutive copies whose destination bytes do not overlap (so their order within the
+    run cannot matter)."""
+    steps: list[_Fill | list[_Copy]] = []
+    run: list[_Copy] = []
+    written: dict[int | str, list[tuple[int, int]]] = {}
+    for op in ops:
+        if isinstance(op, _Copy):
+            spans = written.setdefault(op.dst.owner, [])
+            span = op.dst.span()
+            at = bisect.bisect_left(spans, span)
+            clash = (at > 0 and spans[at - 1][1] > span[0]) or (
+                at < len(spans) and spans[at][0] < span[1]
+            )
+            if not clash:
+                spans.insert(at, span)
+                run.append(op)
+                continue
+        if run:
+            steps.append(run)
+        run, written = [], {}
+        if isinstance(op, _Fill):
+            steps.append(op)
+        else:
+            run.append(op)
+            written[op.dst.owner] = [op.dst.span()]
+    if run:
+        steps.append(run)
+    return steps
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Integer dtypes by item size: copies of one dtype move bytes, whatever the dtype."""
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    raw = _RAW.get(tensor.element_size())
+    return tensor if raw is None or tensor.dtype == raw else tensor.view(raw)
+
+
+def _sort(
+    step: _Fill | list[_Copy], inputs: list[torch.Tensor], targets: Mapping[str, torch.Tensor]
+) -> tuple[list[int], list[int], list[int]]:
+    """A step's copies by how they run: (dense, strided) copies of one dtype, which
+    ``_foreach_copy_`` takes on integer views (dense ones with equal strides take its
+    fused path; one strided tensor in a call would send all of them one by one), and
+    converting copies. A fill has none."""
+    dense: list[int] = []
+    strided: list[int] = []
+    converting: list[int] = []
+    if isinstance(step, _Fill):
+        return dense, strided, converting
+    for i, copy in enumerate(step):
+        src, dst = inputs[copy.src.owner], targets[copy.dst.owner]  # type: ignore[index]
+        if src.dtype != dst.dtype or src.element_size() not in _RAW:
+            converting.append(i)
+        elif (
+            copy.src.shape == copy.dst.shape
+            and copy.src.stride == copy.dst.stride
+            and _dense(copy.dst.shape, copy.dst.stride)
+        ):
+            dense.append(i)
+        else:
+            strided.append(i)
+    return dense, strided, converting
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Row-major contiguous, ignoring dimensions of size one."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
 class Replay:
     """The recorded copies and fills of one load, to run on new inputs."""
 
     def __init__(self, ops: list[_Copy | _Fill], dtypes: Mapping[str, torch.dtype]):
         self._ops = ops
         self._dtypes = dict(dtypes)
+        self._steps = _steps(ops)
+        self._sorted: list[tuple[list[int], list[int], list[int]]] | None = None
+        """Per step, its copies by how they run (``_sort``; found on the first run on one
+        GPU: the replay's key fixes dtypes, shapes and strides)."""
         self.confirmed = False
         """Whether it reproduced the loader on a load other than the recorded one."""
 
@@ -127,9 +216,19 @@ class Replay:
     ) -> None:
         inputs = [t for _, t in hf_tensors]
         targets = {name: d.view(self._dtypes[name]) for name, d in destinations.items()}
-        # GPU -> pinned host copies are queued, not waited for one by one (the loader's
-        # copy_ blocks per tensor). Any host-side write waits for them first, so writes
-        # land in the recorded order; the load returns once they are done.
+        devices = {t.device for t in inputs} | {d.device for d in targets.values()}
+        if len(devices) == 1 and devices.pop().type == "cuda":
+            self._run_on_one_gpu(inputs, targets)
+        else:  # on the CPU, copy_ is no launch and batching gains nothing (measured)
+            self._run_in_order(inputs, targets)
+
+    def _run_in_order(
+        self, inputs: list[torch.Tensor], targets: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Op by op, in the recorded order. GPU -> pinned host copies are queued, not
+        waited for one by one (the loader's ``copy_`` blocks per tensor); any host-side
+        write waits for them first, so writes land in the recorded order; the load
+        returns once they are done."""
         waits: set[torch.device] = set()
         for op in self._ops:
             dst = op.dst.of(targets[op.dst.owner])  # type: ignore[index]
@@ -146,6 +245,32 @@ class Replay:
                     _wait(waits)
                 dst.fill_(op.value)
         _wait(waits)
+
+    def _run_on_one_gpu(
+        self, inputs: list[torch.Tensor], targets: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Each step in order: a fill, or copies into disjoint bytes. Copies that move
+        bytes unchanged (one dtype) go through ``_foreach_copy_`` on integer views of the
+        same bytes, the dense ones in one call (a few launches for hundreds of copies,
+        where each ``copy_`` is a launch of its own), the strided ones in another (one
+        C++ loop); copies that convert run one by one."""
+        if self._sorted is None:
+            self._sorted = [_sort(step, inputs, targets) for step in self._steps]
+        raw_inputs = [_raw(t) for t in inputs]
+        raw_targets = {name: _raw(t) for name, t in targets.items()}
+        for step, (dense, strided, converting) in zip(self._steps, self._sorted, strict=True):
+            if isinstance(step, _Fill):
+                step.dst.of(targets[step.dst.owner]).fill_(step.value)  # type: ignore[index]
+                continue
+            for together in (dense, strided):
+                if together:
+                    torch._foreach_copy_(
+                        [step[i].dst.of(raw_targets[step[i].dst.owner]) for i in together],  # type: ignore[index]
+                        [step[i].src.of(raw_inputs[step[i].src.owner]) for i in together],  # type: ignore[index]
+                    )
+            for i in converting:
+                copy = step[i]
+                copy.dst.of(targets[copy.dst.owner]).copy_(copy.src.of(inputs[copy.src.owner]))  # type: ignore[index]
 
     def reproduces(
         self,
