@@ -243,13 +243,13 @@ def p2pweights_updates(
     direct_modes: tuple[str, ...] = ("on",),
     batch_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
-    """Updates into a fresh local engine on ``engine_gpu``, per staging, replay mode
-    (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``: sglang's loaders run every update;
-    ``"ops"`` replays op by op on a GPU too, as before copies were batched)
-        and fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``: torch's math, not the
-        one-pass kernel; only fp8 engines quantize) and ``CudaIpcConfig.direct`` (off: an
-        engine on the trainer's GPU is staged like any other) and fp8 quantization in batches
-    (off: one kernel launch per weight, as before batches)."""
+    """Updates into a fresh local engine on ``engine_gpu``, one session per combination
+    of staging and the switches: replay (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``:
+    sglang's loaders run every update; ``"ops"`` replays op by op on a GPU too, as before
+    copies were batched), fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``:
+    torch's math, not the one-pass kernel; only fp8 engines quantize),
+    ``CudaIpcConfig.direct`` (off: an engine on the trainer's GPU is staged like any
+    other) and fp8 quantization in batches (off: one kernel launch per weight)."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
     from p2pweights.replica.sglang.replay import Replay
