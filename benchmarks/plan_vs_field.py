@@ -168,13 +168,7 @@ def _model_folder(row: Row) -> str:
     return str(write_model_dir(config, Path(tempfile.mkdtemp()) / row.key))
 
 
-WHAT_IF = {"quantize_call_s": 5e-6}
-"""Not built: fp8 quantization launched once per batch of same-shape weights instead of
-once per weight (5 us of host time per weight instead of the measured 49; the fused
-kernel's GPU time, measured, stays)."""
-
-
-def _costed(plan: Any, staging: str, efficiency: float, finish_s: float, **pipeline: Any) -> Any:
+def _costed(plan: Any, staging: str, efficiency: float, finish_s: float) -> Any:
     from p2pweights.plan.cluster import plan_cluster
 
     return plan_cluster(
@@ -183,9 +177,7 @@ def _costed(plan: Any, staging: str, efficiency: float, finish_s: float, **pipel
         num_stages=plan.num_stages,
         broadcast_bytes_by_stage=plan.broadcast_bytes_by_stage,
         links=replace(plan.links, staging=staging),
-        pipeline=replace(
-            plan.pipeline, transport_efficiency=efficiency, engine_finish_s=finish_s, **pipeline
-        ),
+        pipeline=replace(plan.pipeline, transport_efficiency=efficiency, engine_finish_s=finish_s),
     )
 
 
@@ -213,9 +205,6 @@ def run_row(row: Row, plans: dict[str, Any]) -> dict[str, Any]:
             ("device_with_engine", "device", 1.0, row.engine_finish_s),
         )
     }
-    predictions["device_what_if"] = _costed(
-        plan, "device", 1.0, 0.0, **WHAT_IF
-    ).prediction.as_dict()
     host_bound = plan.p2p_bound
     device_bound = _costed(plan, "device", 1.0, 0.0).p2p_bound
     return {
@@ -291,15 +280,13 @@ def tables(results: list[dict[str, Any]]) -> str:
         "**Our predicted update against the bound (warm update; the parts are in the JSON):**",
         "",
         "| row | host staging s | / bound | device staging s | / bound | slowest part (device) "
-        "| device, writes at 0.745 of the NIC | + engine finish s | / bound "
-        "| what if: batched quantize launches |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| device, writes at 0.745 of the NIC | + engine finish s | / bound |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p, bound = r["predicted"], r["bound_s"]["p2p"]
         host, device = p["host"], p["device"]
         slow, full = p["device_slow_transport"], p["device_with_engine"]
-        what_if = p["device_what_if"]["seconds"]
         part = (
             f"{device['slowest']}: load {device['load_s']:.2f}, write {device['write_s']:.2f}, "
             f"control {device['control_s']:.2f}"
@@ -310,8 +297,7 @@ def tables(results: list[dict[str, Any]]) -> str:
             f"| **{device['seconds'] / bound:.2f}** | {part} "
             f"| {slow['seconds']:.2f} ({slow['seconds'] / bound:.2f}) "
             f"| {full['seconds']:.2f} (+{r['engine_finish_s']:.3f}) "
-            f"| {full['seconds'] / bound:.2f} "
-            f"| {what_if:.2f} ({what_if / bound:.2f}) |"
+            f"| {full['seconds'] / bound:.2f} |"
         )
     return "\n".join(lines)
 

@@ -111,10 +111,12 @@ class PipelineModel:
     kernel at 4 warps 1,883-2,345;
     ``benchmarks/fp8_kernel_variants.py``); the lower reading is taken. torch's several
     passes ran at 95."""
-    quantize_call_s: float = 49e-6
-    """Host time per quantized HF tensor (Triton's launch and the output allocations),
-    measured on the H200 host: launches queue while earlier ones run, so a sender's
-    quantization takes the longer of its host time and its GPU time."""
+    quantize_call_s: float = 10.4e-6
+    """Host time per quantized HF tensor, measured on the H200 host with weights of one
+    shape quantized in batches (one launch and two output allocations per batch, and
+    the per-weight bookkeeping; ``benchmarks/fp8_convert.py``: 8.8-10.4 us, the higher
+    taken; one launch per weight took 36-49 us). Launches queue while earlier ones run,
+    so a sender's quantization takes the longer of its host time and its GPU time."""
     flush_overhead_s: float = (
         H200_PIPELINE_S
         - (
