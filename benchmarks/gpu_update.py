@@ -246,7 +246,8 @@ def p2pweights_updates(
     """Updates into a fresh local engine on ``engine_gpu``, one session per combination
     of staging and the switches: replay (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``:
     sglang's loaders run every update; ``"ops"`` replays op by op on a GPU too, as before
-    copies were batched), fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``:
+    copies were batched; ``"foreach"`` batches them without the gathered-copies kernel,
+    ``P2PWEIGHTS_COPY_KERNEL=0``), fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``:
     torch's math, not the one-pass kernel; only fp8 engines quantize),
     ``CudaIpcConfig.direct`` (off: an engine on the trainer's GPU is staged like any
     other) and fp8 quantization in batches (off: one kernel launch per weight)."""
@@ -288,6 +289,7 @@ def p2pweights_updates(
         ]
         for index, (staging, mode, fused, direct, batch) in enumerate(runs):
             os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "0" if mode == "off" else "1"
+            os.environ["P2PWEIGHTS_COPY_KERNEL"] = "0" if mode == "foreach" else "1"
             Replay._run_on_one_gpu = (  # type: ignore[method-assign]
                 Replay._run_in_order if mode == "ops" else batched
             )
@@ -330,7 +332,15 @@ def p2pweights_updates(
                 name: statistics.median(r["stages"].get(name, 0.0) for r in timed)
                 for name in timed[0]["stages"]
             }
-            key = staging + {"on": "", "off": "/no-replay", "ops": "/replay-op-by-op"}[mode]
+            key = (
+                staging
+                + {
+                    "on": "",
+                    "off": "/no-replay",
+                    "ops": "/replay-op-by-op",
+                    "foreach": "/replay-foreach",
+                }[mode]
+            )
             key += "/no-fused" if fused == "off" else ""
             key += "/no-direct" if direct == "off" else ""
             out[key + ("/no-batch" if batch == "off" else "")] = {
@@ -452,7 +462,11 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=512)
     parser.add_argument("--stagings", nargs="+", default=["cuda:0", "cpu"])
     for switch, off in (
-        ("replay", "sglang's loaders every update; ops: replayed op by op, not batched"),
+        (
+            "replay",
+            "sglang's loaders every update; ops: replayed op by op; foreach: batched "
+            "without the gathered-copies kernel",
+        ),
         ("fused", "torch's fp8 math instead of the kernel"),
         ("direct", "CudaIpcConfig(direct=False): a colocated engine is staged"),
         ("batch", "one fp8 kernel launch per weight"),
@@ -461,7 +475,7 @@ def main() -> None:
             f"--{switch}",
             nargs="+",
             default=["on"],
-            choices=["on", "off", "ops"] if switch == "replay" else ["on", "off"],
+            choices=["on", "off", "ops", "foreach"] if switch == "replay" else ["on", "off"],
             help=f"modes to run side by side (off: {off})",
         )
     parser.add_argument(

@@ -1,15 +1,16 @@
-"""Host and wall time per HF tensor of a replayed load, op by op against batched copies.
+"""Host and wall time per HF tensor of a replayed load: op by op, batched, one launch.
 
 A warm update's load stage replays each parameter group's recorded copies
-(``replica/sglang/replay.py``). With inputs and destinations on one GPU the copies of
-a step run through ``_foreach_copy_`` (a few launches for hundreds of copies); the
-alternative, kept for mixed devices (GPU inputs into pinned host buffers) and the CPU,
-is one ``copy_`` per op. This loads every group of one rank's replica, as the staging
-step does, both ways side by side (on the CPU both are op by op), and reports per HF
-tensor the host time until the loads returned and the wall time until the device
-finished, and whether both ways wrote the same bytes. Inputs are random values of the
-engine's checkpoint dtypes (fp8 engines: fp8 weights and float32 scales, as the
-quantizer hands them over).
+(``replica/sglang/replay.py``). With inputs and destinations on one GPU, a step's copies
+run in one Triton launch where there are enough of them (``gathered_copies.py``), else
+through ``_foreach_copy_``; mixed devices (GPU inputs into pinned host buffers) and the
+CPU run one ``copy_`` per op. This loads every group of one rank's replica, as the
+staging step does, the three ways side by side (on the CPU all three are op by op):
+"op by op", "foreach" (``P2PWEIGHTS_COPY_KERNEL=0``) and "kernel" (the default); and
+reports per HF tensor the host time until the loads returned and the wall time until
+the device finished, and whether all ways wrote the same bytes. Inputs are random
+values of the engine's checkpoint dtypes (fp8 engines: fp8 weights and float32 scales,
+as the quantizer hands them over).
 
     .venv/bin/python benchmarks/replay_cost.py --model qwen3-moe-30b-a3b-7-layers \\
         --layers 2 --tp 4 --device cuda [--out F]
@@ -31,11 +32,12 @@ import torch
 CONFIGS = Path(__file__).parent / "configs"
 
 
-def _config(name: str, layers: int | None) -> dict[str, Any]:
+def _config(name: str, layers: int | None, overrides: dict[str, Any]) -> dict[str, Any]:
     from p2pweights.testing import model_config
 
     path = CONFIGS / f"{name}.json"
     config = json.loads(path.read_text()) if path.exists() else model_config(name)
+    config.update(overrides)
     if layers is not None:
         config["num_hidden_layers"] = layers
         config.pop("num_nextn_predict_layers", None)
@@ -50,13 +52,21 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Te
     return out
 
 
-def measure(model: str, layers: int | None, tp: int, ep: int, device: str, repeats: int) -> dict:
+def measure(
+    model: str,
+    layers: int | None,
+    tp: int,
+    ep: int,
+    device: str,
+    repeats: int,
+    overrides: dict[str, Any] | None = None,
+) -> dict:
     from p2pweights.replica.registry import replica_for
     from p2pweights.replica.sglang.replay import Replay
     from p2pweights.source.inputs import describe_inputs
     from p2pweights.testing import hf_checkpoint_names_and_shapes, write_model_dir
 
-    config = _config(model, layers)
+    config = _config(model, layers, overrides or {})
     folder = write_model_dir(config, Path(tempfile.mkdtemp()) / model)
     handle = replica_for({"model_path": str(folder), "tp_size": tp, "ep_size": ep}, 0)
     specs = describe_inputs(
@@ -89,6 +99,7 @@ def measure(model: str, layers: int | None, tp: int, ep: int, device: str, repea
     batched = Replay._run_on_one_gpu
     out: dict[str, Any] = {
         "model": model,
+        "overrides": overrides or {},
         "layers": config["num_hidden_layers"],
         "tp": tp,
         "ep": ep,
@@ -99,8 +110,14 @@ def measure(model: str, layers: int | None, tp: int, ep: int, device: str, repea
         "replayed_loads": handle.replayed_loads if hasattr(handle, "replayed_loads") else None,
     }
     written = {}
-    for way, run in (("op by op", Replay._run_in_order), ("batched", batched)):
+    ways = (
+        ("op by op", Replay._run_in_order, "1"),
+        ("foreach", batched, "0"),
+        ("kernel", batched, "1"),
+    )
+    for way, run, kernel in ways:
         Replay._run_on_one_gpu = run  # type: ignore[method-assign]
+        os.environ["P2PWEIGHTS_COPY_KERNEL"] = kernel
         try:
             host, wall = [], []
             for _ in range(repeats):
@@ -129,7 +146,9 @@ def measure(model: str, layers: int | None, tp: int, ep: int, device: str, repea
             flush=True,
         )
     out["same_bytes"] = all(
-        torch.equal(written["op by op"][n], written["batched"][n]) for n in views
+        torch.equal(written["op by op"][n], written[way][n])
+        for way in ("foreach", "kernel")
+        for n in views
     )
     return out
 
@@ -142,10 +161,18 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=JSON",
+        help="config overrides, e.g. n_routed_experts=384 (Kimi-K2's expert count)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     rows = [
-        measure(model, args.layers, tp, args.ep, args.device, args.repeats)
+        measure(model, args.layers, tp, args.ep, args.device, args.repeats, overrides)
         for model in args.model
         for tp in args.tp
     ]

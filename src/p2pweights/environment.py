@@ -17,6 +17,10 @@
 ``P2PWEIGHTS_FUSED_FP8``                 ``0`` quantizes GPU weights to block fp8 with torch
                                          instead of the one-pass Triton kernel
                                          (``source/fp8_fused.py``; for A/B runs).
+``P2PWEIGHTS_COPY_KERNEL``               ``0`` replays a load's copies on a GPU with
+                                         ``torch._foreach_copy_`` instead of one Triton
+                                         launch per step
+                                         (``replica/sglang/gathered_copies.py``; A/B runs).
 ``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
                                          (demo, doctor) when unset: NIXL logs INFO lines to
                                          stdout otherwise. Read, never overridden.
@@ -40,6 +44,7 @@ __all__ = [
     "progress_allowed",
     "loader_replay_allowed",
     "fused_fp8_allowed",
+    "copy_kernel_allowed",
     "quiet_nixl_info",
 ]
 
@@ -62,6 +67,10 @@ def loader_replay_allowed() -> bool:
 
 def fused_fp8_allowed() -> bool:
     return _flag("P2PWEIGHTS_FUSED_FP8")
+
+
+def copy_kernel_allowed() -> bool:
+    return _flag("P2PWEIGHTS_COPY_KERNEL")
 
 
 def _flag(name: str) -> bool:

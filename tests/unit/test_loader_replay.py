@@ -169,6 +169,8 @@ def _stage(model: str, tp: int, ep: int, rank: int, seeds: tuple[int, ...], devi
     config = model_config(model)
     folder = write_model_dir(config, Path(tempfile.mkdtemp()) / model)
     handle = replica_for({"model_path": str(folder), "tp_size": tp, "ep_size": ep}, rank)
+    if device != "cpu":  # replicas are process-wide: record anew, as this test's GPU path
+        handle.replica._replays.clear()
     first = list(synthetic_weights(folder, seed=seeds[0]))
     groups = handle.groups(
         handle.checkpoint_format(describe_inputs(first)).engine_specs(describe_inputs(first))
@@ -192,19 +194,37 @@ _LAYOUTS = [
     ("glm4-moe-tiny", 2, 1, 0),
     ("deepseek-v3-tiny", 2, 2, 0),  # MLA: q_a and kv_a concatenated; a threaded loader
 ]
-_ON_A_GPU = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+_NEEDS_A_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=_NEEDS_A_GPU),  # copies through _foreach_copy_ (few)
+        pytest.param("cuda+kernel", marks=_NEEDS_A_GPU),  # every step in one Triton launch
+    ],
 )
-
-
-@pytest.mark.parametrize("device", ["cpu", _ON_A_GPU])  # on a GPU: batched copies
 @pytest.mark.parametrize(("model", "tp", "ep", "rank"), _LAYOUTS)
 def test_sglang_loaders_replay_bit_exact(
     model: str, tp: int, ep: int, rank: int, device: str, monkeypatch
 ) -> None:
+    from p2pweights.replica.sglang import gathered_copies
+
+    launches: list[None] = []
+    kernel = device == "cuda+kernel"
+    if kernel:
+        monkeypatch.setattr(gathered_copies, "MIN_COPIES", 1)
+        run = gathered_copies.GatheredCopies.run
+        monkeypatch.setattr(
+            gathered_copies.GatheredCopies,
+            "run",
+            lambda self, addresses: launches.append(run(self, addresses)),
+        )
+        device = "cuda"
     # the first load records, the second confirms (the loader runs), the third replays
     replica, (*_, replayed) = _stage(model, tp, ep, rank, (1, 2, 3), device)
+    assert bool(launches) == kernel and not gathered_copies._broken
     assert replica.replayed_loads >= 1  # replicas are process-wide: count what this run adds
     before = replica.replayed_loads
     monkeypatch.setenv("P2PWEIGHTS_LOADER_REPLAY", "0")

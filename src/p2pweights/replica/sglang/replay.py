@@ -39,12 +39,14 @@ import itertools
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from p2pweights.replica.sglang import gathered_copies
 
 aten = torch.ops.aten
 
@@ -158,31 +160,77 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if raw is None or tensor.dtype == raw else tensor.view(raw)
 
 
-def _sort(
-    step: _Fill | list[_Copy], inputs: list[torch.Tensor], targets: Mapping[str, torch.Tensor]
-) -> tuple[list[int], list[int], list[int]]:
-    """A step's copies by how they run: (dense, strided) copies of one dtype, which
-    ``_foreach_copy_`` takes on integer views (dense ones with equal strides take its
-    fused path; one strided tensor in a call would send all of them one by one), and
-    converting copies. A fill has none."""
-    dense: list[int] = []
-    strided: list[int] = []
-    converting: list[int] = []
+@dataclass
+class _StepPlan:
+    """How one step's copies run on a GPU (indices into the step)."""
+
+    gathered: gathered_copies.GatheredCopies | None = None
+    gathered_indices: list[int] = field(default_factory=list)
+    """The copies ``gathered`` takes (rows of one dtype, in a step with enough of them)."""
+    dense: list[int] = field(default_factory=list)
+    """The other copies of one dtype, dense with equal strides: ``_foreach_copy_``'s
+    fused path (one strided tensor in a call would send all of them one by one)."""
+    strided: list[int] = field(default_factory=list)
+    """The other copies of one dtype: ``_foreach_copy_``, one by one in C++."""
+    converting: list[int] = field(default_factory=list)
+    """Copies between dtypes: ``copy_`` each."""
+
+
+def _plan(
+    step: _Fill | list[_Copy],
+    inputs: list[torch.Tensor],
+    targets: Mapping[str, torch.Tensor],
+    names: list[str],
+    kernel: bool,
+) -> _StepPlan:
+    """Sort a step's copies by how they run (see ``_StepPlan``; ``kernel``: whether the
+    gathered-copies kernel may take some). ``names``: the destinations in the numbering
+    the gathered copies use (after the inputs)."""
+    plan = _StepPlan()
     if isinstance(step, _Fill):
-        return dense, strided, converting
+        return plan
+    rows: list[tuple[int, int, int, int, gathered_copies.Shape2d, int]] = []
     for i, copy in enumerate(step):
         src, dst = inputs[copy.src.owner], targets[copy.dst.owner]  # type: ignore[index]
         if src.dtype != dst.dtype or src.element_size() not in _RAW:
-            converting.append(i)
+            plan.converting.append(i)
+            continue
+        shape = (
+            gathered_copies.as_rows(copy.dst.shape, copy.src.stride, copy.dst.stride)
+            if copy.src.shape == copy.dst.shape
+            else None
+        )
+        if shape is not None:
+            item = src.element_size()
+            rows.append(
+                (
+                    copy.src.owner,  # type: ignore[arg-type]
+                    copy.src.offset * item,
+                    len(inputs) + names.index(copy.dst.owner),  # type: ignore[arg-type]
+                    copy.dst.offset * item,
+                    shape,
+                    item,
+                )
+            )
+            plan.gathered_indices.append(i)
         elif (
             copy.src.shape == copy.dst.shape
             and copy.src.stride == copy.dst.stride
             and _dense(copy.dst.shape, copy.dst.stride)
         ):
-            dense.append(i)
+            plan.dense.append(i)
         else:
-            strided.append(i)
-    return dense, strided, converting
+            plan.strided.append(i)
+    if kernel and len(rows) >= gathered_copies.MIN_COPIES:
+        device = next(iter(targets.values())).device
+        plan.gathered = gathered_copies.GatheredCopies(rows, len(inputs) + len(names), device)
+        return plan
+    for i in plan.gathered_indices:  # too few for a launch: as any other copy of one dtype
+        copy = step[i]
+        alike = copy.src.stride == copy.dst.stride and _dense(copy.dst.shape, copy.dst.stride)
+        (plan.dense if alike else plan.strided).append(i)
+    plan.gathered_indices = []
+    return plan
 
 
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -202,9 +250,10 @@ class Replay:
         self._ops = ops
         self._dtypes = dict(dtypes)
         self._steps = _steps(ops)
-        self._sorted: list[tuple[list[int], list[int], list[int]]] | None = None
-        """Per step, its copies by how they run (``_sort``; found on the first run on one
-        GPU: the replay's key fixes dtypes, shapes and strides)."""
+        self._plans: dict[bool, list[_StepPlan]] = {}
+        """Per step, how its copies run (``_plan``), with and without the gathered-copies
+        kernel; made on the first run on a GPU (the replay's key fixes names, dtypes,
+        shapes and strides)."""
         self.confirmed = False
         """Whether it reproduced the loader on a load other than the recorded one."""
 
@@ -250,25 +299,39 @@ class Replay:
         self, inputs: list[torch.Tensor], targets: Mapping[str, torch.Tensor]
     ) -> None:
         """Each step in order: a fill, or copies into disjoint bytes. Copies that move
-        bytes unchanged (one dtype) go through ``_foreach_copy_`` on integer views of the
-        same bytes, the dense ones in one call (a few launches for hundreds of copies,
-        where each ``copy_`` is a launch of its own), the strided ones in another (one
-        C++ loop); copies that convert run one by one."""
-        if self._sorted is None:
-            self._sorted = [_sort(step, inputs, targets) for step in self._steps]
-        raw_inputs = [_raw(t) for t in inputs]
-        raw_targets = {name: _raw(t) for name, t in targets.items()}
-        for step, (dense, strided, converting) in zip(self._steps, self._sorted, strict=True):
+        bytes unchanged (one dtype) run in one Triton launch per step where there are
+        enough of them (``gathered_copies``), else through ``_foreach_copy_`` on integer
+        views of the same bytes, the dense ones in one call (fused launches), the
+        strided ones in another (one C++ loop); copies that convert run one by one."""
+        kernel = gathered_copies.available(next(iter(targets.values())).device)
+        plans = self._plans.get(kernel)
+        if plans is None:
+            names = sorted(targets)
+            plans = [_plan(step, inputs, targets, names, kernel) for step in self._steps]
+            self._plans[kernel] = plans
+        addresses: list[int] | None = None
+        raw: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None
+        for step, plan in zip(self._steps, plans, strict=True):
             if isinstance(step, _Fill):
                 step.dst.of(targets[step.dst.owner]).fill_(step.value)  # type: ignore[index]
                 continue
+            dense, strided = plan.dense, plan.strided
+            if plan.gathered is not None:
+                if addresses is None:
+                    addresses = gathered_copies.owner_addresses(inputs, targets, sorted(targets))
+                if not gathered_copies.run_or_give_up(plan.gathered, addresses):
+                    strided = strided + plan.gathered_indices  # any layout: one by one in C++
+            if (dense or strided) and raw is None:
+                raw = [_raw(t) for t in inputs], {name: _raw(t) for name, t in targets.items()}
             for together in (dense, strided):
                 if together:
+                    assert raw is not None
+                    raw_inputs, raw_targets = raw
                     torch._foreach_copy_(
                         [step[i].dst.of(raw_targets[step[i].dst.owner]) for i in together],  # type: ignore[index]
                         [step[i].src.of(raw_inputs[step[i].src.owner]) for i in together],  # type: ignore[index]
                     )
-            for i in converting:
+            for i in plan.converting:
                 copy = step[i]
                 copy.dst.of(targets[copy.dst.owner]).copy_(copy.src.of(inputs[copy.src.owner]))  # type: ignore[index]
 
