@@ -147,6 +147,10 @@ def test_predicted_time_by_hand():
     assert prediction.transfer_s == pytest.approx(transfer)
     assert prediction.control_s == pytest.approx(0.07)  # 7 calls, 3 engines at once
     assert prediction.seconds == pytest.approx(transfer + 0.07 + 0.5)
+    # staged on the GPU: its copy rate, and the replay's cost there (one launch a step)
+    on_gpu = predict([sender], [], 3, LinkModel(staging="device"), pipeline)
+    gpu_load = 10 / 1920 + 1000 * pipeline.device_loader_call_s + max(2 / 100, 500 * 1e-4)
+    assert on_gpu.load_s == pytest.approx(gpu_load)
 
 
 def test_calibrated_defaults_say_where_they_come_from():

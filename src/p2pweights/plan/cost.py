@@ -99,11 +99,19 @@ class PipelineModel:
     device_copy_gbps: float = H200_DEVICE_COPY_GBPS
     """The staging copy with device staging: a device copy in one H200 (1,920 GB/s)."""
     loader_call_s: float = 12e-6
-    """CPU time per HF tensor of a warm update's load: the loader's copies replayed
-    (``replica/sglang/replay.py``), measured on the 2-core development machine with
-    kilobyte tensors (``benchmarks/loader_overhead.py``): 11-12 us for Qwen3, Qwen3-MoE
-    and DeepSeek-V3 (MLA); the first two updates run sglang's loaders (24-99 us). Assumed
-    the same on a GPU host's CPU (where each copy is a kernel launch instead)."""
+    """CPU time per HF tensor of a warm update's load with host staging: the loader's
+    copies replayed one by one (``replica/sglang/replay.py``), measured on the 2-core
+    development machine with kilobyte tensors (``benchmarks/loader_overhead.py``): 11-12
+    us for Qwen3, Qwen3-MoE and DeepSeek-V3 (MLA); the first two updates run sglang's
+    loaders (24-99 us). Assumed the same on a GPU host's CPU, where each GPU-to-pinned
+    copy is queued one by one."""
+    device_loader_call_s: float = 6.3e-6
+    """The same with device staging, where a step's replayed copies run in one Triton
+    launch (``gathered_copies.py``): on the H200 host, per HF tensor, copies included,
+    3.1-6.3 us for a Qwen3-MoE replica (TP 4 and 1) and 5.1 us for a Kimi-K2-shaped fp8
+    one (384 experts, TP 16) (``benchmarks/replay_cost.py``,
+    ``results/replay_cost_*_h200.json``); the highest taken. Replicas with few tensors per
+    parameter group cost more (11.7 us at 4), which MoE rows hardly have."""
     quantize_gbps: float = 1700.0
     """Block-fp8 quantization on the sender (fp8 engines), GB/s of bf16 input, GPU time:
     the library's own call of the fused Triton kernel on an H200 took 1,674-2,091 GB/s
@@ -266,12 +274,14 @@ def predict(
     The update session's calls run one after another per engine, engines concurrently.
     """
     nic = links.nic_gbps * pipeline.transport_efficiency * GB
-    stage_rate = (links.host_gbps if links.staging == "host" else pipeline.device_copy_gbps) * GB
+    on_host = links.staging == "host"
+    stage_rate = (links.host_gbps if on_host else pipeline.device_copy_gbps) * GB
+    loader_call_s = pipeline.loader_call_s if on_host else pipeline.device_loader_call_s
     sender = (0.0, "nothing to write", 0.0, 0.0, 0)  # (seconds, who, load, write, flushes)
     for s in senders:
         load = (
             s.load_bytes / stage_rate
-            + s.loader_inputs * pipeline.loader_call_s
+            + s.loader_inputs * loader_call_s
             + max(
                 s.quantized_bytes / (pipeline.quantize_gbps * GB),
                 s.quantized_inputs * pipeline.quantize_call_s,
