@@ -131,6 +131,8 @@ class WeightSyncSession:
         self._orphans: dict[str, EngineUpdate] = {}
         """Engines of an earlier connect not connected now, until abort() releases them."""
         self._last_run: RunResult | None = None
+        self._reads_seen: tuple[int, ...] | None = None
+        """The recordings' change counts the fp8 regions were learned from."""
 
     @classmethod
     def from_torch_distributed(
@@ -341,7 +343,12 @@ class WeightSyncSession:
         version = version or str(self._next_version)
         with _timed(stages, "control_plane"):
             self._step("open", lambda: self._open(version))
-        result = self._step("write", lambda: self._write(tensors, whole, stages))
+        try:
+            result = self._step("write", lambda: self._write(tensors, whole, stages))
+        except BaseException:
+            self._forget_regions()  # a loader may have to run again: quantize whole
+            raise
+        self._learn_regions()
         if self._leader:
             self._fleet.writes_landed(lambda url: True)  # every rank's writes landed
         with _timed(stages, "control_plane"):
@@ -506,6 +513,23 @@ class WeightSyncSession:
         self._last_run = result
         result.raise_if_failed()
         return result
+
+    def _learn_regions(self) -> None:
+        """fp8 engines: from the next update on, quantize only the blocks this rank's
+        loaders read, as their checked recordings say (``UpdateSource.use_regions``)."""
+        if self._source is None:
+            return
+        keys = self._source.quantizing_keys()
+        seen = tuple(self._replicas[key].replays_changed for key in keys)
+        if not keys or seen == self._reads_seen:
+            return
+        self._reads_seen = seen
+        self._source.use_regions({key: self._replicas[key].input_reads() for key in keys})
+
+    def _forget_regions(self) -> None:
+        self._reads_seen = None
+        if self._source is not None:
+            self._source.use_regions({})
 
     def _landed_alone(self, url: str) -> bool:
         """After a failed write step: whether ``url`` surely got all its bytes. Only a lone

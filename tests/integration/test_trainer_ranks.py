@@ -12,6 +12,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from _bit_exact import assert_bit_exact
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
@@ -31,7 +32,7 @@ def _agree_over(barrier, flags, rank):
     return agree
 
 
-def _trainer(rank: int, url: str, folder: str, barrier, flags, results) -> None:
+def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds=(21, 22)) -> None:
     from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
 
     config = SyncConfig(
@@ -43,10 +44,11 @@ def _trainer(rank: int, url: str, folder: str, barrier, flags, results) -> None:
     agree = _agree_over(barrier, flags, rank)
     with WeightSyncSession(config, agree=agree) as session:
         session.connect([url])
-        for seed in (21, 22):
+        for seed in seeds:
             weights = list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
             report = session.update(weights)
-            results.put((rank, seed, report.version, sorted(report.bytes_by_target)))
+            regions = session._source.regions if session._source is not None else 0
+            results.put((rank, seed, report.version, sorted(report.bytes_by_target), regions))
 
 
 def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
@@ -66,7 +68,7 @@ def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
     reports = sorted(results.get(timeout=5) for _ in range(4))
     # each trainer rank wrote exactly one engine rank, the two together both ranks, every update
     written = {seed: [] for seed in (21, 22)}
-    for _rank, seed, version, targets in reports:
+    for _rank, seed, version, targets, _regions in reports:
         assert len(targets) == 1
         written[seed] += targets
         assert version == {21: "1", 22: "2"}[seed]
@@ -78,3 +80,33 @@ def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
         client, lambda: list(synthetic_weights(folder, seed=22, dtype=torch.bfloat16))
     )
     assert mismatches == {0: [], 1: []}
+
+
+def test_fp8_senders_quantize_only_what_their_rank_reads(model_dir, start_engines):
+    """A TP 2 fp8 engine without expert parallelism, one trainer rank per engine rank:
+    each rank's loaders read half of every expert weight. From the third update on (the
+    first records the loaders' copies, the second confirms them) each sender quantizes
+    only the blocks those copies read; every rank stays bit-exact with sglang's loader
+    fed the whole quantized checkpoint."""
+    folder = model_dir("deepseek-v3-fp8-tiny")
+    (engine,) = start_engines(folder, [2], seed=0)
+    ctx = mp.get_context("spawn")
+    barrier, flags, results = ctx.Barrier(2), ctx.Array("i", 2), ctx.Queue()
+    seeds = (31, 32, 33, 34)
+    trainers = [
+        ctx.Process(
+            target=_trainer, args=(r, engine.url, str(folder), barrier, flags, results, seeds)
+        )
+        for r in range(2)
+    ]
+    for p in trainers:
+        p.start()
+    for p in trainers:
+        p.join(timeout=600)
+    assert [p.exitcode for p in trainers] == [0, 0]
+    reports = sorted(results.get(timeout=5) for _ in range(2 * len(seeds)))
+    regions = {(rank, seed): count for rank, seed, _, _, count in reports}
+    for rank in (0, 1):
+        assert regions[(rank, 31)] == 0  # recorded: nothing known yet
+        assert regions[(rank, 33)] > 0 and regions[(rank, 34)] == regions[(rank, 33)]
+    assert_bit_exact([engine], folder, 34)

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from p2pweights.source.checkpoint_format import CheckpointFormat
+    from p2pweights.source.fp8_regions import Read
     from p2pweights.source.inputs import InputSpec, ParamGroup
 
 __all__ = ["ParamLayout", "Replica", "bytes_spanned"]
@@ -81,4 +82,14 @@ class Replica(Protocol):
         ``views`` maps parameter names to flat ``torch.uint8`` tensors of exactly
         ``layouts[name].num_bytes``.
         """
+        ...
+
+    def input_reads(self) -> Mapping[str, list[Read] | None]:
+        """Per loader input loaded so far, the views (element offset, shape, stride) its
+        loads' checked recordings read of it; None while a load of it runs the loader."""
+        ...
+
+    @property
+    def replays_changed(self) -> int:
+        """A count that moves whenever the recordings behind ``input_reads`` change."""
         ...

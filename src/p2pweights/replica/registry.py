@@ -25,6 +25,7 @@ from p2pweights.replica.base import ParamLayout, Replica
 from p2pweights.replica.layout_key import LayoutKey, layout_args
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.source.checkpoint_format import CheckpointFormat
+from p2pweights.source.fp8_regions import Read
 from p2pweights.source.inputs import InputSpec, ParamGroup
 
 __all__ = ["ReplicaHandle", "config_path", "replica_for"]
@@ -167,3 +168,12 @@ class ReplicaHandle:
     ) -> None:
         """Write the bytes ``inputs`` make into ``views`` (param name -> flat uint8 view)."""
         self.replica.load_into(inputs, views)
+
+    def input_reads(self) -> Mapping[str, list[Read] | None]:
+        """What this rank's replayed loads read of each input (None: a loader still runs)."""
+        return self.replica.input_reads()
+
+    @property
+    def replays_changed(self) -> int:
+        """Moves whenever this rank's recorded loads change (``input_reads`` with them)."""
+        return self.replica.replays_changed

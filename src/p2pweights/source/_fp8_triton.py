@@ -20,6 +20,8 @@ def block_fp8(
     scale_ptr,
     rows,
     cols,
+    row0,
+    col0,
     stride_m,
     stride_r,
     stride_c,
@@ -33,14 +35,15 @@ def block_fp8(
     """One scaling block of one matrix: fp8 bytes into ``q_ptr`` (uint8), the float32
     scale into ``scale_ptr``. Grid: (matrix, block row, block column). Matrix ``m``
     starts at ``w_ptr + m * stride_m``, or with ``TABLE`` at the address ``table_ptr[m]``
-    (separate tensors of one shape, dtype and strides as ``w_ptr``'s, in one launch)."""
+    (separate tensors of one shape, dtype and strides as ``w_ptr``'s, in one launch).
+    Blocks ``row0`` and ``col0`` on: the grid may cover only some of a matrix's blocks."""
     matrix = tl.program_id(0).to(tl.int64)
     if TABLE:
         base = tl.load(table_ptr + matrix).to(tl.pointer_type(w_ptr.dtype.element_ty))
     else:
         base = w_ptr + matrix * stride_m
-    block_row = tl.program_id(1)
-    block_col = tl.program_id(2)
+    block_row = tl.program_id(1) + row0
+    block_col = tl.program_id(2) + col0
     r = block_row * BN + tl.arange(0, PAD_N)
     c = block_col * BK + tl.arange(0, PAD_K)
     inside = (

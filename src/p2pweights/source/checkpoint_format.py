@@ -18,7 +18,7 @@ rank's replica shows, and the trainer did not send it quantized already.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
@@ -29,6 +29,7 @@ from p2pweights.source.fp8_block import (
     FP8,
     SCALE_SUFFIX,
     BlockFp8Format,
+    Box,
     quantize,
     quantize_many,
 )
@@ -99,6 +100,9 @@ class QuantizeToBlockFp8:
     names: frozenset[str]
     kept: frozenset[str] = frozenset()
     """Names this layout's loader reads in high precision (they must not be quantized)."""
+    regions: Mapping[str, Box] = field(default_factory=dict, compare=False)
+    """Per name, the only blocks quantized (``fp8_regions``: all that this sender's
+    loaders read, learned from their recorded copies); the others are left unset."""
 
     @property
     def key(self) -> Hashable:
@@ -121,7 +125,7 @@ class QuantizeToBlockFp8:
         if name not in self.names:
             return [(name, tensor)]
         with torch.no_grad():
-            weight, scale_inv = quantize(tensor, self.fmt)
+            weight, scale_inv = quantize(tensor, self.fmt, self.regions.get(name))
         return [(name, weight), (name + SCALE_SUFFIX, scale_inv)]
 
     def batches(self, name: str, tensor: torch.Tensor) -> bool:
@@ -130,7 +134,11 @@ class QuantizeToBlockFp8:
     def convert_many(self, named: Sequence[tuple[str, torch.Tensor]]) -> Named:
         ours = [(name, tensor) for name, tensor in named if name in self.names]
         with torch.no_grad():
-            pairs = quantize_many([tensor for _, tensor in ours], self.fmt)
+            pairs = quantize_many(
+                [tensor for _, tensor in ours],
+                self.fmt,
+                [self.regions.get(name) for name, _ in ours],
+            )
         out: Named = [(name, tensor) for name, tensor in named if name not in self.names]
         for (name, _), (weight, scale_inv) in zip(ours, pairs, strict=True):
             out += [(name, weight), (name + SCALE_SUFFIX, scale_inv)]

@@ -27,8 +27,17 @@ import torch
 
 from p2pweights.errors import ConfigError
 from p2pweights.source import fp8_fused
+from p2pweights.source.fp8_fused import Box
 
-__all__ = ["BlockFp8Format", "quantize", "quantize_many", "dequantize", "SCALE_SUFFIX"]
+__all__ = [
+    "BlockFp8Format",
+    "Box",
+    "quantize",
+    "quantize_many",
+    "partial",
+    "dequantize",
+    "SCALE_SUFFIX",
+]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -73,9 +82,18 @@ class BlockFp8Format:
         return (*shape[:-2], -(-rows // bn), -(-cols // bk))
 
 
-def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device."""
+def quantize(
+    weight: torch.Tensor, fmt: BlockFp8Format, box: Box | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 weight, float32 scale_inv)`` of ``weight`` (``[..., N, K]``), on its device.
+
+    With a ``box`` of blocks (first row, end row, first column, end column; ends
+    exclusive), only those blocks are quantized: a block's bytes and scale depend on its
+    own values alone, so they equal the whole weight's there; the rest of both outputs
+    is left unset, and both are marked ``partial``."""
     _check_quantizable(weight)
+    if box is not None:
+        return _quantize_box(weight, fmt, box)
     if fp8_fused.available(weight, fmt.block):
         fused = fp8_fused.quantize_or_none(weight, fmt.block, fmt.ue8m0)
         if fused is not None:
@@ -100,27 +118,69 @@ def quantize(weight: torch.Tensor, fmt: BlockFp8Format) -> tuple[torch.Tensor, t
 
 
 def quantize_many(
-    weights: Sequence[torch.Tensor], fmt: BlockFp8Format
+    weights: Sequence[torch.Tensor],
+    fmt: BlockFp8Format,
+    boxes: Sequence[Box | None] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``quantize`` of each weight, the same bits; GPU weights of one shape, dtype and
-    strides (a layer's experts) share one launch of the fused kernel, whose host cost
-    per launch is most of a small weight's quantization (docs/benchmarks.md)."""
+    """``quantize`` of each weight (in ``boxes[i]`` where given), the same bits; GPU
+    weights of one shape, dtype, strides and box (a layer's experts) share one launch
+    of the fused kernel, whose host cost per launch is most of a small weight's
+    quantization (docs/benchmarks.md)."""
+    boxes = boxes if boxes is not None else [None] * len(weights)
     alike: dict[tuple[object, ...], list[int]] = {}
-    for i, weight in enumerate(weights):
-        key = (type(weight), weight.shape, weight.dtype, weight.device, weight.stride())
+    for i, (weight, box) in enumerate(zip(weights, boxes, strict=True)):
+        key = (type(weight), weight.shape, weight.dtype, weight.device, weight.stride(), box)
         alike.setdefault(key, []).append(i)
     out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(weights)  # type: ignore[list-item]
     for batch in alike.values():
-        first = weights[batch[0]]
+        first, box = weights[batch[0]], boxes[batch[0]]
         _check_quantizable(first)
         done = None
         if len(batch) > 1 and fp8_fused.available(first, fmt.block):
             done = fp8_fused.quantize_batch_or_none(
-                [weights[i] for i in batch], fmt.block, fmt.ue8m0
+                [weights[i] for i in batch], fmt.block, fmt.ue8m0, box
             )
+            if done is not None and box is not None:
+                for pair in done:
+                    _mark_partial(*pair)
         for k, i in enumerate(batch):
-            out[i] = done[k] if done is not None else quantize(weights[i], fmt)
+            out[i] = done[k] if done is not None else quantize(weights[i], fmt, box)
     return out
+
+
+def partial(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` came out of ``quantize`` with a box: set only in its blocks."""
+    return getattr(tensor, _PARTIAL, False)
+
+
+_PARTIAL = "_p2pweights_partial"
+
+
+def _mark_partial(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        setattr(tensor, _PARTIAL, True)
+
+
+def _quantize_box(
+    weight: torch.Tensor, fmt: BlockFp8Format, box: Box
+) -> tuple[torch.Tensor, torch.Tensor]:
+    row0, row1, col0, col1 = box
+    grid = fmt.scale_shape(tuple(weight.shape))
+    if not (0 <= row0 <= row1 <= grid[-2] and 0 <= col0 <= col1 <= grid[-1]):
+        raise ValueError(f"blocks {box} are outside a weight of {grid[-2:]} blocks")
+    pair: tuple[torch.Tensor, torch.Tensor] | None = None
+    if fp8_fused.available(weight, fmt.block):
+        pair = fp8_fused.quantize_or_none(weight, fmt.block, fmt.ue8m0, box)
+    if pair is None:
+        bn, bk = fmt.block
+        rows, cols = slice(row0 * bn, row1 * bn), slice(col0 * bk, col1 * bk)
+        q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+        scale = torch.empty(grid, dtype=torch.float32, device=weight.device)
+        part_q, part_scale = quantize(weight[..., rows, cols], fmt)
+        q[..., rows, cols], scale[..., row0:row1, col0:col1] = part_q, part_scale
+        pair = (q, scale)
+    _mark_partial(*pair)
+    return pair
 
 
 def _check_quantizable(weight: torch.Tensor) -> None:

@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+Box = tuple[int, int, int, int]
+"""Blocks (first row, end row, first column, end column) of a matrix, ends exclusive."""
 
 logger = logging.getLogger(__name__)
 
@@ -99,18 +101,18 @@ def _capable(device: torch.device) -> bool:
 
 
 def quantize_or_none(
-    weight: torch.Tensor, block: tuple[int, int], ue8m0: bool
+    weight: torch.Tensor, block: tuple[int, int], ue8m0: bool, box: Box | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``quantize_fused``, or None (the caller quantizes with torch) if the kernel cannot
     run here: it is then given up on for this process, with one warning."""
-    return _or_none(lambda: quantize_fused(weight, block, ue8m0))
+    return _or_none(lambda: quantize_fused(weight, block, ue8m0, box))
 
 
 def quantize_batch_or_none(
-    weights: Sequence[torch.Tensor], block: tuple[int, int], ue8m0: bool
+    weights: Sequence[torch.Tensor], block: tuple[int, int], ue8m0: bool, box: Box | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """``quantize_batch``, or None as ``quantize_or_none``."""
-    return _or_none(lambda: quantize_batch(weights, block, ue8m0))
+    return _or_none(lambda: quantize_batch(weights, block, ue8m0, box))
 
 
 def _or_none(quantize: Callable[[], T]) -> T | None:
@@ -125,22 +127,24 @@ def _or_none(quantize: Callable[[], T]) -> T | None:
 
 
 def quantize_fused(
-    weight: torch.Tensor, block: tuple[int, int], ue8m0: bool
+    weight: torch.Tensor, block: tuple[int, int], ue8m0: bool, box: Box | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8 weight, float32 scale_inv)`` of a CUDA ``weight`` ``[..., N, K]``."""
+    """``(fp8 weight, float32 scale_inv)`` of a CUDA ``weight`` ``[..., N, K]``; with a
+    ``box`` of blocks ``(first row, end row, first column, end column)``, only those
+    blocks of each matrix are written (the rest of both outputs is left unset)."""
     rows, cols = weight.shape[-2:]
     matrices = weight.reshape(-1, rows, cols)  # a view unless the leading dims are strided
-    q, scale = _launch(matrices, None, matrices.shape[0], block, ue8m0)
+    q, scale = _launch(matrices, None, matrices.shape[0], block, ue8m0, box)
     lead = weight.shape[:-2]
     return q.reshape(*lead, rows, cols), scale.reshape(*lead, *scale.shape[-2:])
 
 
 def quantize_batch(
-    weights: Sequence[torch.Tensor], block: tuple[int, int], ue8m0: bool
+    weights: Sequence[torch.Tensor], block: tuple[int, int], ue8m0: bool, box: Box | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``quantize_fused`` of each weight, in one launch: the weights are separate tensors
-    of one shape, dtype, device and strides (e.g. a layer's experts). The results are
-    views of two stacked tensors, alive while any of them is."""
+    """``quantize_fused`` of each weight (the same ``box`` for all), in one launch: the
+    weights are separate tensors of one shape, dtype, device and strides (e.g. a layer's
+    experts). The results are views of two stacked tensors, alive while any of them is."""
     if not weights:
         return []
     first = weights[0]
@@ -158,7 +162,7 @@ def quantize_batch(
     else:
         addresses = [w.data_ptr() for w in weights]
     table = torch.tensor(addresses, dtype=torch.int64, device=first.device)
-    q, scale = _launch(matrices[0], table, len(addresses), block, ue8m0)
+    q, scale = _launch(matrices[0], table, len(addresses), block, ue8m0, box)
     q = q.view(len(weights), *lead, rows, cols)
     scale = scale.view(len(weights), *lead, *scale.shape[-2:])
     return list(zip(q.unbind(0), scale.unbind(0), strict=True))  # views in one call each
@@ -170,32 +174,36 @@ def _launch(
     count: int,
     block: tuple[int, int],
     ue8m0: bool,
+    box: Box | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``count`` matrices ``[rows, cols]`` into new stacked outputs: those of
     ``matrices`` (``[count, rows, cols]``), or with a ``table`` of addresses, matrices
-    laid out as ``matrices[0]`` at each address."""
+    laid out as ``matrices[0]`` at each address; all blocks, or those of ``box``."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the fused fp8 quantizer needs Triton")
     _, rows, cols = matrices.shape
     bn, bk = block
     grid_rows, grid_cols = -(-rows // bn), -(-cols // bk)
+    row0, row1, col0, col1 = box if box is not None else (0, grid_rows, 0, grid_cols)
     device = matrices.device
     q = torch.empty((count, rows, cols), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((count, grid_rows, grid_cols), dtype=torch.float32, device=device)
-    if q.numel():
+    if q.numel() and row1 > row0 and col1 > col0:
         # Triton launches on the current device: switch only when the weight is on
         # another GPU (a CPU weight runs only under Triton's interpreter, in the tests)
         elsewhere = matrices.is_cuda and device.index != torch.cuda.current_device()
         on_weights_gpu = torch.cuda.device(device) if elsewhere else contextlib.nullcontext()
         with on_weights_gpu:
-            kernel[(count, grid_rows, grid_cols)](
+            kernel[(count, row1 - row0, col1 - col0)](
                 matrices,
                 matrices if table is None else table,  # unread without TABLE
                 q.view(torch.uint8),
                 scale,
                 rows,
                 cols,
+                row0,
+                col0,
                 *matrices.stride(),
                 BN=bn,
                 BK=bk,

@@ -10,19 +10,39 @@ and show the update as incomplete until a later update completes).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from p2pweights.errors import ConfigError
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan
+from p2pweights.source.checkpoint_format import QuantizeToBlockFp8
 from p2pweights.source.collect import ConvertingCollector
 from p2pweights.source.finite import check_finite
+from p2pweights.source.fp8_block import SCALE_SUFFIX
+from p2pweights.source.fp8_regions import Read, block_box
 from p2pweights.source.inputs import InputSpec, check_input
 
 __all__ = ["UpdateSource"]
 
 ReadyGroup = tuple[GroupPlan, Sequence[tuple[str, torch.Tensor]]]
+Reads = Mapping[str, "list[Read] | None"]
+"""Per loader input a replica loaded, the views its replayed loads read (None: a load of
+it runs the loader)."""
+
+
+def _views(
+    name: str, readers: Mapping[str, set[Hashable]], reads: Mapping[Hashable, Reads]
+) -> list[Read] | None:
+    """Every view ``name``'s replicas read of it; None unless each replays every load."""
+    out: list[Read] = []
+    for key in readers.get(name, ()):
+        views = reads.get(key, {}).get(name)
+        if views is None:
+            return None
+        out += views
+    return out
 
 
 class UpdateSource:
@@ -41,9 +61,46 @@ class UpdateSource:
         ``finite``: refuse NaN / Inf."""
         self.known = dict(known)
         self._groups = groups
-        self._formats = formats
+        self._formats = dict(formats)
         self._finite = finite
         self.convert_s = 0.0
+        self.regions = 0
+        """Weights quantized only in the blocks this sender's loaders read (``use_regions``)."""
+
+    def quantizing_keys(self) -> list[Hashable]:
+        """The replicas whose loaders read weights this sender quantizes."""
+        return [k for k, f in self._formats.items() if isinstance(f, QuantizeToBlockFp8)]
+
+    def use_regions(self, reads: Mapping[Hashable, Reads]) -> None:
+        """Quantize each weight only in the blocks its loaders read, where every replica
+        reading it (or its scale) replays every load of it from a checked recording
+        (``reads[key]``: ``ModelReplica.input_reads``); the rest whole. ``{}`` quantizes
+        everything whole again (after a failed update)."""
+        lanes: dict[Hashable, list[Hashable]] = {}
+        for key in self.quantizing_keys():
+            lanes.setdefault(self._formats[key].key, []).append(key)  # type: ignore[attr-defined]
+        self.regions = 0
+        for keys in lanes.values():
+            fmt = self._formats[keys[0]]
+            assert isinstance(fmt, QuantizeToBlockFp8)
+            readers: dict[str, set[Hashable]] = {}
+            for key in keys:
+                for names in self._groups[key]:
+                    for name in names:
+                        readers.setdefault(name, set()).add(key)
+            regions = {}
+            for name in sorted(fmt.names & self.known.keys()):
+                weight = _views(name, readers, reads)
+                scale = _views(name + SCALE_SUFFIX, readers, reads)
+                if weight is None or scale is None:
+                    continue  # some loader of it still runs: whole
+                box = block_box(self.known[name].shape, fmt.fmt.block, weight, scale)
+                if box is not None:
+                    regions[name] = box
+            with_regions = dataclasses.replace(fmt, regions=regions)
+            for key in keys:
+                self._formats[key] = with_regions
+            self.regions += len(regions)
 
     def check_whole(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Every tensor matches the contract and none of it is missing (before any write)."""

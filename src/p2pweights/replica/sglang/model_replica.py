@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -44,7 +44,8 @@ from p2pweights.replica.sglang.replay import (
     replay_key,
 )
 from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
-from p2pweights.source.fp8_block import FP8, BlockFp8Format
+from p2pweights.source.fp8_block import FP8, BlockFp8Format, partial
+from p2pweights.source.fp8_regions import Read
 from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs
 
 if TYPE_CHECKING:
@@ -112,6 +113,9 @@ class ModelReplica:
         # inputs and destinations alike but for values -> the loader's recorded copies
         # (None: that load must run the loader every time); see replay.py
         self._replays: dict[ReplayKey, Replay | None] = {}
+        self.replays_changed = 0
+        """Counts changes to the recordings (new, confirmed, dropped): reads learned from
+        them are stale once it moves."""
         self.replayed_loads = 0
         self._told_not_replayed = False
         """Loads served by a replay instead of the loader (tests and benchmarks read it)."""
@@ -282,6 +286,24 @@ class ModelReplica:
             self._loader_maps[key] = found
         return found
 
+    def input_reads(self) -> dict[str, list[Read] | None]:
+        """Per loader input this rank has loaded: the views its checked recordings read
+        of it, or None while some load of it is not replayed from one (its loader runs,
+        and may read anything)."""
+        out: dict[str, list[Read] | None] = {}
+        for key, replay in self._replays.items():
+            inputs = cast(tuple[tuple[str, ...], ...], key[0])  # (name, shape, ...) each
+            names = [entry[0] for entry in inputs]
+            if replay is None or not replay.confirmed:
+                out.update(dict.fromkeys(names))
+                continue
+            reads = replay.reads()
+            for index, name in enumerate(names):
+                known = out.setdefault(name, [])
+                if known is not None:
+                    known.extend(reads.get(index, []))
+        return out
+
     def load_into(
         self,
         hf_tensors: Sequence[tuple[str, torch.Tensor]],
@@ -304,6 +326,13 @@ class ModelReplica:
             replay.run(hf_tensors, destinations)
             self.replayed_loads += 1
             return
+        unset = [name for name, tensor in hf_tensors if partial(tensor)]
+        if unset:
+            raise ConfigError(
+                f"{unset[:3]} were quantized only in the blocks this rank's recorded copies "
+                f"read, but that recording no longer applies and the loader must run; the "
+                f"next update quantizes them whole"
+            )
         self._check_destinations(destinations)
         inputs = describe_inputs(hf_tensors)
         with self._in_context():
@@ -333,13 +362,17 @@ class ModelReplica:
         if replay is not None:
             differ = replay.reproduces(hf_tensors, destinations)
             replay.confirmed = not differ
+            self.replays_changed += 1
             if differ:
                 self._replays[key] = None
+                self.replays_changed += 1
                 self._not_replayed(f"on other values its recorded copies differ in {differ[:3]}")
             return
         if len(self._replays) >= _MAX_REPLAYS:
             self._replays.clear()  # compositions that never repeat must not pile up
+            self.replays_changed += 1
         self._replays[key] = recorder.checked_replay(hf_tensors, destinations)
+        self.replays_changed += 1
         if recorder.reason is not None:
             self._not_replayed(recorder.reason)
 

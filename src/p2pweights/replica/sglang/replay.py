@@ -257,6 +257,15 @@ class Replay:
         self.confirmed = False
         """Whether it reproduced the loader on a load other than the recorded one."""
 
+    def reads(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+        """Per input (by index), the views its copies read: (element offset, shape, stride)."""
+        out: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        for op in self._ops:
+            if isinstance(op, _Copy):
+                view = op.src
+                out.setdefault(view.owner, []).append((view.offset, view.shape, view.stride))  # type: ignore[arg-type]
+        return out
+
     @torch.no_grad()
     def run(
         self,
