@@ -233,9 +233,10 @@ class _RankLoads:
     def _inputs(self, spec: RankSpec) -> _RankInputs:
         """HF tensors this rank's loaders read (an estimate for the predicted time: every
         tensor but other ranks' routed experts, scales counted apart) and those of them
-        the sender quantizes (whole, from the trainer's bf16)."""
+        the sender quantizes from the trainer's bf16: (bytes of the blocks the rank reads,
+        of the whole tensor), a routed expert's ``1 / moe_tp_size``, others whole."""
         calls = [0] * self._num_stages
-        quantized: list[dict[str, int]] = [{} for _ in range(self._num_stages)]
+        quantized: list[dict[str, tuple[int, int]]] = [{} for _ in range(self._num_stages)]
         local = None
         if self._num_experts:
             per_rank = int(self._num_experts) // max(spec.moe_ep_size, 1)
@@ -250,7 +251,9 @@ class _RankLoads:
             stage = self._stage(name)
             calls[stage] += 2 if tensor.scale_shape is not None else 1
             if tensor.scale_shape is not None:
-                quantized[stage][name] = math.prod(tensor.shape) * _TRAINER_BYTES
+                whole = math.prod(tensor.shape) * _TRAINER_BYTES
+                sliced = match is not None and spec.moe_tp_size > 1
+                quantized[stage][name] = (whole // spec.moe_tp_size if sliced else whole, whole)
         return _RankInputs(tuple(calls), tuple(quantized))
 
 
@@ -260,7 +263,7 @@ _TRAINER_BYTES = 2
 
 class _RankInputs(NamedTuple):
     loader_calls: tuple[int, ...]
-    quantized: tuple[dict[str, int], ...]
+    quantized: tuple[dict[str, tuple[int, int]], ...]
 
 
 def _written_bytes(

@@ -113,3 +113,29 @@ def test_a_batch_of_separate_weights_equals_torch(shape, block, ue8m0, monkeypat
         want_q, want_scale = quantize(weight, fmt)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "box"),
+    [((2048, 7168), (1, 2, 0, 56)), ((300, 200), (1, 3, 2, 4)), ((7168, 2048), (0, 56, 15, 16))],
+)
+def test_a_box_of_blocks_equals_torch_there(shape, box, ue8m0, monkeypatch) -> None:
+    """Only a rank's blocks (a TP slice), alone and in a batch, as the whole weight's."""
+    fmt = BlockFp8Format((128, 128) if shape[0] > 1000 else (64, 64), ue8m0=ue8m0)
+    weights = [(torch.randn(shape, device="cuda") * 0.02).bfloat16() for _ in range(3)]
+    alone = quantize(weights[0], fmt, box)
+    batch = quantize_many(weights, fmt, [box] * 3)
+    monkeypatch.setenv("P2PWEIGHTS_FUSED_FP8", "0")
+    r0, r1, c0, c1 = box
+    bn, bk = fmt.block
+    rows, cols = slice(r0 * bn, r1 * bn), slice(c0 * bk, c1 * bk)
+    for weight, (q, scale) in zip(weights, [alone, *batch[1:]], strict=True):
+        want_q, want_scale = quantize(weight, fmt)
+        assert torch.equal(q[rows, cols].view(torch.uint8), want_q[rows, cols].view(torch.uint8))
+        assert torch.equal(
+            scale[r0:r1, c0:c1].view(torch.int32), want_scale[r0:r1, c0:c1].view(torch.int32)
+        )
+    assert torch.equal(
+        batch[0][0][rows, cols].view(torch.uint8), alone[0][rows, cols].view(torch.uint8)
+    )

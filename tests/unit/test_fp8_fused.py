@@ -159,6 +159,11 @@ _INTERPRETED = textwrap.dedent(
             failures.append("a batch's fp8 bytes differ from the weight's alone")
         if not torch.equal(scale.nan_to_num(), want_scale.nan_to_num()):
             failures.append("a batch's scales differ from the weight's alone")
+    # a box of blocks (a TP rank's slice): its scales as the whole weight's there
+    _, boxed = fused(weight[1].bfloat16(), (64, 64), False, (1, 3, 1, 4))
+    _, whole = quantize(weight[1].bfloat16(), BlockFp8Format((64, 64)))
+    if not torch.equal(boxed[1:3, 1:4].nan_to_num(), whole[1:3, 1:4].nan_to_num()):
+        failures.append("a box's scales differ from the whole weight's")
     print("\\n".join(failures) or "ok")
     sys.exit(1 if failures else 0)
     """

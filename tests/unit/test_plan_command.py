@@ -94,7 +94,8 @@ def test_bad_engine_spec_is_refused_before_any_replica():
 
 def test_a_sender_quantizes_each_tensor_once_for_all_its_ranks() -> None:
     """One conversion per checkpoint format: whatever ranks, EP sizes or engines a sender
-    serves, each tensor is quantized once; two senders, one TP rank each, do it apiece."""
+    serves, each tensor is quantized once; two senders, one TP rank each, do it apiece,
+    each only in the blocks of the expert weights its rank reads."""
     from p2pweights.planner import build_cluster_plan, parse_engine_spec
 
     def quantized(*specs: str, senders: int = 1) -> list[tuple[int, int]]:
@@ -104,7 +105,9 @@ def test_a_sender_quantizes_each_tensor_once_for_all_its_ranks() -> None:
 
     (whole,) = quantized("tp=2")
     assert whole[0] > 0
-    assert quantized("tp=2", senders=2) == [whole, whole]
+    # one TP rank each: every tensor, but only the blocks of each expert that rank reads
+    rank0, rank1 = quantized("tp=2", senders=2)
+    assert rank0 == rank1 and rank0[0] == whole[0] and rank0[1] < whole[1]
     assert quantized("tp=4") == quantized("tp=4,ep=4") == quantized("tp=4,ep=2") == [whole]
     assert quantized("tp=4,ep=4", "tp=2") == [whole]  # two engines, one sender
     # one EP rank reads its own experts only: fewer tensors than the whole checkpoint's

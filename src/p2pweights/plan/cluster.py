@@ -70,10 +70,12 @@ class RankLoad:
     bytes_by_stage: tuple[int, ...]
     loader_inputs_by_stage: tuple[int, ...] | None = None
     """HF tensors the rank's loaders read, per stage (for the predicted time only)."""
-    quantized_by_stage: tuple[Mapping[str, int], ...] | None = None
-    """HF tensors quantized for this rank (fp8 engines), per stage, with their bf16 bytes:
-    whole tensors, quantized before the loaders take the rank's slice. A sender quantizes
-    each tensor once, however many of its ranks read it (one conversion per format)."""
+    quantized_by_stage: tuple[Mapping[str, tuple[int, int]], ...] | None = None
+    """HF tensors quantized for this rank (fp8 engines), per stage: (bf16 bytes of the
+    blocks it reads, of the whole tensor). A sender quantizes only the blocks its ranks'
+    loaders read (``source/fp8_regions.py``), each tensor once however many of its ranks
+    read it (one conversion per format): a routed expert's share under expert TP, other
+    weights whole (attention is partly replicated; not told apart here)."""
 
     @property
     def num_bytes(self) -> int:
@@ -82,7 +84,7 @@ class RankLoad:
     def loader_inputs(self, stage: int) -> int:
         return 0 if self.loader_inputs_by_stage is None else self.loader_inputs_by_stage[stage]
 
-    def quantized(self, stage: int) -> Mapping[str, int]:
+    def quantized(self, stage: int) -> Mapping[str, tuple[int, int]]:
         return {} if self.quantized_by_stage is None else self.quantized_by_stage[stage]
 
 
@@ -286,15 +288,17 @@ def plan_cluster(
             for key in keys:
                 writers[key].append(rank_id)
             distinct = {ranks[key].layout_key: ranks[key] for key in keys}.values()
-            quantized: dict[str, int] = {}
-            for key in keys:
-                quantized.update(ranks[key].quantized(stage))
+            quantized: dict[str, tuple[int, int]] = {}  # name -> (blocks read, whole)
+            for rank in distinct:  # TP ranks read disjoint blocks; other layouts may overlap
+                for name, (share, whole) in rank.quantized(stage).items():
+                    read = quantized.get(name, (0, whole))[0] + share
+                    quantized[name] = (min(read, whole), whole)
             load = SenderLoad(
                 rank=rank_id,
                 write_bytes=sum(ranks[key].bytes_by_stage[stage] for key in keys),
                 load_bytes=sum(rank.bytes_by_stage[stage] for rank in distinct),
                 loader_inputs=sum(rank.loader_inputs(stage) for rank in distinct),
-                quantized_bytes=sum(quantized.values()),
+                quantized_bytes=sum(read for read, _ in quantized.values()),
                 quantized_inputs=len(quantized),
             )
             senders.append(SenderPlan(rank_id, stage, tuple(keys), load))
