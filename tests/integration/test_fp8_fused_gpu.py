@@ -100,9 +100,9 @@ def test_a_batch_of_separate_weights_equals_torch(shape, block, ue8m0, monkeypat
     batches = []
     real_batch = fp8_fused.quantize_batch
 
-    def counted(ws, b, u):
+    def counted(ws, b, u, box=None):
         batches.append(len(ws))
-        return real_batch(ws, b, u)
+        return real_batch(ws, b, u, box)
 
     monkeypatch.setattr(fp8_fused, "quantize_batch", counted)
     weights.append(weights[0][..., :100, :])  # another shape: quantized alone
@@ -113,6 +113,7 @@ def test_a_batch_of_separate_weights_equals_torch(shape, block, ue8m0, monkeypat
         want_q, want_scale = quantize(weight, fmt)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+    assert not fp8_fused._broken  # the kernel ran: no fall-back to torch
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -139,3 +140,4 @@ def test_a_box_of_blocks_equals_torch_there(shape, box, ue8m0, monkeypatch) -> N
     assert torch.equal(
         batch[0][0][rows, cols].view(torch.uint8), alone[0][rows, cols].view(torch.uint8)
     )
+    assert not fp8_fused._broken  # the kernel ran: no fall-back to torch
