@@ -348,7 +348,11 @@ class WeightSyncSession:
         except BaseException:
             self._forget_regions()  # a loader may have to run again: quantize whole
             raise
-        self._learn_regions()
+        try:
+            self._learn_regions()
+        except Exception:  # only an optimisation: the writes landed, the update goes on
+            logger.warning("p2pweights: fp8 regions not learned; quantizing whole", exc_info=True)
+            self._forget_regions()
         if self._leader:
             self._fleet.writes_landed(lambda url: True)  # every rank's writes landed
         with _timed(stages, "control_plane"):
@@ -455,6 +459,7 @@ class WeightSyncSession:
         if self._targets:
             self._executor.reserve(plan.buffer_bytes)
         self._source, self._plan = source, plan
+        self._reads_seen = None  # a new source learns its regions afresh
 
     def _stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
         """With pipeline stages: the inputs of every stage (one all-gather, first update

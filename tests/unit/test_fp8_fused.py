@@ -67,7 +67,7 @@ def test_subclasses_keep_torchs_dispatch(capable) -> None:
 
 
 def test_a_kernel_that_fails_gives_way_to_torch_for_good(monkeypatch, capable, caplog) -> None:
-    def fails(weight, block, ue8m0):
+    def fails(weight, block, ue8m0, box=None):
         raise RuntimeError("PTX compile failed")
 
     monkeypatch.setattr(fp8_fused, "quantize_fused", fails)
@@ -83,7 +83,7 @@ def test_a_kernel_that_fails_gives_way_to_torch_for_good(monkeypatch, capable, c
 
 
 def test_out_of_memory_is_not_the_kernels_fault(monkeypatch, capable) -> None:
-    def no_memory(weight, block, ue8m0):
+    def no_memory(weight, block, ue8m0, box=None):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(fp8_fused, "quantize_fused", no_memory)
@@ -111,7 +111,7 @@ def test_which_dtypes_take_it(monkeypatch, capable, dtype, fused) -> None:
     """float64 stays on torch: its math runs in float64 there, not float32."""
     calls = []
 
-    def fake(weight, block, ue8m0):
+    def fake(weight, block, ue8m0, box=None):
         calls.append((block, ue8m0))
         return "fused"
 
@@ -190,13 +190,13 @@ def test_quantize_many_batches_weights_of_one_shape(monkeypatch, capable) -> Non
     with torch, as the kernel's batch gives the same bits: checked on the GPU.)"""
     batches = []
 
-    def batch(weights, block, ue8m0):
+    def batch(weights, block, ue8m0, box=None):
         batches.append([tuple(w.shape) for w in weights])
         return [fp8_block.quantize(w, BlockFp8Format(block, ue8m0)) for w in weights]
 
     monkeypatch.setattr(fp8_fused, "available", lambda weight, block: weight.dim() == 2)
     monkeypatch.setattr(fp8_fused, "quantize_batch_or_none", batch)
-    monkeypatch.setattr(fp8_fused, "quantize_or_none", lambda weight, block, ue8m0: None)
+    monkeypatch.setattr(fp8_fused, "quantize_or_none", lambda weight, block, ue8m0, box=None: None)
     weights = [torch.randn(64, 32), torch.randn(32, 64), torch.randn(64, 32), torch.randn(2, 4, 4)]
     weights.append(torch.randn(32, 64).t())  # (64, 32) with other strides
     fmt = BlockFp8Format((16, 16))
@@ -225,5 +225,5 @@ def test_a_batch_takes_alike_weights_only() -> None:
         fp8_fused.quantize_batch([torch.zeros(4, 4), torch.zeros(4, 8)], (2, 2), False)
 
 
-def _raises(weights, block, ue8m0):
+def _raises(weights, block, ue8m0, box=None):
     raise RuntimeError("no kernel image is available for execution")

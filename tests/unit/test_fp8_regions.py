@@ -8,11 +8,11 @@ the whole weight's there.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from p2pweights.errors import ConfigError
-from p2pweights.source import fp8_block
 from p2pweights.source.checkpoint_format import QuantizeToBlockFp8
 from p2pweights.source.fp8_block import BlockFp8Format, partial, quantize, quantize_many
 from p2pweights.source.fp8_regions import block_box
@@ -103,8 +103,10 @@ def test_regions_need_every_load_of_a_weight_replayed() -> None:
     assert source._formats["rank0"].regions == {} and source.regions == 0
 
 
-def test_a_loader_never_runs_on_a_partly_quantized_input() -> None:
-    """A recording that no longer applies would let the loader read unset blocks."""
+def test_a_loader_that_runs_gets_whole_inputs() -> None:
+    """A load that is not replayed (another composition, replay off) runs the loader,
+    which may read outside the box: partial inputs are quantized whole first, and the
+    bytes are those of inputs quantized whole from the start."""
     import tempfile
     from pathlib import Path
 
@@ -112,14 +114,31 @@ def test_a_loader_never_runs_on_a_partly_quantized_input() -> None:
     from p2pweights.source.inputs import describe_inputs
     from p2pweights.testing import model_config, synthetic_weights, write_model_dir
 
-    folder = write_model_dir(model_config("qwen3-tiny"), Path(tempfile.mkdtemp()) / "qwen3")
-    handle = replica_for({"model_path": str(folder), "tp_size": 1}, 0)
-    weights = dict(synthetic_weights(folder, seed=1))
-    group = handle.groups(describe_inputs(list(weights.items())))[0]
-    views = {
-        p: torch.empty(handle.layouts[p].num_bytes, dtype=torch.uint8) for p in group.param_names
-    }
-    inputs = sorted((n, weights[n]) for n in group.hf_names)
-    fp8_block._mark_partial(inputs[0][1])
-    with pytest.raises(ConfigError, match="quantized only in the blocks"):
-        handle.load_into(inputs, views)
+    config = model_config("deepseek-v3-fp8-tiny")
+    folder = write_model_dir(config, Path(tempfile.mkdtemp()) / "fp8")
+    handle = replica_for({"model_path": str(folder), "tp_size": 2}, 1)
+    handle.replica._replays.clear()  # process-wide: no recording of an earlier test
+    weights = dict(synthetic_weights(folder, seed=1, dtype=torch.bfloat16))
+    specs = describe_inputs(list(weights.items()))
+    fmt = handle.checkpoint_format(specs)
+    name = next(n for n in sorted(fmt.names) if "experts" in n)
+    groups = handle.groups(fmt.engine_specs(specs))
+
+    def load(box) -> dict[str, torch.Tensor]:
+        boxed = dataclasses.replace(fmt, regions={name: box} if box else {})
+        inputs = dict(c for n, w in weights.items() for c in boxed.convert(n, w))
+        assert partial(inputs[name]) == (box is not None)
+        views = {
+            p: torch.zeros(layout.num_bytes, dtype=torch.uint8)
+            for p, layout in handle.layouts.items()
+        }
+        for group in groups:
+            handle.load_into(
+                [(n, inputs[n]) for n in sorted(group.hf_names)],
+                {p: views[p] for p in group.param_names},
+            )
+        assert not partial(inputs[name])  # completed before the loader ran
+        return views
+
+    whole, boxed = load(None), load((0, 1, 0, 1))  # one block of the weight quantized
+    assert all(torch.equal(whole[p], boxed[p]) for p in whole)

@@ -14,7 +14,9 @@ every rank must iterate the whole generator. Weights that transformers converts
 together (one fused expert tensor, or several in-memory tensors making one checkpoint
 tensor) stay in one bucket. A bucket's tensors are dropped once the consumer lets
 go of them; ``WeightSyncSession.update`` keeps them until their staging buffer is
-written, so a streamed update holds about one bucket plus two staging buffers.
+written, so a streamed update holds about one bucket plus two staging buffers (for an
+fp8 engine fed from GPU tensors, plus up to 1 GiB of weights held to be quantized in
+one batch, ``source/collect.py``).
 """
 
 from __future__ import annotations

@@ -75,7 +75,10 @@ class RankLoad:
     blocks it reads, of the whole tensor). A sender quantizes only the blocks its ranks'
     loaders read (``source/fp8_regions.py``), each tensor once however many of its ranks
     read it (one conversion per format): a routed expert's share under expert TP, other
-    weights whole (attention is partly replicated; not told apart here)."""
+    weights whole (attention is partly replicated; not told apart here). An estimate:
+    the shares of a sender's layouts are summed, capped at the whole, where the sender
+    quantizes one bounding box (ranks 0 and 3 of 4: the whole, charged a half; a TP 2
+    and a TP 4 layout overlap: charged more than it does)."""
 
     @property
     def num_bytes(self) -> int:

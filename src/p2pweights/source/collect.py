@@ -3,7 +3,9 @@
 Parameters that share HF inputs (``qkv_proj`` from q, k and v; a tied embedding and
 lm head) form one group, and a group is released only when all its inputs arrived.
 A tensor is held only until every group that reads it has been released, so a
-streamed update holds little more than the groups being completed.
+streamed update holds little more than the groups being completed, and, per format
+that converts in batches, the tensors of one batch (up to 128 of them or 1 GiB: GPU
+weights waiting for one fp8 kernel launch).
 
 Layouts whose loaders read different checkpoint formats (a bf16 engine beside an
 fp8 one) get one collector per format, and each trainer tensor is converted once

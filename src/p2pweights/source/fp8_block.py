@@ -19,6 +19,7 @@ on a GPU, a one-pass Triton kernel (``fp8_fused``) gives the same bits.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "quantize",
     "quantize_many",
     "partial",
+    "complete",
     "dequantize",
     "SCALE_SUFFIX",
 ]
@@ -90,7 +92,7 @@ def quantize(
     With a ``box`` of blocks (first row, end row, first column, end column; ends
     exclusive), only those blocks are quantized: a block's bytes and scale depend on its
     own values alone, so they equal the whole weight's there; the rest of both outputs
-    is left unset, and both are marked ``partial``."""
+    is left unset, and both are marked ``partial`` (``complete`` fills the rest)."""
     _check_quantizable(weight)
     if box is not None:
         return _quantize_box(weight, fmt, box)
@@ -141,8 +143,8 @@ def quantize_many(
                 [weights[i] for i in batch], fmt.block, fmt.ue8m0, box
             )
             if done is not None and box is not None:
-                for pair in done:
-                    _mark_partial(*pair)
+                for i, pair in zip(batch, done, strict=True):
+                    _mark_partial(weights[i], fmt, pair)
         for k, i in enumerate(batch):
             out[i] = done[k] if done is not None else quantize(weights[i], fmt, box)
     return out
@@ -150,15 +152,40 @@ def quantize_many(
 
 def partial(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` came out of ``quantize`` with a box: set only in its blocks."""
-    return getattr(tensor, _PARTIAL, False)
+    return getattr(tensor, _PARTIAL, None) is not None
+
+
+def complete(tensor: torch.Tensor) -> None:
+    """Quantize the rest of a ``partial`` output (and of its pair, weight or scale) in
+    place, from the weight it was made of: for a loader that reads outside the box."""
+    finish = getattr(tensor, _PARTIAL, None)
+    if finish is not None:
+        finish()
 
 
 _PARTIAL = "_p2pweights_partial"
+_completing = threading.Lock()
 
 
-def _mark_partial(*tensors: torch.Tensor) -> None:
-    for tensor in tensors:
-        setattr(tensor, _PARTIAL, True)
+def _mark_partial(
+    weight: torch.Tensor, fmt: BlockFp8Format, pair: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """Mark both outputs partial; ``complete`` of either fills both whole (the closure
+    keeps ``weight`` alive as long as an output is)."""
+    q, scale = pair
+
+    def finish() -> None:
+        with _completing:  # two ranks' loads may ask at once
+            if not partial(q):
+                return
+            whole_q, whole_scale = quantize(weight, fmt)
+            q.copy_(whole_q)
+            scale.copy_(whole_scale)
+            for tensor in pair:
+                delattr(tensor, _PARTIAL)
+
+    for tensor in pair:
+        setattr(tensor, _PARTIAL, finish)
 
 
 def _quantize_box(
@@ -179,7 +206,7 @@ def _quantize_box(
         part_q, part_scale = quantize(weight[..., rows, cols], fmt)
         q[..., rows, cols], scale[..., row0:row1, col0:col1] = part_q, part_scale
         pair = (q, scale)
-    _mark_partial(*pair)
+    _mark_partial(weight, fmt, pair)
     return pair
 
 

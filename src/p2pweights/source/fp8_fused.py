@@ -118,8 +118,8 @@ def quantize_batch_or_none(
 def _or_none(quantize: Callable[[], T]) -> T | None:
     try:
         return quantize()
-    except torch.cuda.OutOfMemoryError:
-        raise  # not the kernel's fault, and torch's passes need more memory still
+    except (torch.cuda.OutOfMemoryError, ValueError):
+        raise  # not the kernel's fault (memory; the caller's blocks or weights)
     except Exception as exc:  # a compile or launch failure: torch gives the same bytes
         _broken.append(f"{type(exc).__name__}: {exc}")
         logger.warning("the fused fp8 kernel failed (%s); torch quantizes from now on", exc)
@@ -186,6 +186,8 @@ def _launch(
     bn, bk = block
     grid_rows, grid_cols = -(-rows // bn), -(-cols // bk)
     row0, row1, col0, col1 = box if box is not None else (0, grid_rows, 0, grid_cols)
+    if not (0 <= row0 <= row1 <= grid_rows and 0 <= col0 <= col1 <= grid_cols):
+        raise ValueError(f"blocks {box} are outside a weight of {grid_rows} x {grid_cols} blocks")
     device = matrices.device
     q = torch.empty((count, rows, cols), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((count, grid_rows, grid_cols), dtype=torch.float32, device=device)

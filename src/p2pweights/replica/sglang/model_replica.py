@@ -44,7 +44,7 @@ from p2pweights.replica.sglang.replay import (
     replay_key,
 )
 from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
-from p2pweights.source.fp8_block import FP8, BlockFp8Format, partial
+from p2pweights.source.fp8_block import FP8, BlockFp8Format, complete, partial
 from p2pweights.source.fp8_regions import Read
 from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs
 
@@ -291,7 +291,7 @@ class ModelReplica:
         of it, or None while some load of it is not replayed from one (its loader runs,
         and may read anything)."""
         out: dict[str, list[Read] | None] = {}
-        for key, replay in self._replays.items():
+        for key, replay in list(self._replays.items()):  # another session may record
             inputs = cast(tuple[tuple[str, ...], ...], key[0])  # (name, shape, ...) each
             names = [entry[0] for entry in inputs]
             if replay is None or not replay.confirmed:
@@ -328,11 +328,11 @@ class ModelReplica:
             return
         unset = [name for name, tensor in hf_tensors if partial(tensor)]
         if unset:
-            raise ConfigError(
-                f"{unset[:3]} were quantized only in the blocks this rank's recorded copies "
-                f"read, but that recording no longer applies and the loader must run; the "
-                f"next update quantizes them whole"
-            )
+            # quantized only where a recording of this rank's loads read, but this load
+            # (another composition, replay off) runs the loader, which may read anything
+            logger.info("loading %s: quantizing the rest of them first", unset[:3])
+            for _, tensor in hf_tensors:
+                complete(tensor)
         self._check_destinations(destinations)
         inputs = describe_inputs(hf_tensors)
         with self._in_context():
