@@ -34,6 +34,9 @@ def _agree_over(barrier, flags, rank):
 
 def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds=(21, 22)) -> None:
     from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.source import fp8_fused
+
+    fp8_fused.poison_unset = True  # blocks left out of a box are NaN: a read of one shows
 
     config = SyncConfig(
         transport=MooncakeConfig(protocol="tcp"),
@@ -86,8 +89,8 @@ def test_fp8_senders_quantize_only_what_their_rank_reads(model_dir, start_engine
     """A TP 2 fp8 engine without expert parallelism, one trainer rank per engine rank:
     each rank's loaders read half of every expert weight. From the third update on (the
     first records the loaders' copies, the second confirms them) each sender quantizes
-    only the blocks those copies read; every rank stays bit-exact with sglang's loader
-    fed the whole quantized checkpoint."""
+    only the blocks those copies read (the others NaN here); every rank stays bit-exact
+    with sglang's loader fed the whole quantized checkpoint."""
     folder = model_dir("deepseek-v3-fp8-tiny")
     (engine,) = start_engines(folder, [2], seed=0)
     ctx = mp.get_context("spawn")

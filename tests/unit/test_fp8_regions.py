@@ -142,3 +142,33 @@ def test_a_loader_that_runs_gets_whole_inputs() -> None:
 
     whole, boxed = load(None), load((0, 1, 0, 1))  # one block of the weight quantized
     assert all(torch.equal(whole[p], boxed[p]) for p in whole)
+
+
+def test_input_reads_come_only_from_confirmed_recordings() -> None:
+    """Recorded (first load): the loader still runs, so no reads are given; confirmed
+    (second load): each input's views; ``replays_changed`` moves with each."""
+    import tempfile
+    from pathlib import Path
+
+    from p2pweights.replica.registry import replica_for
+    from p2pweights.source.inputs import describe_inputs
+    from p2pweights.testing import model_config, synthetic_weights, write_model_dir
+
+    folder = write_model_dir(model_config("qwen3-tiny"), Path(tempfile.mkdtemp()) / "qwen3")
+    handle = replica_for({"model_path": str(folder), "tp_size": 2}, 1)
+    handle.replica._replays.clear()
+    weights = dict(synthetic_weights(folder, seed=1))
+    group = handle.groups(describe_inputs(list(weights.items())))[-1]
+    inputs = sorted((n, weights[n]) for n in group.hf_names)
+    views = {
+        p: torch.empty(handle.layouts[p].num_bytes, dtype=torch.uint8) for p in group.param_names
+    }
+    changed = handle.replays_changed
+    handle.load_into(inputs, views)
+    assert handle.replays_changed > changed
+    assert all(handle.input_reads()[n] is None for n, _ in inputs)
+    changed = handle.replays_changed
+    handle.load_into(inputs, views)  # the loader runs once more and confirms
+    assert handle.replays_changed > changed
+    reads = handle.input_reads()
+    assert all(reads[n] for n, _ in inputs)  # views of each input, as (offset, shape, stride)

@@ -213,6 +213,8 @@ def test_sglang_loaders_replay_bit_exact(
 
     launches: list[None] = []
     kernel = device == "cuda+kernel"
+    if device == "cuda":  # every copy through _foreach_copy_
+        monkeypatch.setenv("P2PWEIGHTS_COPY_KERNEL", "0")
     if kernel:
         monkeypatch.setattr(gathered_copies, "MIN_COPIES", 1)
         run = gathered_copies.GatheredCopies.run

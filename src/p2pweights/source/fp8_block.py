@@ -203,6 +203,9 @@ def _quantize_box(
         rows, cols = slice(row0 * bn, row1 * bn), slice(col0 * bk, col1 * bk)
         q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
         scale = torch.empty(grid, dtype=torch.float32, device=weight.device)
+        if fp8_fused.poison_unset:
+            q.view(torch.uint8).fill_(0x7F)
+            scale.fill_(float("nan"))
         part_q, part_scale = quantize(weight[..., rows, cols], fmt)
         q[..., rows, cols], scale[..., row0:row1, col0:col1] = part_q, part_scale
         pair = (q, scale)

@@ -63,6 +63,9 @@ _MAX_BLOCK_ELEMENTS = 1 << 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Weights it takes: float32 holds them exactly, as torch's math does (float64 stays on
 torch, whose math then runs in float64)."""
+poison_unset = False
+"""Tests: fill the blocks a box leaves unset with NaN (fp8 ``0x7F``, NaN scales) instead
+of leaving whatever memory held, so that a read outside the box cannot go unseen."""
 _broken: list[str] = []
 """Why the kernel is unusable in this process, if it is (a message: an exception would
 keep its traceback's frames, and the tensors they hold, alive)."""
@@ -191,6 +194,9 @@ def _launch(
     device = matrices.device
     q = torch.empty((count, rows, cols), dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((count, grid_rows, grid_cols), dtype=torch.float32, device=device)
+    if box is not None and poison_unset:
+        q.view(torch.uint8).fill_(0x7F)
+        scale.fill_(float("nan"))
     if q.numel() and row1 > row0 and col1 > col0:
         # Triton launches on the current device: switch only when the weight is on
         # another GPU (a CPU weight runs only under Triton's interpreter, in the tests)

@@ -16,12 +16,12 @@ row and stride of a copy, so a bf16 copy usually moves as int64): only copies of
 dtype whose both sides are one contiguous run or rows of contiguous columns are taken;
 the others (and every copy of a step with fewer than ``MIN_COPIES``, where a launch
 costs more than it saves) stay with ``torch._foreach_copy_``. A run whose owners are
-not aligned to a copy's unit gives that step to ``_foreach_copy_`` as well.
+not aligned to a launch's unit gives that launch's copies to ``_foreach_copy_``.
 
 Only on CUDA with Triton; ``P2PWEIGHTS_COPY_KERNEL=0`` turns it off. A kernel that fails
 to compile or launch gives way to ``_foreach_copy_`` for the rest of the process, with
-one warning. Every replay is checked against the loader before it is used (replay.py),
-so a wrong kernel result would turn replay off, not write wrong bytes.
+one warning. A replay is checked against the loader once, on the load that confirms it
+(replay.py; on a GPU that check runs this kernel), not on later loads.
 """
 
 from __future__ import annotations
@@ -130,8 +130,12 @@ class _Copy:
 class _Launch:
     """The copies of one step that move in one unit and one kind (flat or rows)."""
 
-    def __init__(self, copies: Sequence[_Copy], unit: int, device: torch.device):
+    def __init__(
+        self, copies: Sequence[_Copy], positions: list[int], unit: int, device: torch.device
+    ):
         self.unit = unit
+        self.positions = positions
+        """Where its copies stand in the list the ``GatheredCopies`` was made from."""
         self.flat = all(c.shape.flat for c in copies)
         rows: list[list[int]] = []
         chunk_copy: list[int] = []
@@ -173,61 +177,63 @@ class GatheredCopies:
     ):
         """``copies``: (source owner, source byte offset, destination owner, destination
         byte offset, shape, item size), owners numbered ``0 .. num_owners - 1``."""
-        described = [_Copy(*c) for c in copies]
-        by_kind: dict[tuple[int, bool], list[_Copy]] = {}
-        for c in described:
-            by_kind.setdefault((c.unit(), c.shape.flat), []).append(c)
+        by_kind: dict[tuple[int, bool], tuple[list[_Copy], list[int]]] = {}
+        for position, described in enumerate(_Copy(*c) for c in copies):
+            kind = by_kind.setdefault((described.unit(), described.shape.flat), ([], []))
+            kind[0].append(described)
+            kind[1].append(position)
         self.num_owners = num_owners
-        self._launches = [_Launch(cs, unit, device) for (unit, _), cs in by_kind.items()]
+        self._launches = [
+            _Launch(kind, positions, unit, device)
+            for (unit, _), (kind, positions) in by_kind.items()
+        ]
         self._device = device
 
-    def aligned(self, addresses: Sequence[int]) -> bool:
-        """Whether every owner a launch reads or writes sits on that launch's unit."""
-        return all(
-            addresses[owner] % launch.unit == 0
-            for launch in self._launches
-            for owner in launch.owners
-        )
-
-    def run(self, addresses: Sequence[int]) -> None:
-        """Copy, given each owner's address now (``data_ptr``), on the current stream."""
+    def run(self, addresses: Sequence[int]) -> list[int]:
+        """Copy, given each owner's address now (``data_ptr``), on the current stream;
+        the positions of the copies left to the caller: those of a launch some owner of
+        which is not aligned to its unit (a view into the middle of a tensor)."""
         kernel = _kernel()
         bases = torch.tensor(addresses, dtype=torch.int64, device=self._device)
+        left: list[int] = []
         # Triton launches on the current device: switch when the copies are on another
         device = self._device
         elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
         with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
-            self._launch_all(kernel, bases)
+            for launch in self._launches:
+                if all(addresses[owner] % launch.unit == 0 for owner in launch.owners):
+                    self._launch(kernel, bases, launch)
+                else:
+                    left += launch.positions
+        return left
 
-    def _launch_all(self, kernel: Any, bases: torch.Tensor) -> None:
-        for launch in self._launches:
-            kernel[(len(launch.chunk_copy),)](
-                bases,
-                launch.meta,
-                launch.chunk_copy,
-                launch.chunk_start,
-                launch.like,
-                BLOCK=_BLOCK,
-                FLAT=launch.flat,
-                num_warps=4,
-            )
+    def _launch(self, kernel: Any, bases: torch.Tensor, launch: _Launch) -> None:
+        kernel[(len(launch.chunk_copy),)](
+            bases,
+            launch.meta,
+            launch.chunk_copy,
+            launch.chunk_start,
+            launch.like,
+            BLOCK=_BLOCK,
+            FLAT=launch.flat,
+            num_warps=4,
+        )
 
 
-def run_or_give_up(copies: GatheredCopies, addresses: Sequence[int]) -> bool:
-    """``copies.run``; False (the caller copies another way) if the owners are not
-    aligned for it, or the kernel was given up on or fails now (then for the rest of
-    this process, with one warning)."""
-    if _broken or not copies.aligned(addresses):
-        return False
+def run_or_give_up(copies: GatheredCopies, addresses: Sequence[int]) -> list[int] | None:
+    """``copies.run``: the positions of the copies left to the caller; None (all of
+    them) if the kernel was given up on or fails now (then for the rest of this process,
+    with one warning)."""
+    if _broken:
+        return None
     try:
-        copies.run(addresses)
+        return copies.run(addresses)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as exc:
         _broken.append(f"{type(exc).__name__}: {exc}")
         logger.warning("the gathered-copies kernel failed (%s); copies go one by one", exc)
-        return False
-    return True
+        return None
 
 
 @functools.cache

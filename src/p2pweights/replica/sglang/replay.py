@@ -167,9 +167,10 @@ class _StepPlan:
     gathered: gathered_copies.GatheredCopies | None = None
     gathered_indices: list[int] = field(default_factory=list)
     """The copies ``gathered`` takes (rows of one dtype, in a step with enough of them)."""
-    dense: list[int] = field(default_factory=list)
-    """The other copies of one dtype, dense with equal strides: ``_foreach_copy_``'s
-    fused path (one strided tensor in a call would send all of them one by one)."""
+    dense: list[list[int]] = field(default_factory=list)
+    """The other copies of one dtype, dense with equal strides, one list per item size:
+    ``_foreach_copy_``'s fused path (one strided tensor, or another dtype, in a call
+    would send all of them one by one)."""
     strided: list[int] = field(default_factory=list)
     """The other copies of one dtype: ``_foreach_copy_``, one by one in C++."""
     converting: list[int] = field(default_factory=list)
@@ -189,6 +190,8 @@ def _plan(
     plan = _StepPlan()
     if isinstance(step, _Fill):
         return plan
+    number = {name: len(inputs) + k for k, name in enumerate(names)}
+    dense: dict[int, list[int]] = {}
     rows: list[tuple[int, int, int, int, gathered_copies.Shape2d, int]] = []
     for i, copy in enumerate(step):
         src, dst = inputs[copy.src.owner], targets[copy.dst.owner]  # type: ignore[index]
@@ -206,7 +209,7 @@ def _plan(
                 (
                     copy.src.owner,  # type: ignore[arg-type]
                     copy.src.offset * item,
-                    len(inputs) + names.index(copy.dst.owner),  # type: ignore[arg-type]
+                    number[copy.dst.owner],  # type: ignore[index]
                     copy.dst.offset * item,
                     shape,
                     item,
@@ -218,18 +221,21 @@ def _plan(
             and copy.src.stride == copy.dst.stride
             and _dense(copy.dst.shape, copy.dst.stride)
         ):
-            plan.dense.append(i)
+            dense.setdefault(src.element_size(), []).append(i)
         else:
             plan.strided.append(i)
     if kernel and len(rows) >= gathered_copies.MIN_COPIES:
         device = next(iter(targets.values())).device
         plan.gathered = gathered_copies.GatheredCopies(rows, len(inputs) + len(names), device)
-        return plan
-    for i in plan.gathered_indices:  # too few for a launch: as any other copy of one dtype
-        copy = step[i]
-        alike = copy.src.stride == copy.dst.stride and _dense(copy.dst.shape, copy.dst.stride)
-        (plan.dense if alike else plan.strided).append(i)
-    plan.gathered_indices = []
+    else:
+        for i in plan.gathered_indices:  # too few for a launch: as any copy of one dtype
+            copy = step[i]
+            if copy.src.stride == copy.dst.stride and _dense(copy.dst.shape, copy.dst.stride):
+                dense.setdefault(inputs[copy.src.owner].element_size(), []).append(i)  # type: ignore[index]
+            else:
+                plan.strided.append(i)
+        plan.gathered_indices = []
+    plan.dense = list(dense.values())
     return plan
 
 
@@ -250,10 +256,12 @@ class Replay:
         self._ops = ops
         self._dtypes = dict(dtypes)
         self._steps = _steps(ops)
-        self._plans: dict[bool, list[_StepPlan]] = {}
-        """Per step, how its copies run (``_plan``), with and without the gathered-copies
-        kernel; made on the first run on a GPU (the replay's key fixes names, dtypes,
-        shapes and strides)."""
+        self._names = sorted(self._dtypes)
+        """The destinations, numbered after the inputs for the gathered copies."""
+        self._plans: dict[tuple[bool, torch.device], list[_StepPlan]] = {}
+        """Per step, how its copies run (``_plan``), per GPU, with and without the
+        gathered-copies kernel; made on the first run there (the replay's key fixes
+        names, dtypes, shapes and strides)."""
         self.confirmed = False
         """Whether it reproduced the loader on a load other than the recorded one."""
 
@@ -312,27 +320,29 @@ class Replay:
         enough of them (``gathered_copies``), else through ``_foreach_copy_`` on integer
         views of the same bytes, the dense ones in one call (fused launches), the
         strided ones in another (one C++ loop); copies that convert run one by one."""
-        kernel = gathered_copies.available(next(iter(targets.values())).device)
-        plans = self._plans.get(kernel)
+        device = next(iter(targets.values())).device
+        kernel = gathered_copies.available(device)
+        plans = self._plans.get((kernel, device))
         if plans is None:
-            names = sorted(targets)
-            plans = [_plan(step, inputs, targets, names, kernel) for step in self._steps]
-            self._plans[kernel] = plans
+            plans = [_plan(s, inputs, targets, self._names, kernel) for s in self._steps]
+            self._plans[(kernel, device)] = plans
         addresses: list[int] | None = None
         raw: tuple[list[torch.Tensor], dict[str, torch.Tensor]] | None = None
         for step, plan in zip(self._steps, plans, strict=True):
             if isinstance(step, _Fill):
                 step.dst.of(targets[step.dst.owner]).fill_(step.value)  # type: ignore[index]
                 continue
-            dense, strided = plan.dense, plan.strided
+            strided = plan.strided
             if plan.gathered is not None:
                 if addresses is None:
-                    addresses = gathered_copies.owner_addresses(inputs, targets, sorted(targets))
-                if not gathered_copies.run_or_give_up(plan.gathered, addresses):
-                    strided = strided + plan.gathered_indices  # any layout: one by one in C++
-            if (dense or strided) and raw is None:
+                    addresses = gathered_copies.owner_addresses(inputs, targets, self._names)
+                left = gathered_copies.run_or_give_up(plan.gathered, addresses)
+                taken = plan.gathered_indices
+                # what the kernel left, of any layout: one by one in C++
+                strided = strided + (taken if left is None else [taken[k] for k in left])
+            if (plan.dense or strided) and raw is None:
                 raw = [_raw(t) for t in inputs], {name: _raw(t) for name, t in targets.items()}
-            for together in (dense, strided):
+            for together in (*plan.dense, strided):
                 if together:
                     assert raw is not None
                     raw_inputs, raw_targets = raw
