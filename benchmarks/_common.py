@@ -28,6 +28,14 @@ CONFIGS = ROOT / "benchmarks" / "configs"
 GB = 1e9
 
 
+def named_config(name: str) -> dict[str, Any]:
+    """The HF config ``benchmarks/configs/<name>.json``, else the shipped model ``name``'s."""
+    from p2pweights.testing import model_config
+
+    path = CONFIGS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else model_config(name)
+
+
 def qwen3_config(num_layers: int, base: str = "qwen3-demo") -> dict[str, Any]:
     """A Qwen3 config of ``base``'s shape with ``num_layers`` decoder layers."""
     from p2pweights.testing import model_config

@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
+from _common import named_config
+
 HERE = Path(__file__).resolve().parent
-CONFIGS = HERE / "configs"
 GiB = 2**30
 
 RESULTS: dict[str, Any] = {}
@@ -201,13 +202,6 @@ def ipc_copy(num_bytes: int, engine_gpu: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- models and tensors
 
 
-def _config(name: str) -> dict[str, Any]:
-    from p2pweights.testing import model_config
-
-    path = CONFIGS / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else model_config(name)
-
-
 def trainer_tensors(config: dict[str, Any], device: str) -> list[tuple[str, torch.Tensor]]:
     from p2pweights.testing import hf_checkpoint_names_and_shapes
 
@@ -260,7 +254,7 @@ def p2pweights_updates(
     default_batch = collect._BATCH_TENSORS
     batched = Replay._run_on_one_gpu
 
-    config = _config(model)
+    config = named_config(model)
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"p2pw-{model}.json"
     path.write_text(json.dumps(config))
     tensors = trainer_tensors(config, "cuda:0")
@@ -376,7 +370,7 @@ def _broadcast_worker(
     device = torch.device("cuda", gpus[rank])
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
-    tensors = trainer_tensors(_config(model), str(device))
+    tensors = trainer_tensors(named_config(model), str(device))
     refill(tensors, seed=7)
     model_ = None
     if rank == 1:
@@ -427,7 +421,7 @@ def _broadcast_worker(
 
 
 def nccl_baseline(model: str, engine_gpu: int, num_updates: int) -> dict[str, Any]:
-    config = _config(model)
+    config = named_config(model)
     folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"p2pw-{model}-bcast"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))

@@ -29,15 +29,11 @@ from typing import Any
 
 import torch
 
-CONFIGS = Path(__file__).parent / "configs"
+from _common import named_config
 
 
 def _config(name: str, layers: int | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    from p2pweights.testing import model_config
-
-    path = CONFIGS / f"{name}.json"
-    config = json.loads(path.read_text()) if path.exists() else model_config(name)
-    config.update(overrides)
+    config = {**named_config(name), **overrides}
     if layers is not None:
         config["num_hidden_layers"] = layers
         config.pop("num_nextn_predict_layers", None)

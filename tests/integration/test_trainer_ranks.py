@@ -32,7 +32,7 @@ def _agree_over(barrier, flags, rank):
     return agree
 
 
-def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds=(21, 22)) -> None:
+def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds) -> None:
     from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.source import fp8_fused
 
@@ -54,21 +54,27 @@ def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds=(2
             results.put((rank, seed, report.version, sorted(report.bytes_by_target), regions))
 
 
-def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
-    folder = model_dir("qwen3-tiny")
-    (engine,) = start_engines(folder, [2], seed=0)
+def _run_trainers(url: str, folder, seeds: tuple[int, ...], timeout_s: float) -> list[tuple]:
+    """Two trainer processes updating ``url`` with each seed's weights; their reports,
+    sorted: (rank, seed, version, targets written, fp8 weights quantized in boxes)."""
     ctx = mp.get_context("spawn")
     barrier, flags, results = ctx.Barrier(2), ctx.Array("i", 2), ctx.Queue()
     trainers = [
-        ctx.Process(target=_trainer, args=(r, engine.url, str(folder), barrier, flags, results))
+        ctx.Process(target=_trainer, args=(r, url, str(folder), barrier, flags, results, seeds))
         for r in range(2)
     ]
     for p in trainers:
         p.start()
     for p in trainers:
-        p.join(timeout=300)
+        p.join(timeout=timeout_s)
     assert [p.exitcode for p in trainers] == [0, 0]
-    reports = sorted(results.get(timeout=5) for _ in range(4))
+    return sorted(results.get(timeout=5) for _ in range(2 * len(seeds)))
+
+
+def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
+    folder = model_dir("qwen3-tiny")
+    (engine,) = start_engines(folder, [2], seed=0)
+    reports = _run_trainers(engine.url, folder, (21, 22), timeout_s=300)
     # each trainer rank wrote exactly one engine rank, the two together both ranks, every update
     written = {seed: [] for seed in (21, 22)}
     for _rank, seed, version, targets, _regions in reports:
@@ -93,21 +99,7 @@ def test_fp8_senders_quantize_only_what_their_rank_reads(model_dir, start_engine
     with sglang's loader fed the whole quantized checkpoint."""
     folder = model_dir("deepseek-v3-fp8-tiny")
     (engine,) = start_engines(folder, [2], seed=0)
-    ctx = mp.get_context("spawn")
-    barrier, flags, results = ctx.Barrier(2), ctx.Array("i", 2), ctx.Queue()
-    seeds = (31, 32, 33, 34)
-    trainers = [
-        ctx.Process(
-            target=_trainer, args=(r, engine.url, str(folder), barrier, flags, results, seeds)
-        )
-        for r in range(2)
-    ]
-    for p in trainers:
-        p.start()
-    for p in trainers:
-        p.join(timeout=600)
-    assert [p.exitcode for p in trainers] == [0, 0]
-    reports = sorted(results.get(timeout=5) for _ in range(2 * len(seeds)))
+    reports = _run_trainers(engine.url, folder, (31, 32, 33, 34), timeout_s=600)
     regions = {(rank, seed): count for rank, seed, _, _, count in reports}
     for rank in (0, 1):
         assert regions[(rank, 31)] == 0  # recorded: nothing known yet

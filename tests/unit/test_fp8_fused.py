@@ -11,12 +11,11 @@ interpreter's own fp8 cast is not the GPU's (it turned 125.5 into 64 and 168 int
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from _interpreted import assert_prints_ok
 
 from p2pweights.source import fp8_block, fp8_fused
 from p2pweights.source.fp8_block import BlockFp8Format, quantize
@@ -172,12 +171,7 @@ _INTERPRETED = textwrap.dedent(
 
 @pytest.mark.slow
 def test_kernel_scales_equal_torchs_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.strip() == "ok"
+    assert_prints_ok(_INTERPRETED)
 
 
 def test_module_documents_the_switch() -> None:

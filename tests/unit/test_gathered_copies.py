@@ -9,12 +9,11 @@ through whole replays of sglang's loaders (tests/unit/test_loader_replay.py, GPU
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from _interpreted import assert_prints_ok
 
 from p2pweights.replica.sglang import gathered_copies
 from p2pweights.replica.sglang.gathered_copies import Shape2d, as_rows
@@ -40,7 +39,9 @@ def test_which_copies_are_rows_of_contiguous_columns(shape, src_stride, dst_stri
 
 def test_copies_move_in_the_widest_unit_every_offset_and_stride_allows() -> None:
     def unit(src_offset: int, cols: int, itemsize: int) -> int:
-        copy = gathered_copies._Copy(0, src_offset, 1, 0, Shape2d(2, cols, cols, cols), itemsize)
+        copy = gathered_copies._Described(
+            0, src_offset, 1, 0, Shape2d(2, cols, cols, cols), itemsize
+        )
         return copy.unit()
 
     assert unit(0, 4096, 2) == 8  # bf16 rows, aligned: int64
@@ -117,11 +118,11 @@ _INTERPRETED = textwrap.dedent(
         copies.append((0, s_off * item, 1, d_off * item, rows, item))
         s = raw_src.view(dtype).as_strided(shape, s_stride, s_off)
         expected.view(dtype).as_strided(shape, d_stride, d_off).copy_(s)
-    gathered = GatheredCopies(copies, 2, torch.device("cpu"))
+    gathered = GatheredCopies(copies, torch.device("cpu"))
     left = gathered.run([src.data_ptr(), dst.data_ptr()])
     ok = left == [] and torch.equal(raw_dst, expected)
     # an owner off its launch's unit: that launch's copies are left to the caller
-    flat = GatheredCopies([copies[0], copies[1]], 2, torch.device("cpu"))
+    flat = GatheredCopies([copies[0], copies[1]], torch.device("cpu"))
     before = raw_dst.clone()
     left = flat.run([src.data_ptr() + 4, dst.data_ptr()])
     ok = ok and left == [0] and torch.equal(raw_dst[:1024], before[:1024])
@@ -132,9 +133,4 @@ _INTERPRETED = textwrap.dedent(
 
 @pytest.mark.slow
 def test_the_kernel_moves_the_bytes_copy_moves_under_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.strip() == "ok"
+    assert_prints_ok(_INTERPRETED)

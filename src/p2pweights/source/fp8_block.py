@@ -193,19 +193,14 @@ def _quantize_box(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     row0, row1, col0, col1 = box
     grid = fmt.scale_shape(tuple(weight.shape))
-    if not (0 <= row0 <= row1 <= grid[-2] and 0 <= col0 <= col1 <= grid[-1]):
-        raise ValueError(f"blocks {box} are outside a weight of {grid[-2:]} blocks")
+    fp8_fused.check_box(box, grid[-2:])  # type: ignore[arg-type]
     pair: tuple[torch.Tensor, torch.Tensor] | None = None
     if fp8_fused.available(weight, fmt.block):
         pair = fp8_fused.quantize_or_none(weight, fmt.block, fmt.ue8m0, box)
     if pair is None:
         bn, bk = fmt.block
         rows, cols = slice(row0 * bn, row1 * bn), slice(col0 * bk, col1 * bk)
-        q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
-        scale = torch.empty(grid, dtype=torch.float32, device=weight.device)
-        if fp8_fused.poison_unset:
-            q.view(torch.uint8).fill_(0x7F)
-            scale.fill_(float("nan"))
+        q, scale = fp8_fused.new_outputs(tuple(weight.shape), grid, weight.device, box)
         part_q, part_scale = quantize(weight[..., rows, cols], fmt)
         q[..., rows, cols], scale[..., row0:row1, col0:col1] = part_q, part_scale
         pair = (q, scale)

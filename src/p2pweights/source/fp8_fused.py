@@ -189,14 +189,10 @@ def _launch(
     bn, bk = block
     grid_rows, grid_cols = -(-rows // bn), -(-cols // bk)
     row0, row1, col0, col1 = box if box is not None else (0, grid_rows, 0, grid_cols)
-    if not (0 <= row0 <= row1 <= grid_rows and 0 <= col0 <= col1 <= grid_cols):
-        raise ValueError(f"blocks {box} are outside a weight of {grid_rows} x {grid_cols} blocks")
+    if box is not None:
+        check_box(box, (grid_rows, grid_cols))
     device = matrices.device
-    q = torch.empty((count, rows, cols), dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.empty((count, grid_rows, grid_cols), dtype=torch.float32, device=device)
-    if box is not None and poison_unset:
-        q.view(torch.uint8).fill_(0x7F)
-        scale.fill_(float("nan"))
+    q, scale = new_outputs((count, rows, cols), (count, grid_rows, grid_cols), device, box)
     if q.numel() and row1 > row0 and col1 > col0:
         # Triton launches on the current device: switch only when the weight is on
         # another GPU (a CPU weight runs only under Triton's interpreter, in the tests)
@@ -221,6 +217,26 @@ def _launch(
                 TABLE=table is not None,
                 num_warps=4,  # the fastest of 4, 8 and 16 on an H200 (fp8_kernel_variants.py)
             )
+    return q, scale
+
+
+def check_box(box: Box, grid: tuple[int, int]) -> None:
+    """Refuse a box of blocks that is not inside a ``grid`` (block rows, block columns)."""
+    row0, row1, col0, col1 = box
+    if not (0 <= row0 <= row1 <= grid[0] and 0 <= col0 <= col1 <= grid[1]):
+        raise ValueError(f"blocks {box} are outside a weight of {grid[0]} x {grid[1]} blocks")
+
+
+def new_outputs(
+    shape: tuple[int, ...], scale_shape: tuple[int, ...], device: torch.device, box: Box | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty fp8 and scale outputs; with a box, the blocks it leaves out are NaN where
+    ``poison_unset`` asks (tests)."""
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
+    if box is not None and poison_unset:
+        q.view(torch.uint8).fill_(0x7F)
+        scale.fill_(float("nan"))
     return q, scale
 
 

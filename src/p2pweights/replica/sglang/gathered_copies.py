@@ -111,7 +111,7 @@ def as_rows(
 
 
 @dataclass(frozen=True)
-class _Copy:
+class _Described:
     src_owner: int
     src_offset: int
     """Bytes from the owner's first byte."""
@@ -131,7 +131,7 @@ class _Launch:
     """The copies of one step that move in one unit and one kind (flat or rows)."""
 
     def __init__(
-        self, copies: Sequence[_Copy], positions: list[int], unit: int, device: torch.device
+        self, copies: Sequence[_Described], positions: list[int], unit: int, device: torch.device
     ):
         self.unit = unit
         self.positions = positions
@@ -172,17 +172,15 @@ class GatheredCopies:
     def __init__(
         self,
         copies: Sequence[tuple[int, int, int, int, Shape2d, int]],
-        num_owners: int,
         device: torch.device,
     ):
         """``copies``: (source owner, source byte offset, destination owner, destination
-        byte offset, shape, item size), owners numbered ``0 .. num_owners - 1``."""
-        by_kind: dict[tuple[int, bool], tuple[list[_Copy], list[int]]] = {}
-        for position, described in enumerate(_Copy(*c) for c in copies):
+        byte offset, shape, item size), owners numbered as the addresses ``run`` gets."""
+        by_kind: dict[tuple[int, bool], tuple[list[_Described], list[int]]] = {}
+        for position, described in enumerate(_Described(*c) for c in copies):
             kind = by_kind.setdefault((described.unit(), described.shape.flat), ([], []))
             kind[0].append(described)
             kind[1].append(position)
-        self.num_owners = num_owners
         self._launches = [
             _Launch(kind, positions, unit, device)
             for (unit, _), (kind, positions) in by_kind.items()

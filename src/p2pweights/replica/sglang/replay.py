@@ -103,8 +103,7 @@ class _View:
         """``[first, last + 1)`` elements of the owner it covers (empty for no elements)."""
         if 0 in self.shape:
             return self.offset, self.offset
-        last = sum((size - 1) * step for size, step in zip(self.shape, self.stride, strict=True))
-        return self.offset, self.offset + last + 1
+        return self.offset, self.offset + _reach(self.shape, self.stride) + 1
 
 
 @dataclass(frozen=True)
@@ -203,8 +202,8 @@ def _plan(
             if copy.src.shape == copy.dst.shape
             else None
         )
+        item = src.element_size()
         if shape is not None:
-            item = src.element_size()
             rows.append(
                 (
                     copy.src.owner,  # type: ignore[arg-type]
@@ -216,27 +215,33 @@ def _plan(
                 )
             )
             plan.gathered_indices.append(i)
-        elif (
-            copy.src.shape == copy.dst.shape
-            and copy.src.stride == copy.dst.stride
-            and _dense(copy.dst.shape, copy.dst.stride)
-        ):
-            dense.setdefault(src.element_size(), []).append(i)
         else:
-            plan.strided.append(i)
+            _foreach(copy, i, item, dense, plan.strided)
     if kernel and len(rows) >= gathered_copies.MIN_COPIES:
         device = next(iter(targets.values())).device
-        plan.gathered = gathered_copies.GatheredCopies(rows, len(inputs) + len(names), device)
-    else:
-        for i in plan.gathered_indices:  # too few for a launch: as any copy of one dtype
+        plan.gathered = gathered_copies.GatheredCopies(rows, device)
+    else:  # too few for a launch: as any other copy of one dtype
+        for i in plan.gathered_indices:
             copy = step[i]
-            if copy.src.stride == copy.dst.stride and _dense(copy.dst.shape, copy.dst.stride):
-                dense.setdefault(inputs[copy.src.owner].element_size(), []).append(i)  # type: ignore[index]
-            else:
-                plan.strided.append(i)
+            _foreach(copy, i, inputs[copy.src.owner].element_size(), dense, plan.strided)  # type: ignore[index]
         plan.gathered_indices = []
     plan.dense = list(dense.values())
     return plan
+
+
+def _foreach(
+    copy: _Copy, index: int, item: int, dense: dict[int, list[int]], strided: list[int]
+) -> None:
+    """File a copy of one dtype for ``_foreach_copy_``: dense with equal shapes and
+    strides (its fused path, one call per item size), else strided."""
+    if (
+        copy.src.shape == copy.dst.shape
+        and copy.src.stride == copy.dst.stride
+        and _dense(copy.dst.shape, copy.dst.stride)
+    ):
+        dense.setdefault(item, []).append(index)
+    else:
+        strided.append(index)
 
 
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -671,7 +676,10 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """``[first byte, last byte + 1)`` of a strided tensor (non-negative strides)."""
     if tensor.numel() == 0:
         return tensor.data_ptr(), tensor.data_ptr()
-    last = sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
+    last = _reach(tuple(tensor.shape), tensor.stride())
     return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+def _reach(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """How many elements past its first the last element of a strided view lies."""
+    return sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
