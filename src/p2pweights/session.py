@@ -45,10 +45,10 @@ import torch
 from p2pweights import errors
 from p2pweights.config import SyncConfig
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet
+from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet, concurrently
 from p2pweights.engines.published import RankPublication
 from p2pweights.engines.update_session import AbortReport, EngineUpdate
-from p2pweights.errors import ConfigError, P2PWeightsError, TransferError
+from p2pweights.errors import ConfigError, LayoutMismatchError, P2PWeightsError, TransferError
 from p2pweights.plan.assignment import Target, assign_targets
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, aligned, build_byte_plan
 from p2pweights.progress import progress
@@ -126,6 +126,7 @@ class WeightSyncSession:
         self._source: UpdateSource | None = None
         self._expected: dict[object, tuple[ExpectedCheckpoint, torch.dtype | None]] = {}
         self._plan: BytePlan | None = None
+        self._plan_groups: dict[Hashable, list[tuple[frozenset[str], Sequence[str]]]] = {}
         self._next_version = 1
         self._checked = False
         self._orphans: dict[str, EngineUpdate] = {}
@@ -442,12 +443,10 @@ class WeightSyncSession:
                     formats[key].engine_specs(own),
                 )
                 advance(1)
-        plan = build_byte_plan(
-            {key: [(g.hf_names, g.param_names) for g in groups[key]] for key in keys},
-            {key: _ParamBytes(self._replicas[key]) for key in keys},
-            self._targets,
-            self.config.buffer_bytes,
-        )
+        self._plan_groups = {
+            key: [(g.hf_names, g.param_names) for g in groups[key]] for key in keys
+        }
+        plan = self._build_plan()
         source = UpdateSource(
             own,
             {key: [g.hf_names for g in groups[key]] for key in keys},
@@ -460,6 +459,63 @@ class WeightSyncSession:
             self._executor.reserve(plan.buffer_bytes)
         self._source, self._plan = source, plan
         self._reads_seen = None  # a new source learns its regions afresh
+
+    def _build_plan(self) -> BytePlan:
+        """The byte plan of the probed groups into the current targets' publications."""
+        return build_byte_plan(
+            self._plan_groups,
+            {key: _ParamBytes(self._replicas[key]) for key in self._plan_groups},
+            self._targets,
+            self.config.buffer_bytes,
+        )
+
+    def _refresh_targets(self) -> None:
+        """Re-read the live publications of this rank's targets, whose update sessions are
+        open now; write where the engine's parameters live now.
+
+        A live publisher (the p2pweights sglang plugin) publishes afresh when the engine
+        replaced parameter storage (sglang's CPU AMX packing does after every load); the
+        old addresses are then freed memory. A publication that moved is checked against
+        its replica like a new one, reconnected and planned into.
+        """
+        assert self._executor is not None
+        live = [
+            (key, index, pub)
+            for key, pubs in self._targets.items()
+            for index, pub in enumerate(pubs)
+            if pub.live
+        ]
+        if not live:
+            return
+        clients = {engine.url: engine.client for engine in self._fleet.engines}
+        fresh = concurrently(
+            lambda item: clients[item[2].engine_url].publication(item[2].engine_rank, item[2].role),
+            live,
+        )
+        moved = False
+        for (key, index, old), new in zip(live, fresh, strict=True):
+            if new == old:
+                continue
+            try:
+                self._replicas[key].check_published(new)
+            except LayoutMismatchError as exc:
+                raise LayoutMismatchError(
+                    f"{new.where} published its weights afresh (epoch {old.epoch} -> "
+                    f"{new.epoch}: the engine replaced parameter storage), and they no longer "
+                    f"fit its sglang layout, so p2pweights cannot write it: {exc}"
+                ) from exc
+            logger.info(
+                "%s published its weights afresh (epoch %d -> %d); writing to the new addresses",
+                new.where,
+                old.epoch,
+                new.epoch,
+            )
+            self._targets[key][index] = new
+            moved = True
+        if moved:
+            self._executor.connect([pub for pubs in self._targets.values() for pub in pubs])
+            if self._plan is not None:
+                self._plan = self._build_plan()
 
     def _stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
         """With pipeline stages: the inputs of every stage (one all-gather, first update
@@ -490,6 +546,8 @@ class WeightSyncSession:
     ) -> RunResult:
         assert self._executor is not None and self._source is not None and self._plan is not None
         self._last_run = None
+        with _timed(stages, "control_plane"):
+            self._refresh_targets()  # before anything is written: the sessions are open now
         if self._leader:
             self._fleet.mark_written()
         if not self._targets:
@@ -497,7 +555,7 @@ class WeightSyncSession:
             for _ in self._source.ready(tensors, self._plan, checked=checked):
                 pass
             return RunResult()
-        plan, source = self._plan, self._source
+        plan, source = self._plan, self._source  # the refresh may have planned anew
         total = sum(plan.bytes_by_target.values())
         try:
             with progress("p2pweights update", total, unit="B", unit_scale=True) as advance:

@@ -104,6 +104,28 @@ def check_sglang_version(url: str, server_info: dict[str, Any], allow_mismatch: 
     logger.warning("%s (allowed by allow_sglang_mismatch)", problem)
 
 
+def check_mooncake_writable(url: str, server_info: dict[str, Any], transport_kind: str) -> None:
+    """Refuse Mooncake into an sglang server on the CPU: its publication is never registered.
+
+    sglang registers with Mooncake the allocator blocks it finds in
+    ``torch.cuda.memory.memory_snapshot()`` (``register_memory_region_v2``); on a CPU
+    server that is empty, so it publishes addresses no transfer engine registered and
+    refuses every write ("not within any registered buffer"). The p2pweights local
+    engine registers its own memory and is not refused.
+    """
+    if transport_kind != "mooncake" or str(server_info.get("device") or "") != "cpu":
+        return
+    if "p2pweights_engine_state" in server_info:  # the local engine
+        return
+    raise EngineError(
+        f"engine {url} is an sglang server on the CPU (device='cpu'): sglang registers with "
+        f"Mooncake only memory it finds in the CUDA allocator, so there it publishes weight "
+        f"addresses it never registered and every Mooncake write would be refused. Write "
+        f"over NIXL instead: SyncConfig(transport=NixlConfig(...)) with the engine started "
+        f"under SGLANG_PLUGINS=p2pweights_nixl (docs/nixl-plugin.md)."
+    )
+
+
 @dataclass(frozen=True)
 class ConnectOptions:
     """What connecting needs from ``SyncConfig``."""
@@ -128,6 +150,7 @@ def connect_engine(
     try:
         server_info = client.server_info()
         check_sglang_version(endpoint.url, server_info, options.allow_sglang_mismatch)
+        check_mooncake_writable(endpoint.url, server_info, transport_kind)
         ranks = range(num_engine_ranks(endpoint.url, server_info))
         publications = [client.publication(rank) for rank in ranks]
         drafts = (

@@ -11,6 +11,15 @@ come as ``{"backend": "mooncake", "session_id", "weights_info_dict"}``. An engin
 the trainer's host may publish CUDA IPC handles (``CudaIpcPublisher``):
 ``{"backend": "cuda_ipc", "agent_name", "host_id", "segments": [{"address",
 "num_bytes", "gpu_id", "handle" (base64), "offset"}], "weights_info_dict"}``.
+
+A publication in dict form may say ``"live": true`` with an ``"epoch"`` number (the
+p2pweights sglang plugin does): its publisher checks after every
+``begin_weight_update`` and ``end_weight_update`` that each parameter still lives
+where it was published, and publishes afresh, with the next epoch, when the engine's
+processing replaced a parameter's storage (sglang's CPU AMX weight packing does, after
+every load). Writers re-read a live publication once its engine's update session is
+open, before any write (``WeightSyncSession``). sglang's own Mooncake publication is
+taken once at start-up and never says ``live``.
 """
 
 from __future__ import annotations
@@ -69,6 +78,10 @@ class RankPublication:
     """The rank's model runner: "target", or "draft" (a same-model speculative draft)."""
     host_id: str | None = None  # cuda_ipc: the engine's host (hostname and boot id)
     segments: tuple[IpcSegment, ...] = field(default=(), repr=False)  # cuda_ipc
+    live: bool = False
+    """The publisher publishes afresh when the engine moves a parameter (see above)."""
+    epoch: int = 0
+    """How many times a live publisher has published afresh."""
 
     @property
     def where(self) -> str:
@@ -100,8 +113,11 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
             return RankPublication(
                 engine_url, engine_rank, "mooncake", _regions(table), session_id=str(session_id)
             )
+        if not isinstance(info, dict):
+            raise TypeError(f"expected a [session_id, table] pair or an object, got {info!r:.80}")
         backend = info.get("backend", "mooncake")
         table = info["weights_info_dict"]
+        live, epoch = bool(info.get("live", False)), int(info.get("epoch", 0))
         if backend == "mooncake":
             return RankPublication(
                 engine_url,
@@ -109,6 +125,8 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
                 "mooncake",
                 _regions(table),
                 session_id=str(info["session_id"]),
+                live=live,
+                epoch=epoch,
             )
         if backend == "nixl":
             return RankPublication(
@@ -119,6 +137,8 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
                 agent_name=str(info["agent_name"]),
                 agent_metadata=base64.b64decode(info["agent_metadata"]),
                 mem_type=info.get("mem_type"),
+                live=live,
+                epoch=epoch,
             )
         if backend == "cuda_ipc":
             return RankPublication(
@@ -129,8 +149,10 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
                 agent_name=str(info["agent_name"]),
                 host_id=str(info["host_id"]),
                 segments=tuple(_segment(s) for s in info["segments"]),
+                live=live,
+                epoch=epoch,
             )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EngineError(
             f"engine {engine_url} rank {engine_rank}: malformed weight publication ({exc!r})"
         ) from exc

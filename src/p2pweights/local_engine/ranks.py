@@ -243,9 +243,13 @@ class EngineRank:
             self.model.load_weights(iter(views))  # type: ignore[operator]
 
     def check(self, action: str, selector: str = "target", **options: Any) -> dict[str, Any] | None:
-        """sglang's weight checker on one runner ("target" or "draft")."""
+        """sglang's weight checker on one runner ("target" or "draft"), answered as sglang
+        0.5.23's scheduler answers it: ``parallelism_info`` a list, one per runner."""
         (runner,) = self.selected(selector) if selector != "all" else self.selected("target")
-        return runner.check(action, **options)
+        payload = runner.check(action, **options)
+        if payload is not None and isinstance(payload.get("parallelism_info"), dict):
+            payload = {**payload, "parallelism_info": [payload["parallelism_info"]]}
+        return payload
 
     def close(self) -> None:
         for runner in self.runners.values():

@@ -7,7 +7,7 @@ backend (default UCX). See docs/nixl-plugin.md.
 
 sglang (0.5.21 - 0.5.23) runs ``load_plugins()`` early in every process it starts
 (launcher, schedulers, detokenizer) and then applies the hooks plugins registered.
-This plugin registers three, each where sglang's Mooncake publishing lives:
+This plugin registers five, the first three where sglang's Mooncake publishing lives:
 
 1. REPLACE ``EngineInfoBootstrapServer`` with ``NixlAwareBootstrapServer``: the same
    server, which also stores a rank's NIXL dict and answers it at
@@ -24,6 +24,14 @@ This plugin registers three, each where sglang's Mooncake publishing lives:
    Mooncake info. With the Mooncake flag also set, this PUT comes after sglang's and
    replaces it. Draft models (speculative decoding) are not published: they would
    overwrite the target model's entry for the same TP rank.
+4. and 5. AFTER the model runner's ``WeightUpdater.begin_weight_update`` and
+   ``end_weight_update`` (each TP rank): check that every parameter still lives where
+   it was published. sglang's processing may replace a parameter's storage (the CPU
+   backend's AMX weight packing puts a new tensor into the model after every load);
+   the old address then points at freed memory. The rank then publishes afresh (a new
+   agent registering the new storage, the next ``epoch``) and closes the old agent, so
+   no write can reach the freed memory. Publications say ``"live": true``: writers
+   re-read them once the update session is open, before writing.
 
 Importing this package imports neither sglang nor NIXL; ``register()`` imports
 sglang's hook registry, and the hooks import the rest when they run.
@@ -45,12 +53,15 @@ BOOTSTRAP_SERVER_TARGET = (
 )
 LAUNCH_TARGET = "sglang.srt.entrypoints.engine.Engine._launch_scheduler_processes"
 RUNNER_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
-HOOK_TARGETS = (BOOTSTRAP_SERVER_TARGET, LAUNCH_TARGET, RUNNER_TARGET)
+_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+BEGIN_TARGET = f"{_UPDATER}.begin_weight_update"
+END_TARGET = f"{_UPDATER}.end_weight_update"
+HOOK_TARGETS = (BOOTSTRAP_SERVER_TARGET, LAUNCH_TARGET, RUNNER_TARGET, BEGIN_TARGET, END_TARGET)
 """What the plugin hooks in sglang, in registration order."""
 
-# Alive for the life of the process: each publisher owns a NIXL agent whose
-# registrations writers use; dropping it would deregister the weights.
-_publishers: list[Any] = []
+# Alive for the life of the process, by id of the model runner they publish: each owns
+# a NIXL agent whose registrations writers use; dropping it would deregister the weights.
+_published: dict[int, Any] = {}
 _bootstrap_server: Any = None
 
 
@@ -63,6 +74,8 @@ def register() -> None:
     HookRegistry.register(BOOTSTRAP_SERVER_TARGET, NixlAwareBootstrapServer, HookType.REPLACE)
     HookRegistry.register(LAUNCH_TARGET, start_bootstrap_server, HookType.BEFORE)
     HookRegistry.register(RUNNER_TARGET, publish_after_initialize, HookType.AFTER)
+    HookRegistry.register(BEGIN_TARGET, republish_after_begin, HookType.AFTER)
+    HookRegistry.register(END_TARGET, republish_after_end, HookType.AFTER)
 
 
 def start_bootstrap_server(*_args: Any, **_kwargs: Any) -> None:
@@ -88,24 +101,31 @@ def start_bootstrap_server(*_args: Any, **_kwargs: Any) -> None:
 
 def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: Any) -> None:
     """AFTER hook of ``ModelRunner.initialize``: register and publish this rank's weights."""
-    from p2pweights.sglang_plugin.publish import publish_model, put_publication
+    from p2pweights.sglang_plugin.publish import LivePublication
 
     if getattr(runner, "is_draft_worker", False):
         logger.info("p2pweights_nixl: not publishing the draft model's weights")
         return
-    engine_rank = _tp_rank(runner)
-    backend = NixlConfig().backend
-    publisher, info = publish_model(runner.model, engine_rank, backend)
-    _publishers.append(publisher)
-    put_publication(_bootstrap_url(), engine_rank, info)
-    logger.info(
-        "p2pweights_nixl: tp rank %d published %d parameters (%s) through NIXL agent %s (%s)",
-        engine_rank,
-        len(info["weights_info_dict"]),
-        info["mem_type"],
-        info["agent_name"],
-        backend,
-    )
+    published = LivePublication(_tp_rank(runner), NixlConfig().backend, _bootstrap_url())
+    published.publish(runner.model)
+    _published[id(runner)] = published
+
+
+def republish_after_begin(_result: Any, updater: Any, *_args: Any, **_kwargs: Any) -> None:
+    """AFTER hook of the runner's ``begin_weight_update``: a restore may move parameters."""
+    _republish_if_moved(updater, "begin_weight_update")
+
+
+def republish_after_end(_result: Any, updater: Any, *_args: Any, **_kwargs: Any) -> None:
+    """AFTER hook of the runner's ``end_weight_update``: postprocess may move parameters."""
+    _republish_if_moved(updater, "end_weight_update")
+
+
+def _republish_if_moved(updater: Any, after: str) -> None:
+    runner = updater.get_model_runner()
+    published = _published.get(id(runner))
+    if published is not None:  # a draft runner, or one published by sglang alone
+        published.refresh(runner.model, after)
 
 
 def _tp_rank(runner: Any) -> int:

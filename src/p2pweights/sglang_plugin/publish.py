@@ -5,7 +5,9 @@
 registered (VRAM with the GPU id on a GPU engine, DRAM on a CPU one), and the agent
 metadata taken after registration. ``put_publication`` PUTs it to the instance's
 engine info bootstrap server, the way sglang's ``RemoteInstanceWeightTransporter``
-PUTs Mooncake info. Nothing here imports sglang.
+PUTs Mooncake info. ``LivePublication`` keeps one rank's publication true for the
+life of the engine: published afresh whenever a parameter's storage moved. Nothing
+here imports sglang.
 """
 
 from __future__ import annotations
@@ -50,6 +52,95 @@ def publish_model(
         publisher.close()
         raise
     return publisher, info
+
+
+Storage = dict[str, tuple[int, int]]
+"""Parameter name -> (address, bytes) of its storage."""
+
+
+def storage_of(model: nn.Module) -> Storage:
+    return {name: (p.data_ptr(), p.nbytes) for name, p in model.named_parameters()}
+
+
+class LivePublication:
+    """One engine rank's NIXL publication, published afresh when parameters move.
+
+    Every publication says ``"live": true`` and its ``"epoch"`` (0 at start-up), so
+    writers know to re-read it once an update session is open. ``refresh`` compares
+    each parameter's storage with the published one; when any moved (or changed
+    size), it registers the model again under a new agent, PUTs that with the next
+    epoch and the moved names, and only then closes the old agent: the freed memory is
+    deregistered, so a writer still holding the old publication is refused instead of
+    writing into it.
+    """
+
+    def __init__(self, engine_rank: int, backend: str, bootstrap_url: str) -> None:
+        self.engine_rank = engine_rank
+        self.backend = backend
+        self.bootstrap_url = bootstrap_url
+        self.epoch = -1
+        self._publisher: NixlPublisher | None = None
+        self._storage: Storage = {}
+
+    def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
+        publisher, info = publish_model(model, self.engine_rank, self.backend)
+        info.update(live=True, epoch=self.epoch + 1)
+        if moved is not None:
+            info["moved"] = moved
+        try:
+            put_publication(self.bootstrap_url, self.engine_rank, info)
+        except BaseException:
+            publisher.close()
+            raise
+        old, self._publisher = self._publisher, publisher
+        self._storage, self.epoch = storage_of(model), self.epoch + 1
+        if old is not None:
+            old.close()
+        logger.info(
+            "p2pweights_nixl: tp rank %d published %d parameters (%s) through NIXL agent %s "
+            "(%s, epoch %d)",
+            self.engine_rank,
+            len(info["weights_info_dict"]),
+            info["mem_type"],
+            info["agent_name"],
+            self.backend,
+            self.epoch,
+        )
+
+    def refresh(self, model: nn.Module, after: str) -> list[str]:
+        """Publish afresh if any parameter moved since the last publication; the moved names."""
+        now = storage_of(model)
+        moved = sorted(
+            n for n in now.keys() | self._storage.keys() if now.get(n) != self._storage.get(n)
+        )
+        if not moved:
+            return []
+        logger.warning(
+            "p2pweights_nixl: tp rank %d: %s replaced the storage of %d parameter(s) (%s); "
+            "publishing the new addresses",
+            self.engine_rank,
+            after,
+            len(moved),
+            ", ".join(moved[:4]) + (" ..." if len(moved) > 4 else ""),
+        )
+        try:
+            self.publish(model, moved)
+        except Exception:
+            # The old addresses are freed memory: no write may reach them, even if the new
+            # ones could not be published (writers are then refused and fail the update).
+            # Not raised: an exception here would take the engine's scheduler down.
+            self.close()
+            logger.exception(
+                "p2pweights_nixl: tp rank %d could not publish afresh; p2pweights updates "
+                "of this engine will fail until it restarts",
+                self.engine_rank,
+            )
+        return moved
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
 
 
 def put_publication(

@@ -154,6 +154,12 @@ PLUGIN_REQUIRED: tuple[Symbol, ...] = (
         "sglang_plugin (hook target)",
         "ModelRunner.initialize",
     ),
+    *_symbols(
+        "sglang.srt.model_executor.model_runner_components.weight_updater",
+        "sglang_plugin (hook target)",
+        "WeightUpdater.begin_weight_update",
+        "WeightUpdater.end_weight_update",
+    ),
 )
 """What the NIXL plugin uses inside an sglang engine process (heavy imports: not checked
 by default; ``check_sglang(PLUGIN_REQUIRED)`` there)."""

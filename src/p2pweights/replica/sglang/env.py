@@ -216,18 +216,39 @@ def server_args_names() -> frozenset[str]:
 def _fields_for_server_args(server_args_fields: Mapping[str, Any]) -> dict[str, Any]:
     """The ``ServerArgs`` fields among ``server_args_fields``, checked.
 
-    Keys that are not ServerArgs fields (runtime state in ``/server_info``) and None
-    values (sglang's default) are dropped. ``device`` defaults to ``"cuda"``, the
+    Keys that are not ServerArgs fields (runtime state in ``/server_info``), None
+    values (sglang's default) and values sglang redacted are dropped: sglang 0.5.23's
+    ``/server_info`` shows the watermark secrets as ``"<redacted>"`` even when unset,
+    and no redacted field lays out weights. ``device`` defaults to ``"cuda"``, the
     engine's device: sglang resolves defaults from it, and a replica never allocates
     on it.
     """
     known = server_args_names()
-    fields = {k: v for k, v in server_args_fields.items() if k in known and v is not None}
+    fields = {
+        k: v
+        for k, v in server_args_fields.items()
+        if k in known and v is not None and not _redacted(v)
+    }
     if "model_path" not in fields:
         raise ConfigError("server args need a model_path (a folder holding config.json)")
     fields.setdefault("device", "cuda")
     check_reproducible_layout(fields)
     return fields
+
+
+REDACTED = "<redacted>"
+"""What sglang's ``/server_info`` shows in place of a secret."""
+
+
+def _redacted(value: Any) -> bool:
+    """Whether ``value`` is, or holds, sglang's redaction marker."""
+    if isinstance(value, str):
+        return value == REDACTED
+    if isinstance(value, Mapping):
+        return any(_redacted(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_redacted(v) for v in value)
+    return False
 
 
 def _server_args(fields: Mapping[str, Any]) -> Any:
