@@ -104,7 +104,7 @@ def main(folder: str, port: int) -> None:
         ),
         flush=True,
     )
-    for publisher in plugin._publishers:
+    for publisher in plugin._published.values():
         publisher.close()
     plugin._bootstrap_server.close()
 

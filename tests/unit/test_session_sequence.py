@@ -26,7 +26,7 @@ from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.engines.update_session import UPDATING_PREFIX
-from p2pweights.errors import EngineError, EngineUnreachable, P2PWeightsError
+from p2pweights.errors import EngineError, EngineUnreachable, LayoutMismatchError, P2PWeightsError
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
 from p2pweights.transfer.transports.base import Transport
@@ -54,6 +54,14 @@ class FakeEngine:
     dead: bool = False
     snapshot: dict[str, torch.Tensor] | None = None
     writes: int = 0
+    moves_storage: bool = False
+    """end_weight_update gives every weight new storage (as sglang's CPU AMX packing does);
+    its publication is live and the epoch counts how often it was published afresh."""
+    grows: str | None = None
+    """A weight end_weight_update gives new storage of another size."""
+    epoch: int = 0
+    freed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Storage given up, with a copy of what it held then: nothing may write it later."""
 
     def call(self, step: str, effect) -> object:
         if self.dead:
@@ -84,6 +92,12 @@ class FakeEngine:
                 "open; call begin_weight_update() first"
             )
         self.open = False
+        if self.moves_storage or self.grows:
+            for name, old in list(self.memory.items()):
+                self.freed.append((old, old.clone()))
+                size = old.numel() * (2 if name == self.grows else 1)
+                self.memory[name] = torch.cat([old, old])[:size].clone()
+            self.epoch += 1
 
     def check(self, action: str) -> dict:
         """sglang's weight checker: snapshot, reset_tensors (noise in every weight), compare."""
@@ -119,7 +133,10 @@ class FakeClient:
 
     def publication(self, rank, role="target"):
         regions = {n: WeightRegion(t.data_ptr(), t.numel()) for n, t in self.engine.memory.items()}
-        return RankPublication(self.url, rank, "mooncake", regions, session_id="s")
+        live = self.engine.moves_storage or self.engine.grows is not None
+        return RankPublication(
+            self.url, rank, "mooncake", regions, session_id="s", live=live, epoch=self.engine.epoch
+        )
 
     def weight_version(self):
         return self.engine.call("model_info", lambda: self.engine.version)
@@ -165,7 +182,12 @@ class FakeHandle:
     layouts = dict(PARAMS)
 
     def check_published(self, pub):
-        pass
+        for name, size in PARAMS.items():
+            if pub.regions[name].num_bytes != size:
+                raise LayoutMismatchError(
+                    f"{pub.where} parameter {name!r}: engine published "
+                    f"{pub.regions[name].num_bytes} bytes, the replica lays out {size}"
+                )
 
     def checkpoint_format(self, specs):
         return AS_GIVEN
@@ -370,6 +392,37 @@ def test_one_engine_failing_its_writes_does_not_tear_the_others(engines):
     assert report.outcomes["http://good"] == "resumed (weight version 1)"
     assert good.version == "1"  # whole: it shows the version its weights are
     assert report.left_paused == ["http://bad"]
+
+
+def test_an_engine_that_moves_its_weights_is_written_where_they_live_now(engines):
+    """sglang's CPU AMX packing replaces every linear weight's storage after each load: the
+    addresses published at start-up are freed memory from the second update on."""
+    moving = engines.setdefault("http://m", FakeEngine("http://m", moves_storage=True))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://m", "http://still"])
+        for value in (1, 2, 3):
+            session.update(_tensors(value))
+            assert _holds(moving, value) and _holds(engines["http://still"], value)
+    assert moving.epoch == 3 and moving.violations == []
+    assert len(moving.freed) == 6
+    assert all(torch.equal(old, then) for old, then in moving.freed), "wrote into freed storage"
+
+
+def test_weights_republished_in_another_size_are_refused_before_any_write(engines):
+    grown = engines.setdefault("http://g", FakeEngine("http://g", grows="qkv"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://g"])
+        session.update(_tensors(1))
+        writes = grown.writes
+        with pytest.raises(LayoutMismatchError) as failed:
+            session.update(_tensors(2))
+        message = str(failed.value)
+        assert "http://g rank 0" in message and "'qkv'" in message
+        assert "published its weights afresh (epoch 0 -> 1" in message
+        assert grown.writes == writes  # not a byte written
+        report = session.abort()
+    assert grown.running and grown.version == "1"  # its weights are the first update's, whole
+    assert report.ok
 
 
 def test_a_dead_engine_is_reported_by_abort_and_the_others_resume(engines):

@@ -35,12 +35,16 @@ class EngineClient:
         timeout_s: float = 60.0,
         api_key: str | None = None,
         control_timeout_s: float | None = None,
+        transport: httpx.BaseTransport | None = None,
     ):
+        """``transport``: httpx's, for tests that replay recorded answers (default: HTTP)."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout_s = timeout_s
         self._control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+        self._http = httpx.Client(
+            base_url=self.url, timeout=timeout_s, headers=headers, transport=transport
+        )
 
     def close(self) -> None:
         self._http.close()

@@ -163,7 +163,7 @@ def ensure_server_args(server_args_fields: Mapping[str, Any]) -> None:
     try:
         set_global_server_args_for_scheduler(server_args)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"sglang rejected the server args {fields}: {exc}") from exc
+        raise ConfigError(_rejected(fields, exc)) from exc
     # MoE layers read the runtime MoE flags (runner / a2a backend) while they are
     # built; sglang's scheduler seeds them right after publishing, and so do we.
     # Cheap, and harmless for dense models.
@@ -187,7 +187,7 @@ def replica_context(server_args_fields: Mapping[str, Any]) -> Any:
         # the role of the process that runs the model (sglang's scheduler)
         context = create_context(server_args, role="scheduler")
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"sglang rejected the server args {fields}: {exc}") from exc
+        raise ConfigError(_rejected(fields, exc)) from exc
     with in_context(context):
         initialize_moe_config()
     return context
@@ -257,7 +257,16 @@ def _server_args(fields: Mapping[str, Any]) -> Any:
     try:
         return ServerArgs(**fields)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"sglang rejected the server args {dict(fields)}: {exc}") from exc
+        raise ConfigError(_rejected(fields, exc)) from exc
+
+
+def _rejected(fields: Mapping[str, Any], exc: Exception) -> str:
+    """Why sglang refused an engine's server args, without the ~500 fields themselves."""
+    return (
+        f"sglang rejected the server args of the engine of {fields.get('model_path')!r} "
+        f"(tp_size={fields.get('tp_size')}, device={fields.get('device')!r}, "
+        f"{len(fields)} fields from its /server_info): {exc!r}"
+    )
 
 
 @functools.cache

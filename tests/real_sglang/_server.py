@@ -1,0 +1,217 @@
+"""A real ``python -m sglang.launch_server`` on this machine's CPU, started and stopped by tests.
+
+The server runs sglang 0.5.23's CPU backend (``SGLANG_USE_CPU_ENGINE=1``, the
+``intel_amx`` attention backend) with sglang's CPU kernel (``sgl_kernel``) from the
+folder ``scripts/real-sglang.sh build`` made, and, with ``nixl=True``, the p2pweights
+NIXL plugin. docs/real-sglang.md explains each setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from p2pweights.local_engine.process import free_port
+
+KERNEL_ENV = "P2PWEIGHTS_SGL_KERNEL_DIR"
+"""The folder holding the built ``sgl_kernel`` package (``scripts/real-sglang.sh env``)."""
+
+
+PLUGIN_SITE = Path(__file__).with_name("plugin_site")
+"""Where the test-only ``p2pweights_moving_storage`` plugin and its entry point live."""
+
+
+def kernel_dir() -> Path | None:
+    """The built kernel's folder, or None where it is not built (the suite then skips)."""
+    value = os.environ.get(KERNEL_ENV)
+    if not value or not (Path(value) / "BUILT").is_file():
+        return None
+    return Path(value)
+
+
+def kernel_env() -> dict[str, str]:
+    """This process's environment plus what makes sglang's CPU backend with the kernel run."""
+    folder = kernel_dir()
+    assert folder is not None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        SGLANG_HOST_IP="127.0.0.1",
+        HF_HUB_OFFLINE="1",
+        # torch's CUDA wheel ships libnccl, so sglang would set up PyNccl on the CPU
+        # and fail ("Expected a cuda device"); a missing library turns it off.
+        SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so",
+    )
+    return env
+
+
+class RealServer:
+    """One sglang server process (its own process group), its log in ``log_path``."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        tp: int,
+        log_path: Path,
+        *,
+        nixl: bool = True,
+        mooncake: bool = False,
+        moving_storage: bool = False,
+    ) -> None:
+        """``nixl``: the p2pweights NIXL plugin publishes; ``mooncake``: sglang's own
+        transfer-engine publication; ``moving_storage``: the test plugin in
+        ``plugin_site/`` gives every parameter new storage after each postprocess."""
+        self.model_dir = model_dir
+        self.tp = tp
+        self.port = free_port()
+        self.bootstrap_port = free_port()
+        self.log_path = log_path
+        self.nixl = nixl
+        self.mooncake = mooncake
+        self.moving_storage = moving_storage
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model_dir),
+            "--device",
+            "cpu",
+            "--tp",
+            str(self.tp),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--engine-info-bootstrap-port",
+            str(self.bootstrap_port),
+            "--skip-tokenizer-init",
+            "--attention-backend",
+            "intel_amx",
+            "--disable-overlap-schedule",
+            "--max-total-tokens",
+            "4096",
+            "--mem-fraction-static",
+            "0.05",
+            "--max-running-requests",
+            "8",
+            "--chunked-prefill-size",
+            "1024",
+        ]
+        if self.mooncake:
+            args.append("--remote-instance-weight-loader-start-seed-via-transfer-engine")
+        return args
+
+    def start(self) -> None:
+        env = kernel_env()
+        env["MOONCAKE_PROTOCOL"] = "tcp"
+        plugins = ["p2pweights_nixl"] if self.nixl else []
+        if self.moving_storage:
+            plugins.append("p2pweights_moving_storage")
+            env["PYTHONPATH"] = os.pathsep.join([str(PLUGIN_SITE), env["PYTHONPATH"]])
+        # an empty SGLANG_PLUGINS loads every installed plugin (p2pweights_nixl included)
+        env["SGLANG_PLUGINS"] = ",".join(plugins) or "none"
+        if self.tp > 1:
+            # one core per rank: sglang's CPU backend binds each rank's OpenMP threads
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(i % os.cpu_count()) for i in range(self.tp)
+            )  # type: ignore[operator]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Until ``/health`` answers 200; raise with the log's tail if the server exits or
+        does not come up in time."""
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(
+                    f"sglang server (tp {self.tp}) exited with {self._process.returncode}:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(
+            f"sglang server (tp {self.tp}) not healthy in {timeout_s:g} s:\n{self.log_tail()}"
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy tokens after ``input_ids`` (the server runs without a tokenizer)."""
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": True,
+            },
+        }
+        answer = httpx.post(f"{self.url}/generate", json=body, timeout=120).json()
+        return list(answer["output_ids"])
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 30 s."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    process.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+
+
+def shared_memory_files() -> set[str]:
+    return set(glob.glob("/dev/shm/*"))
+
+
+def remove_left_behind(before: set[str]) -> None:
+    """Remove the shared-memory files sglang's processes left (each rank's 258 MB
+    ``deepspeed_allreduce_buffer_*``, ``sglang_loads_*``, ``sgl_shm_mq_*``) that were not
+    there ``before``: they outlive a stopped server. Call once every server stopped."""
+    for path in shared_memory_files() - before:
+        name = os.path.basename(path)
+        if name.startswith(("sgl", "deepspeed_allreduce")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)

@@ -1,0 +1,241 @@
+"""End-to-end against real sglang 0.5.23 servers (``python -m sglang.launch_server``) on the CPU.
+
+Run with ``bash scripts/real-sglang.sh test`` (it builds sglang's CPU kernel once and
+points ``P2PWEIGHTS_SGL_KERNEL_DIR`` at it); without the kernel every test here skips.
+Four servers of a tiny Qwen3 model, one at a time:
+
+* ``tp1`` and ``tp2``: the p2pweights NIXL plugin publishes their weights;
+* ``tp1-moving``: the plugin, plus a test plugin that gives every parameter new storage
+  after each postprocess (what sglang's AMX weight packing does on CPUs with AMX), so
+  the published addresses go stale after every update;
+* ``tp1-mooncake``: sglang's own Mooncake publication, no plugin.
+
+Each NIXL server takes three updates in a row from a trainer process (this one). After
+each, every rank's weights are compared bit for bit, through sglang's own
+``/weights_checker`` checksums, with a reference built the way the engine builds
+(sglang's CPU kernel, ``SGLANG_USE_CPU_ENGINE=1``, sglang's own loader and start-up
+postprocess; ``_reference.py``), and greedy generation must equal transformers' with
+the same weights (where TP 2's bf16 sums part from transformers', only at a near tie).
+``P2PWEIGHTS_RECORD_ANSWERS=DIR`` also writes the servers' answers
+that tests/unit/test_real_sglang_answers.py replays in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
+from p2pweights.engines.client import EngineClient
+from p2pweights.errors import EngineError
+from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
+from p2pweights.verify import checksums_by_rank
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _server import (
+    RealServer,
+    kernel_dir,
+    kernel_env,
+    remove_left_behind,
+    shared_memory_files,
+)
+
+pytestmark = [
+    pytest.mark.real_sglang,
+    pytest.mark.skipif(
+        kernel_dir() is None,
+        reason="sglang's CPU kernel is not built: run `bash scripts/real-sglang.sh test` "
+        "(docs/real-sglang.md)",
+    ),
+]
+
+CONFIG = {
+    **model_config("qwen3-tiny"),
+    "num_attention_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 1024,
+}
+"""A tiny Qwen3 (2 layers, 4 query and 2 KV heads of 64, 3.4 MB of bf16): dimensions
+sglang's CPU attention kernels and TP 2 take as they are."""
+SEEDS = (11, 12, 13)
+"""One update per seed, in this order; the servers start from seed 0's checkpoint."""
+PROMPT = [5, 17, 99, 250, 3, 42, 7, 600]
+NEW_TOKENS = 8
+SERVERS = {
+    "tp1": {"tp": 1},
+    "tp2": {"tp": 2},
+    "tp1-moving": {"tp": 1, "moving_storage": True},
+    "tp1-mooncake": {"tp": 1, "nixl": False, "mooncake": True},
+}
+NIXL_SERVERS = ("tp1", "tp2", "tp1-moving")
+NEAR_TIE_NATS = 0.05
+"""How close transformers' own top choices may be where the engine's greedy token differs."""
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = write_model_dir(CONFIG, tmp_path_factory.mktemp("tiny-qwen3"))
+    save_safetensors(folder, synthetic_weights(CONFIG, seed=0))
+    return folder
+
+
+@pytest.fixture
+def start_server(
+    model_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], RealServer]]:
+    """``start_server(name)``: one of ``SERVERS``, healthy; stopped after the test.
+
+    One server at a time: idle CPU servers poll (a TP 2 server's ranks keep about a
+    core busy), and four at once starved the 2-core machine."""
+    logs = Path(os.environ.get("P2PWEIGHTS_REAL_SGLANG_LOGS") or tmp_path_factory.mktemp("logs"))
+    started: list[RealServer] = []
+    before = shared_memory_files()
+
+    def start(name: str) -> RealServer:
+        server = RealServer(model_folder, log_path=logs / f"{name}.log", **SERVERS[name])  # type: ignore[arg-type]
+        started.append(server)
+        server.start()
+        server.wait_ready()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+    remove_left_behind(before)
+
+
+def reference_checksums(url: str, model_folder: Path) -> dict[int, list[dict[str, str]]]:
+    """Per seed, per rank: sglang's checksums of the reference of engine ``url``'s ranks."""
+    info = EngineClient(url).server_info()
+    cases = [{"key": str(seed), "server_info": info, "seed": seed} for seed in SEEDS]
+    job = {"config": CONFIG, "model_path": str(model_folder), "cases": cases}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_reference.py"))],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=kernel_env(),
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    return {int(seed): ranks for seed, ranks in answer.items()}
+
+
+def transformers_greedy(seed: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' Qwen3 with seed ``seed``'s weights, in bf16: its greedy tokens after
+    ``PROMPT`` and the log-probabilities it chose each from (one row per token)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{k: v for k, v in CONFIG.items() if k != "architectures"})
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    missing, unexpected = model.load_state_dict(dict(synthetic_weights(CONFIG, seed)), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = [int(t) for t in out.sequences[0, len(PROMPT) :]]
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    return tokens, logprobs
+
+
+def assert_generates_as_transformers(server: RealServer, seed: int) -> None:
+    """Greedy tokens equal transformers' with the same weights. Where the two part, it
+    must be at a near tie in transformers' own choice (TP 2 sums bf16 partial products
+    in another order); the tokens after that follow other prefixes and are not compared."""
+    tokens = server.generate(PROMPT, NEW_TOKENS)
+    expected, logprobs = transformers_greedy(seed)
+    assert len(tokens) == NEW_TOKENS
+    for index, (got, want) in enumerate(zip(tokens, expected, strict=True)):
+        if got != want:
+            gap = float(logprobs[index, want] - logprobs[index, got])
+            print(f"{server.url} seed {seed}: token {index} {got} != {want}, gap {gap:.4f} nats")
+            assert gap < NEAR_TIE_NATS, (index, tokens, expected, gap)
+            return
+
+
+@pytest.mark.parametrize("name", NIXL_SERVERS)
+def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
+    name: str, start_server: Callable[[str], RealServer], model_folder: Path
+) -> None:
+    server = start_server(name)
+    client = EngineClient(server.url)
+    reference = reference_checksums(server.url, model_folder)
+    config = SyncConfig(transport=NixlConfig(backend="UCX"), transfer_timeout_s=60)
+    with WeightSyncSession(config) as session:
+        session.connect([server.url])
+        for step, seed in enumerate(SEEDS, start=1):
+            report = session.update(dict(synthetic_weights(CONFIG, seed)))
+            assert report.version == str(step)
+            assert client.weight_version() == str(step)
+            actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
+            assert len(actual) == server.tp
+            for rank in range(server.tp):
+                assert len(actual[rank]) == 19
+                assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
+            assert_generates_as_transformers(server, seed)
+            # the test plugin moved every parameter at each end_weight_update: published afresh
+            expected_epoch = step if name == "tp1-moving" else 0
+            assert [client.publication(r).epoch for r in range(server.tp)] == [
+                expected_epoch
+            ] * server.tp
+    assert server.alive
+    record_answers(name, server)
+
+
+def test_mooncake_into_a_cpu_server_is_refused_at_connect(
+    start_server: Callable[[str], RealServer],
+) -> None:
+    server = start_server("tp1-mooncake")
+    client = EngineClient(server.url)
+    assert client.publication(0).backend == "mooncake"  # sglang's own, no plugin loaded
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"))
+    with (
+        WeightSyncSession(config) as session,
+        pytest.raises(EngineError, match="NixlConfig") as err,
+    ):
+        session.connect([server.url])
+    assert server.url in str(err.value) and "p2pweights_nixl" in str(err.value)
+    assert client.weight_version() == "default"  # nothing was paused, opened or written
+    assert len(server.generate(PROMPT, 2)) == 2
+    record_answers("tp1-mooncake", server)
+
+
+def record_answers(name: str, server: RealServer) -> None:
+    """With ``P2PWEIGHTS_RECORD_ANSWERS=DIR``: what ``server`` answers now, into
+    ``DIR/{name}.json``, for tests/unit/test_real_sglang_answers.py to replay."""
+    if not os.environ.get("P2PWEIGHTS_RECORD_ANSWERS"):
+        return
+    folder = Path(os.environ["P2PWEIGHTS_RECORD_ANSWERS"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    url = server.url
+    answers = {
+        route: httpx.get(f"{url}{route}", timeout=60).json()
+        for route in ("/server_info", "/get_server_info", "/model_info")
+    }
+    answers["/weights_checker"] = httpx.post(
+        f"{url}/weights_checker", json={"action": "checksum"}, timeout=60
+    ).json()
+    answers["publications"] = [
+        httpx.get(
+            f"{url}/remote_instance_transfer_engine_info", params={"rank": rank}, timeout=60
+        ).json()
+        for rank in range(server.tp)
+    ]
+    (folder / f"{name}.json").write_text(json.dumps(answers, indent=1, sort_keys=True) + "\n")
