@@ -55,6 +55,7 @@ from p2pweights.progress import progress
 from p2pweights.replica.registry import ReplicaHandle, config_path, replica_for
 from p2pweights.report import UpdateReport
 from p2pweights.source.checkpoint_format import unify
+from p2pweights.source.completeness import left_out, partly_fed
 from p2pweights.source.expected import (
     ExpectedCheckpoint,
     check_first_update,
@@ -430,6 +431,7 @@ class WeightSyncSession:
         if own is None or specs is None:
             return  # another rank failed before the gather; agree() fails the step
         keys = sorted(self._targets, key=str)
+        self._check_whole_parameters(specs, keys)
         with progress("p2pweights: probing sglang's loaders", total=2 * len(keys)) as advance:
             formats = {}
             for key in keys:
@@ -459,6 +461,28 @@ class WeightSyncSession:
             self._executor.reserve(plan.buffer_bytes)
         self._source, self._plan = source, plan
         self._reads_seen = None  # a new source learns its regions afresh
+
+    def _check_whole_parameters(self, specs: Mapping[str, InputSpec], keys: list[Any]) -> None:
+        """Refuse a first update that leaves out part of a fused parameter (k_proj of a
+        qkv_proj, one gate_proj of a gate_up_proj), naming the checkpoint tensors."""
+        missing: dict[str, InputSpec] = {}
+        for expected, _ in self._expected.values():
+            if expected is not None and expected.unchecked is None:
+                missing.update(left_out(specs.keys(), expected))
+        if not missing:
+            return
+        partial: set[str] = set()
+        for key in keys:
+            partial.update(partly_fed(specs, missing, self._replicas[key].trainer_feeds))
+        if partial:
+            names = sorted(partial)
+            raise ConfigError(
+                f"the first update leaves out {len(names)} checkpoint tensor(s) that feed the "
+                f"same engine parameters as tensors it sends: {', '.join(names[:8])}"
+                + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                + "; those parameter slices would keep bytes no update wrote. Send every "
+                "checkpoint tensor (nothing was written)"
+            )
 
     def _build_plan(self) -> BytePlan:
         """The byte plan of the probed groups into the current targets' publications."""

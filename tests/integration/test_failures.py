@@ -119,6 +119,31 @@ def test_bad_first_update_leaves_the_engine_untouched(engine, model_dir):
     assert EngineClient(engine.url).weight_version() == version
 
 
+@pytest.mark.parametrize(
+    "left_out",
+    ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.gate_proj.weight"],
+    ids=["k_proj-of-qkv_proj", "gate_proj-of-gate_up_proj"],
+)
+def test_a_first_update_leaving_out_part_of_a_fused_weight_fails_before_any_byte(
+    engine, model_dir, left_out
+):
+    """q and v (or up) still feed the fused parameter, so the probe saw it fed; the slice
+    of the left-out tensor would keep bytes no update wrote while the update succeeded."""
+    folder = model_dir("qwen3-tiny")
+    before, version = _checksum(engine.url), EngineClient(engine.url).weight_version()
+    with WeightSyncSession(_config()) as session:
+        session.connect([engine.url])
+        with pytest.raises(ConfigError) as refused:
+            session.update([(n, t) for n, t in _weights(folder, 2) if n != left_out])
+        message = str(refused.value)
+        assert left_out in message and "leaves out 1 checkpoint tensor" in message
+        assert "qkv_proj" not in message and "gate_up_proj" not in message  # checkpoint names
+        assert _checksum(engine.url) == before
+        assert EngineClient(engine.url).weight_version() == version
+        report = session.update(_weights(folder, 3))  # the whole update then goes through
+    assert EngineClient(engine.url).weight_version() == report.version
+
+
 def test_layout_mismatch_refused_at_connect(engine, model_dir):
     other = model_dir("qwen3-tiny-tied")  # no lm_head parameter in this layout
     with (

@@ -66,6 +66,10 @@ class Replica(Protocol):
         """How this rank's loader wants the trainer's tensors (e.g. quantized to fp8)."""
         ...
 
+    def feeds(self, inputs: Mapping[str, InputSpec]) -> Mapping[str, frozenset[str]]:
+        """Per input (checkpoint format), the parameters its loader writes."""
+        ...
+
     def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
         """Parameters loaded together and the HF names they come from.
 

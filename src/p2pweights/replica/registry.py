@@ -25,6 +25,7 @@ from p2pweights.replica.base import ParamLayout, Replica
 from p2pweights.replica.layout_key import LayoutKey, layout_args
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.source.checkpoint_format import CheckpointFormat
+from p2pweights.source.fp8_block import SCALE_SUFFIX
 from p2pweights.source.fp8_regions import Read
 from p2pweights.source.inputs import InputSpec, ParamGroup
 
@@ -154,6 +155,19 @@ class ReplicaHandle:
     def checkpoint_format(self, inputs: Mapping[str, InputSpec]) -> CheckpointFormat:
         """How this layout's loaders want the trainer's tensors (see ``CheckpointFormat``)."""
         return self.replica.checkpoint_format(inputs)
+
+    def feeds(self, inputs: Mapping[str, InputSpec]) -> Mapping[str, frozenset[str]]:
+        """Per input (checkpoint format), the parameters its loader writes."""
+        return self.replica.feeds(inputs)
+
+    def trainer_feeds(self, inputs: Mapping[str, InputSpec]) -> dict[str, frozenset[str]]:
+        """Per trainer input, the parameters its loader inputs write (a weight the
+        engine holds in fp8 feeds its block scales too)."""
+        engine = self.replica.feeds(self.checkpoint_format(inputs).engine_specs(inputs))
+        return {
+            name: engine.get(name, frozenset()) | engine.get(name + SCALE_SUFFIX, frozenset())
+            for name in inputs
+        }
 
     def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
         """Parameter groups for these HF inputs (the replica caches the probe).

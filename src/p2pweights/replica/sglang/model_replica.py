@@ -163,6 +163,10 @@ class ModelReplica:
         dtypes = {name: layout.dtype for name, layout in self.layouts.items()}
         return QuantizeToBlockFp8.choose(fmt, inputs, feeds, dtypes)
 
+    def feeds(self, inputs: Mapping[str, InputSpec]) -> Mapping[str, frozenset[str]]:
+        """Per input, the parameters its loader writes (the probe is cached)."""
+        return self.loader_map(inputs).feeds
+
     def groups(self, inputs: Mapping[str, InputSpec]) -> list[ParamGroup]:
         """Parameter groups for these HF inputs (the probe is cached).
 

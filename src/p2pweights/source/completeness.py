@@ -1,0 +1,51 @@
+"""The first update must feed every parameter whole.
+
+A fused parameter (``qkv_proj``, ``gate_up_proj``, an expert's ``w13_weight``) is loaded
+from several checkpoint tensors. An update that leaves one of them out still feeds the
+parameter, so the loader probe sees it fed, yet that slice would keep bytes no update
+wrote while the update reports success; and since later updates only have to match the
+first, the hole would last. ``partly_fed`` names the checkpoint tensors left out that
+feed a parameter the update feeds too (a tensor left out that feeds nothing the update
+feeds, such as an MTP layer of an engine without a draft, is not its concern).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+
+from p2pweights.source.expected import ExpectedCheckpoint
+from p2pweights.source.fp8_block import SCALE_SUFFIX
+from p2pweights.source.inputs import InputSpec
+
+Feeds = Callable[[Mapping[str, InputSpec]], Mapping[str, frozenset[str]]]
+"""Trainer inputs -> for each, the parameters its loader writes (a replica's probe)."""
+
+
+def left_out(sent: Collection[str], expected: ExpectedCheckpoint) -> dict[str, InputSpec]:
+    """The checkpoint's tensors the update does not send, as a trainer would send them.
+
+    A block-fp8 checkpoint's scales are left out of this when their weight is sent:
+    p2pweights quantizes the weight and makes them.
+    """
+    found = {}
+    for name in expected.missing(sent):
+        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in sent:
+            continue
+        tensor = expected.tensors[name]
+        dtypes = tensor.dtypes
+        dtype = expected.model_dtype if expected.model_dtype in dtypes else min(dtypes, key=str)
+        found[name] = InputSpec(tuple(tensor.shape), dtype)
+    return found
+
+
+def partly_fed(
+    sent: Mapping[str, InputSpec], missing: Mapping[str, InputSpec], feeds: Feeds
+) -> list[str]:
+    """The names of ``missing`` whose loaders write a parameter ``sent``'s loaders write."""
+    if not missing:
+        return []
+    fed = feeds({**sent, **missing})
+    by_sent: set[str] = set()
+    for name in sent:
+        by_sent |= fed.get(name, frozenset())
+    return sorted(name for name in missing if fed.get(name, frozenset()) & by_sent)
