@@ -362,6 +362,9 @@ class WeightSyncSession:
         if self.config.check_weight_update_equal and not self._checked:
             with _timed(stages, "verify"):
                 self._step("check", self._check)
+            # once, after it passed on every engine: later updates send other weights than
+            # the snapshot's; a failed check is run again by the retry
+            self._checked = True
         with _timed(stages, "control_plane"):
             self._step("finish", lambda: self._finish(version))
         self._next_version = _next_version_after(version, self._next_version)
@@ -629,7 +632,6 @@ class WeightSyncSession:
             self._fleet.close()
 
     def _check(self) -> None:
-        self._checked = True  # once: later updates send other weights than the snapshot's
         if self._leader:
             self._fleet.compare()
 

@@ -362,10 +362,13 @@ def test_failure_at_any_step_then_giving_up_leaves_engines_running(
     # torn (reset to noise, or writes that did not all land): never resumed on our own
     torn = STEPS.index("reset_tensors") <= STEPS.index(step) <= STEPS.index("write2")
     torn = torn and not (step == "reset_tensors" and kind == "answered")
-    if torn:
+    # a weight check that failed or went unanswered: torn until an update's check passes
+    check_failed = step == "compare"
+    if torn or check_failed:
         assert engine.paused and engine.version == f"{UPDATING_PREFIX}1"
         if report is not None:
-            assert not report.ok and "did not all land" in report.outcomes["http://e0"]
+            why = "weight check failed" if check_failed else "did not all land"
+            assert not report.ok and why in report.outcomes["http://e0"]
             session.abort(resume_incomplete=True)
             assert engine.running
     else:
@@ -423,6 +426,25 @@ def test_weights_republished_in_another_size_are_refused_before_any_write(engine
         report = session.abort()
     assert grown.running and grown.version == "1"  # its weights are the first update's, whole
     assert report.ok
+
+
+def test_a_failed_weight_check_leaves_the_engine_torn_until_an_update_passes_it(engines):
+    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    engine = engines.setdefault("http://c", FakeEngine("http://c"))
+    with WeightSyncSession(config) as session:
+        session.connect(["http://c"])
+        with pytest.raises(EngineError, match="mismatch"):
+            session.update(_tensors(7))  # not the engine's start weights: the check fails
+        report = session.abort()
+        assert report.left_paused == ["http://c"]
+        assert "weight check failed" in report.outcomes["http://c"]
+        assert engine.paused and engine.version == f"{UPDATING_PREFIX}1"
+        session.update(_tensors(0))  # the retry compares again, and passes
+        assert engine.events.count("compare") == 1  # (events record the calls that passed)
+        assert engine.running and engine.version == "1"
+        session.update(_tensors(3))  # checked once it passed
+        assert engine.events.count("compare") == 1
+    assert engine.running and _holds(engine, 3) and engine.violations == []
 
 
 def test_a_dead_engine_is_reported_by_abort_and_the_others_resume(engines):

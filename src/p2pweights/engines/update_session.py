@@ -82,6 +82,8 @@ class EngineUpdate:
     """Its weights were reset to noise for the check (so unwritten ones cannot pass)."""
     shows_updating: bool = False
     """Its weight version says ``p2pweights-updating:`` (set by this session or found)."""
+    check_failed: bool = False
+    """Its last weight check failed or went unanswered (``incomplete`` is set with it)."""
     last_error: str | None = field(default=None, repr=False)
     _version: str | None = field(default=None, repr=False)
 
@@ -159,8 +161,9 @@ class EngineUpdate:
         self.incomplete = True
 
     def writes_landed(self) -> None:
-        """Every write of this update landed: the weights are whole again."""
-        self.incomplete = False
+        """Every write of this update landed: the weights are whole again (until a
+        weight check says otherwise)."""
+        self.incomplete = self.check_failed = False
         self.holds = self._version
 
     def close(self) -> None:
@@ -170,8 +173,16 @@ class EngineUpdate:
             self._end()
 
     def compare(self) -> None:
-        """The engine's own weight check against the snapshot its first update took."""
-        self._call(lambda c: c.weights_checker("compare"))
+        """The engine's own weight check against the snapshot its first update took.
+
+        A check that failed, or whose answer never came, leaves the weights torn: the
+        engine is not resumed on its own until a later update's check passes."""
+        try:
+            self._call(lambda c: c.weights_checker("compare"))
+        except EngineError:
+            self.incomplete = self.check_failed = True
+            raise
+        self.check_failed = False
 
     def finish(self, version: str) -> None:
         """Show the new version and resume generation (the weights are whole)."""
@@ -201,6 +212,10 @@ class EngineUpdate:
         if not self.paused_by_us:
             return "left as it was (not paused by this session)"
         if self.incomplete and not resume_incomplete:
+            if self.check_failed:
+                return (
+                    "left paused: its weight check failed or went unanswered (weights may be wrong)"
+                )
             return "left paused: its writes did not all land (weights may be torn)"
         self._resume()
         if self.incomplete:
