@@ -141,6 +141,10 @@ class FakeClient:
     def weight_version(self):
         return self.engine.call("model_info", lambda: self.engine.version)
 
+    def check_reachable(self):
+        if self.engine.dead:
+            raise EngineUnreachable(f"engine {self.url}: GET /model_info: connection refused")
+
     def engine_state(self):
         state = {"paused": self.engine.paused, "update_open": self.engine.open}
         reported = self.engine.call("server_info", lambda: state)
@@ -426,6 +430,21 @@ def test_weights_republished_in_another_size_are_refused_before_any_write(engine
         report = session.abort()
     assert grown.running and grown.version == "1"  # its weights are the first update's, whole
     assert report.ok
+
+
+def test_an_engine_dead_since_the_last_update_fails_the_next_before_any_engine_pauses(engines):
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://a", "http://b"])
+        session.update(_tensors(1))
+        engines["http://b"].dead = True
+        before = list(engines["http://a"].events)
+        with pytest.raises(EngineUnreachable, match="http://b"):
+            session.update(_tensors(2))
+        assert engines["http://a"].events == before  # not paused, not touched
+        assert engines["http://a"].running and engines["http://a"].version == "1"
+        with pytest.raises(EngineUnreachable, match="http://b"):  # nor by a retry
+            session.update(_tensors(2))
+        assert engines["http://a"].events == before
 
 
 def test_a_failed_weight_check_leaves_the_engine_torn_until_an_update_passes_it(engines):

@@ -54,6 +54,12 @@ class EngineClient:
     def server_info(self) -> dict[str, Any]:
         return self._json("GET", "/server_info")
 
+    def check_reachable(self) -> None:
+        """Raise unless the engine answers within ``control_timeout_s``. Asks ``/model_info``,
+        which the HTTP server answers itself: sglang's ``/health`` may run a generation,
+        which a paused engine never finishes."""
+        self._json("GET", "/model_info", control=True)
+
     def model_info(self) -> dict[str, Any]:
         return self._json("GET", "/model_info")
 

@@ -240,7 +240,12 @@ class Fleet:
         concurrently(call, self.engines)
 
     def open(self, pause_mode: str, version: str, snapshot: bool) -> None:
-        """Open an update session on every engine (those already open stay open)."""
+        """Open an update session on every engine (those already open stay open).
+
+        Every engine must answer first: an engine that died since the last update fails
+        the update before any engine is paused (a retry would otherwise pause the
+        healthy ones, then stop at the dead one)."""
+        self.each(lambda e: e.client.check_reachable())
         self.each(lambda e: e.update.open(pause_mode, version, snapshot=snapshot))
 
     def mark_written(self) -> None:
