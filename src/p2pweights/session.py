@@ -35,6 +35,7 @@ engines whose weights are whole), and ``close()`` does the same as ``abort()``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -135,6 +136,10 @@ class WeightSyncSession:
         self._last_run: RunResult | None = None
         self._reads_seen: tuple[int, ...] | None = None
         """The recordings' change counts the fp8 regions were learned from."""
+        self._running = threading.Lock()
+        """Held while update() runs; abort() from another thread waits for it."""
+        self._cancel = threading.Event()
+        """Set by abort() while an update runs: the update stops at its next step or group."""
 
     @classmethod
     def from_torch_distributed(
@@ -320,8 +325,19 @@ class WeightSyncSession:
 
         After a failed update the engines stay paused (their weight version says
         ``p2pweights-updating:<version>``); the next ``update`` rewrites every weight
-        and resumes them, or ``abort()`` gives up.
+        and resumes them, or ``abort()`` gives up. ``abort()`` from another thread
+        cancels a running update: it stops at its next step or parameter group and
+        raises ``TransferError``, and then ``abort()`` does its work.
         """
+        if not self._running.acquire(blocking=False):
+            raise ConfigError("update() is already running in another thread of this session")
+        try:
+            return self._update(named_tensors, version)
+        finally:
+            self._cancel.clear()
+            self._running.release()
+
+    def _update(self, named_tensors: NamedTensors, version: str | None) -> UpdateReport:
         if not self._fleet.engines or self._executor is None:
             raise ConfigError("call connect(engines) before update()")
         started = time.perf_counter()
@@ -382,6 +398,7 @@ class WeightSyncSession:
         """Run ``action``; every trainer rank learns whether all of them succeeded."""
         error: Exception | None = None
         try:
+            self._raise_if_cancelled(name)
             result = action()
         except Exception as exc:  # an interrupt propagates at once: no rank waits for it
             error = exc
@@ -589,6 +606,7 @@ class WeightSyncSession:
 
                 def ready() -> Iterator[tuple[GroupPlan, Sequence[tuple[str, torch.Tensor]]]]:
                     for group, inputs in source.ready(tensors, plan, checked=checked):
+                        self._raise_if_cancelled("write")
                         yield group, inputs
                         advance(group.block_bytes * len(group.targets))
 
@@ -603,6 +621,13 @@ class WeightSyncSession:
         self._last_run = result
         result.raise_if_failed()
         return result
+
+    def _raise_if_cancelled(self, where: str) -> None:
+        if self._cancel.is_set():
+            raise TransferError(
+                f"{self._rank_name}: the update was cancelled by abort() from another thread "
+                f"(at its '{where}' step)"
+            )
 
     def _learn_regions(self) -> None:
         """fp8 engines: from the next update on, quantize only the blocks this rank's
@@ -650,8 +675,18 @@ class WeightSyncSession:
         serves torn weights, and still shows that version). Returns what happened to
         each engine, including those that could not be reached; it does not raise.
         Only trainer rank 0 drives the engines; on other ranks this returns an empty
-        report.
+        report. Called from another thread while ``update()`` runs, it cancels that
+        update (which raises ``TransferError`` at its next step or parameter group) and
+        waits for it to stop (writes in flight are bounded by ``transfer_timeout_s``,
+        engine calls by their time limits) before giving up as above.
         """
+        if self._running.locked():  # an update runs in another thread: cancel it first
+            self._cancel.set()
+        with self._running:
+            self._cancel.clear()
+            return self._abort(resume_incomplete)
+
+    def _abort(self, resume_incomplete: bool) -> AbortReport:
         report = AbortReport()
         if self._executor is not None:
             try:

@@ -447,6 +447,51 @@ def test_an_engine_dead_since_the_last_update_fails_the_next_before_any_engine_p
         assert engines["http://a"].events == before
 
 
+def test_abort_from_another_thread_cancels_a_running_update(engines):
+    import threading
+
+    first_sent, release = threading.Event(), threading.Event()
+
+    def streamed(value):
+        for i, pair in enumerate(_tensors(value)):
+            if i == 3:  # q, k, v sent (the first group written); the trainer is slow on "o"
+                first_sent.set()
+                release.wait(10)
+            yield pair
+
+    outcome: dict[str, object] = {}
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+
+        def run():
+            try:
+                outcome["report"] = session.update(streamed(2))
+            except Exception as exc:
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert first_sent.wait(10)
+        aborter = threading.Thread(target=lambda: outcome.setdefault("abort", session.abort()))
+        aborter.start()
+        for _ in range(1000):  # abort() asked the update to stop before the trainer goes on
+            if session._cancel.is_set():
+                break
+            threading.Event().wait(0.01)
+        release.set()
+        worker.join(10)
+        aborter.join(10)
+        assert isinstance(outcome.get("error"), TransferError), outcome
+        assert "cancelled by abort()" in str(outcome["error"])
+        report = outcome["abort"]
+        engine = engines["http://e0"]
+        assert report.left_paused == ["http://e0"]  # part of update 2 was written: torn
+        assert engine.paused and engine.version == f"{UPDATING_PREFIX}2"
+        session.update(_tensors(3))  # and the session goes on
+    assert engine.running and _holds(engine, 3)
+
+
 def test_a_failed_weight_check_leaves_the_engine_torn_until_an_update_passes_it(engines):
     config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
     engine = engines.setdefault("http://c", FakeEngine("http://c"))
