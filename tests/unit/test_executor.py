@@ -148,6 +148,37 @@ def test_failed_write_fails_its_engine_rank_naming_it_and_the_others_get_every_b
     executor.close()
 
 
+def test_once_every_engine_rank_failed_the_update_stops_reading_its_input():
+    source = _params(4)
+    sink = {n: torch.zeros_like(t) for n, t in source.items()}
+    targets = [_engine("http://dead", 0, sink)]
+    transport = CopyingTransport(fail_on="http://dead")
+    plan = build_byte_plan(
+        {"replica": [(frozenset({n}), (n,)) for n in source]},
+        {"replica": {n: _nbytes(t) for n, t in source.items()}},
+        {"replica": targets},
+        aligned(700),  # about one parameter per buffer: a flush (and a write) per group
+    )
+    executor = TransferExecutor(transport, torch.device("cpu"), 5.0)
+    executor.connect(targets)
+    executor.reserve(plan.buffer_bytes)
+    consumed = []
+
+    def streamed():
+        for i, name in enumerate(source):
+            consumed.append(name)
+            yield plan.group("replica", i), [(name, source[name])]
+
+    def load(key, inputs, views):
+        for name, value in inputs:
+            views[name].copy_(value.view(torch.uint8))
+
+    with pytest.raises(TransferError, match=r"every engine rank .* http://dead rank 0"):
+        executor.run(plan, streamed(), load)
+    assert len(consumed) <= 4 < len(source)  # stopped a few groups after the first failure
+    executor.close()
+
+
 _KEEP_ALIVE: list[object] = []  # the late write lands after its test ended; keep its memory
 
 

@@ -285,6 +285,7 @@ class _Run:
         """Writes given up on after the timeout that have not returned yet."""
 
     def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
+        self._stop_if_every_rank_failed()
         staged = []
         for tw in group.targets:
             key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
@@ -306,6 +307,20 @@ class _Run:
             self._direct_bytes[key] += group.block_bytes
         if staged:
             self._stage(group, inputs, staged)
+
+    def _stop_if_every_rank_failed(self) -> None:
+        """Every engine rank this trainer rank writes has failed: fail the update now
+        instead of reading the rest of the input for nothing (a streamed update may take
+        seconds to end). While some rank is healthy, it still gets every byte."""
+        failed = self._failed.errors()
+        if not failed or not set(self._writers) <= failed.keys():
+            return
+        errors = list(failed.values())
+        named = "; ".join(str(e) for e in errors[:_MAX_FAILURES_NAMED])
+        raise TransferError(
+            f"every engine rank this trainer rank writes failed ({len(errors)}), so the update "
+            f"stopped before its input ended: {named}"
+        ) from errors[0]
 
     def _direct_views(self, group: GroupPlan, tw: TargetWrites) -> dict[str, torch.Tensor] | None:
         """The engine rank's memory for every slot of ``group``, if the transport maps it
