@@ -245,7 +245,13 @@ class Fleet:
         Every engine must answer first: an engine that died since the last update fails
         the update before any engine is paused (a retry would otherwise pause the
         healthy ones, then stop at the dead one)."""
-        self.each(lambda e: e.client.check_reachable())
+        try:
+            self.each(lambda e: e.client.check_reachable())
+        except EngineUnreachable as exc:
+            raise EngineUnreachable(
+                f"{exc} (before the update: no engine was paused or written; restart or drop "
+                f"it and connect() again)"
+            ) from exc
         self.each(lambda e: e.update.open(pause_mode, version, snapshot=snapshot))
 
     def mark_written(self) -> None:
