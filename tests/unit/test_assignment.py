@@ -181,3 +181,12 @@ def test_any_small_case_within_1_1_of_the_best_assignment(num_senders, sizes, la
         if len(sizes) < num_senders or len(set(choice)) == num_senders
     )
     assert busiest_bytes(plan) <= 1.1 * best
+
+
+@pytest.mark.parametrize(("num_senders", "num_targets"), [(2, 4), (3, 2), (2, 0), (4, 4)])
+def test_targets_of_zero_bytes_are_spread_evenly(num_senders, num_targets):
+    targets = [Target(0, rank, "layout", 0) for rank in range(num_targets)]
+    plan = assign_targets(num_senders, targets)
+    assert sorted(t for sender in plan for t in sender) == targets  # each once
+    sizes = [len(sender) for sender in plan]
+    assert max(sizes, default=0) - min(sizes, default=0) <= 1

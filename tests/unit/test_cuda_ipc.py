@@ -105,7 +105,9 @@ def test_an_engine_publishing_for_another_transport_is_refused() -> None:
     pub = parse_publication(
         URL, 0, {"remote_instance_transfer_engine_info": ["127.0.0.1:1234", {"w": [1, 2, 2]}]}
     )
-    with pytest.raises(ConfigError, match=f"engine {URL} rank 0 publishes for 'mooncake'"):
+    with pytest.raises(
+        EngineError, match=f"engine {URL} rank 0 published its weights for mooncake"
+    ):
         check_reachable(pub, host_id())
 
 

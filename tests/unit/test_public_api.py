@@ -40,6 +40,7 @@ PUBLIC = {
     "p2pweights.verify": {
         "EngineClient",
         "HfTensors",
+        "checksums_by_rank",
         "compare",
         "engine_checksums",
         "expected_checksums",

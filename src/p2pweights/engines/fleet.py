@@ -14,6 +14,7 @@ from p2pweights.engines.published import RankPublication
 from p2pweights.engines.speculative import has_model_draft
 from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate
 from p2pweights.errors import EngineError, EngineUnreachable
+from p2pweights.transfer.transports.base import require_backend
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -161,15 +162,14 @@ def connect_engine(
     except Exception:
         client.close()
         raise
-    for pub in publications + drafts:
-        if pub.backend != transport_kind:
-            client.close()
-            raise EngineError(
-                f"engine {endpoint.url} rank {pub.engine_rank} published its weights for "
-                f"{pub.backend}, but this session writes over {transport_kind}. Either set "
-                f"SyncConfig(transport={_config_name(pub.backend)}(...)) or "
-                f"{_PUBLISH_FLAGS[transport_kind]}."
-            )
+    try:
+        for pub in publications + drafts:
+            require_backend(pub, transport_kind)
+    except EngineError as exc:
+        client.close()
+        raise EngineError(
+            f"{exc}. To publish for {transport_kind}: {_PUBLISH_FLAGS[transport_kind]}."
+        ) from None
     engine = ConnectedEngine(index, endpoint, client, server_info, publications, drafts)
     try:
         engine.update.adopt()
@@ -177,11 +177,6 @@ def connect_engine(
         client.close()
         raise
     return engine
-
-
-def _config_name(backend: str) -> str:
-    names = {"mooncake": "MooncakeConfig", "nixl": "NixlConfig", "cuda_ipc": "CudaIpcConfig"}
-    return names.get(backend, backend)
 
 
 def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:

@@ -65,6 +65,9 @@ def assign_targets(num_senders: int, targets: Sequence[Target]) -> list[list[Tar
         raise PlanError("each (engine, engine rank) may be listed once")
     if any(t.num_bytes < 0 for t in targets):
         raise PlanError("a target's num_bytes cannot be negative")
+    if all(t.num_bytes == 0 for t in targets):  # no bytes to balance: spread them evenly
+        ordered = sorted(targets)
+        return [ordered[s::num_senders] for s in range(num_senders)]
     classes = _classes(targets)
     largest_class = max((len(members) for members in classes), default=1)
     candidates: list[tuple[int, int, list[list[Target]]]] = []  # (busiest, loaded, plan)

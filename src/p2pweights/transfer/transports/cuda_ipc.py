@@ -40,7 +40,7 @@ import torch
 from p2pweights.config import CudaIpcConfig
 from p2pweights.engines.published import IpcSegment, RankPublication
 from p2pweights.errors import ConfigError, TransferError, TransportError
-from p2pweights.transfer.transports.base import Publisher, Transport, Write
+from p2pweights.transfer.transports.base import Publisher, Transport, Write, require_backend
 from p2pweights.transfer.transports.cuda_runtime import CudaRuntime, cuda_runtime
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
@@ -58,12 +58,7 @@ def host_id() -> str:
 
 def check_reachable(target: RankPublication, local_host: str) -> None:
     """Refuse a publication CUDA IPC cannot write: another transport's, or another host's."""
-    if target.backend != "cuda_ipc":
-        raise ConfigError(
-            f"{target.where} publishes for {target.backend!r}, not CUDA IPC; configure "
-            f"SyncConfig(transport=...) for {target.backend} or start the engine with "
-            f"the cuda_ipc publisher"
-        )
+    require_backend(target, "cuda_ipc")
     if target.host_id != local_host:
         raise ConfigError(
             f"{target.where} runs on host {target.host_id}, not on this trainer's host "

@@ -27,7 +27,7 @@ import torch
 from p2pweights.config import MooncakeConfig
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, TransferError, TransportError, where
-from p2pweights.transfer.transports.base import Publisher, Transport, Write
+from p2pweights.transfer.transports.base import Publisher, Transport, Write, require_backend
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
 logger = logging.getLogger(__name__)
@@ -111,11 +111,8 @@ class MooncakeTransport(Transport):
     def connect(self, target: RankPublication) -> None:
         # Mooncake opens the peer's segment (its handshake) on the first write to it; the
         # binding has no safe way to open one ahead, so a dead peer surfaces in write().
-        if target.backend != "mooncake" or not target.session_id:
-            raise TransportError(
-                f"{where(target.engine_url, target.engine_rank)} published backend "
-                f"{target.backend!r}, not a Mooncake session; use the matching transport"
-            )
+        require_backend(target, "mooncake", usable=bool(target.session_id))
+        assert target.session_id is not None
         with self._lock:
             self._peers.add(target.session_id)
 

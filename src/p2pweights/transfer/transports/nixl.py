@@ -47,7 +47,7 @@ from p2pweights.config import NixlConfig
 from p2pweights.engines.published import RankPublication
 from p2pweights.environment import keep_ucx_efa_module_out
 from p2pweights.errors import ConfigError, TransferError, TransportError, where
-from p2pweights.transfer.transports.base import Publisher, Transport, Write
+from p2pweights.transfer.transports.base import Publisher, Transport, Write, require_backend
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
 logger = logging.getLogger(__name__)
@@ -181,11 +181,7 @@ class NixlTransport(Transport):
             self._local_device.pop(address, None)
 
     def connect(self, target: RankPublication) -> None:
-        if target.backend != "nixl" or not target.agent_name or not target.agent_metadata:
-            raise TransportError(
-                f"{where(target.engine_url, target.engine_rank)} published backend "
-                f"{target.backend!r} without a NIXL agent; use the matching transport"
-            )
+        require_backend(target, "nixl", usable=bool(target.agent_name and target.agent_metadata))
         with self._lock:
             if target.agent_name in self._remote:
                 return
