@@ -49,6 +49,10 @@ HOOKS = {
     "sglang.srt.model_executor.model_runner.ModelRunner.initialize": [
         ["after", "publish_after_initialize", "p2pweights_nixl", "p2pweights"]
     ],
+    "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
+    "begin_weight_update": [["after", "republish_after_begin", "p2pweights_nixl", "p2pweights"]],
+    "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
+    "end_weight_update": [["after", "republish_after_end", "p2pweights_nixl", "p2pweights"]],
 }
 
 
