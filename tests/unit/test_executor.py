@@ -34,6 +34,7 @@ class CopyingTransport(Transport):
         self.unregistered: list[int] = []
         self.threads: dict[tuple[str, int], set[str]] = {}
         self.calls: list[tuple[str, str, list[int]]] = []
+        self.writes: list[Write] = []
         self.lock = threading.Lock()
 
     def register(self, buffer: torch.Tensor) -> None:
@@ -51,6 +52,7 @@ class CopyingTransport(Transport):
             key = (target.engine_url, target.engine_rank)
             self.threads.setdefault(key, set()).add(threading.current_thread().name)
             self.calls.append((target.role, target.session_id, [w.dst_address for w in writes]))
+            self.writes.extend(writes)
         time.sleep(self.delay_s)
         if self.fail_on == target.engine_url:
             raise TransferError(f"engine {target.engine_url} rank {target.engine_rank}: status -1")
@@ -216,9 +218,22 @@ def test_plan_slots_are_aligned_and_buffers_hold_the_largest_group():
     assert plan.buffer_bytes == 3 * ALIGNMENT_BYTES  # grown past the configured size
 
 
-def test_write_carries_its_destination_device():
-    w = Write(1, 2, 3, dst_device=5)
-    assert (w.src_address, w.dst_address, w.num_bytes, w.dst_device) == (1, 2, 3, 5)
+def test_writes_carry_the_gpu_each_region_was_published_on():
+    """A NIXL VRAM write names the engine's GPU: it comes from the publication's gpu_id."""
+    source = _params(5)
+    sink = {n: torch.zeros_like(t) for n, t in source.items()}
+    pub = _engine("http://a", 0, sink)
+    gpus = {name: 3 + i % 2 for i, name in enumerate(sink)}
+    regions = {
+        n: WeightRegion(r.address, r.num_bytes, gpu_id=gpus[n]) for n, r in pub.regions.items()
+    }
+    pub = RankPublication("http://a", 0, "fake", regions, session_id="peer")
+    transport = CopyingTransport()
+    executor, result = _run(transport, aligned(2000), source, [pub])
+    assert not result.failures
+    seen = {(w.dst_address, w.dst_device) for w in transport.writes}
+    assert seen == {(regions[n].address, gpus[n]) for n in sink}
+    executor.close()
 
 
 def test_a_draft_is_written_through_its_own_publication_on_its_rank_writer():

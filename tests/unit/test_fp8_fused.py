@@ -174,8 +174,18 @@ def test_kernel_scales_equal_torchs_under_the_interpreter() -> None:
     assert_prints_ok(_INTERPRETED)
 
 
-def test_module_documents_the_switch() -> None:
-    assert "P2PWEIGHTS_FUSED_FP8" in (fp8_block.__doc__ or "") + (fp8_fused.__doc__ or "")
+@pytest.mark.parametrize(("setting", "fused"), [(None, True), ("1", True), ("0", False)])
+def test_the_switch_turns_the_kernel_off(monkeypatch, setting, fused) -> None:
+    """``P2PWEIGHTS_FUSED_FP8=0`` sends every weight to torch's quantizer, on a GPU where
+    the kernel would run (stood in for: capable device, compiled kernel)."""
+    monkeypatch.setattr(fp8_fused, "_capable", lambda device: True)
+    monkeypatch.setattr(fp8_fused, "_kernel", lambda: object())
+    if setting is None:
+        monkeypatch.delenv("P2PWEIGHTS_FUSED_FP8", raising=False)
+    else:
+        monkeypatch.setenv("P2PWEIGHTS_FUSED_FP8", setting)
+    device = torch.device("cuda", 0)
+    assert fp8_fused.usable(device, (256, 512), (128, 128), torch.bfloat16) is fused
 
 
 def test_quantize_many_batches_weights_of_one_shape(monkeypatch, capable) -> None:
