@@ -321,38 +321,45 @@ def engine_findings(
     http: httpx.Client | None = None,
 ) -> list[Finding]:
     """What an engine at ``url`` runs and publishes, checked against this host
-    (``client`` / ``http``: how to reach it, made here when not given)."""
-    from p2pweights.engines.fleet import check_sglang_version, num_engine_ranks
-
+    (``client`` / ``http``: how to reach it, made and closed here when not given)."""
+    own_client, own_http = client is None, http is None
     client = client or EngineClient(url, timeout_s=timeout_s)
     http = http or httpx.Client(timeout=timeout_s)
+    try:
+        return _engine_findings(url, client, http)
+    finally:  # what was made here is closed here, whatever happened; the caller's stay open
+        if own_client:
+            client.close()
+        if own_http:
+            http.close()
+
+
+def _engine_findings(url: str, client: EngineClient, http: httpx.Client) -> list[Finding]:
+    from p2pweights.engines.fleet import check_sglang_version, num_engine_ranks
+
     check = f"engine {url}"
     try:
         info = client.server_info()
     except P2PWeightsError as exc:
-        client.close()
         return [Finding(check, FAIL, f"no server info: {exc}")]
-    found = []
+    found = [
+        _guarded(f"{check} sglang", lambda: check_sglang_version(url, info, False)),
+        _update_routes(check, url, http),
+    ]
     try:
-        found.append(_guarded(f"{check} sglang", lambda: check_sglang_version(url, info, False)))
-        found.append(_update_routes(check, url, http))
-        try:
-            num_ranks = num_engine_ranks(url, info)
-        except P2PWeightsError as exc:
-            return [*found, Finding(f"{check} layout", FAIL, str(exc))]
-        found.append(
-            Finding(
-                f"{check} layout",
-                INFO,
-                f"{num_ranks} rank(s) (tp {info.get('tp_size')}, ep {info.get('ep_size', 1)}, "
-                f"dp {info.get('dp_size', 1)}), model {info.get('model_path')}",
-            )
+        num_ranks = num_engine_ranks(url, info)
+    except P2PWeightsError as exc:
+        return [*found, Finding(f"{check} layout", FAIL, str(exc))]
+    found.append(
+        Finding(
+            f"{check} layout",
+            INFO,
+            f"{num_ranks} rank(s) (tp {info.get('tp_size')}, ep {info.get('ep_size', 1)}, "
+            f"dp {info.get('dp_size', 1)}), model {info.get('model_path')}",
         )
-        found += [_publication(check, client, rank) for rank in range(num_ranks)]
-        found.append(_update_state(check, client))
-    finally:
-        client.close()
-        http.close()
+    )
+    found += [_publication(check, client, rank) for rank in range(num_ranks)]
+    found.append(_update_state(check, client))
     return found
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from p2pweights import doctor
+from p2pweights import doctor as doctor_module
 from p2pweights.doctor import FAIL, OK, WARN, Finding, engine_findings, rdma_devices
 from p2pweights.engines.client import EngineClient
 from p2pweights.transfer.transports.cuda_ipc import host_id
@@ -150,3 +151,21 @@ def test_no_rdma_transport_is_a_blocker_only_without_a_gpu(monkeypatch, gpu, sta
     assert found["transports"].status == status
     if gpu:
         assert "CudaIpcConfig" in found["transports"].detail
+
+
+def test_what_doctor_opens_for_an_engine_it_closes_even_when_it_does_not_answer(
+    monkeypatch,
+) -> None:
+    opened: list[httpx.Client] = []
+    real = httpx.Client
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs):
+            kwargs["transport"] = httpx.MockTransport(lambda r: httpx.Response(503))
+            super().__init__(**kwargs)
+            opened.append(self)
+
+    monkeypatch.setattr(doctor_module.httpx, "Client", Recording)
+    (finding,) = engine_findings("http://10.0.0.5:30000", timeout_s=1.0)
+    assert finding.status == FAIL
+    assert len(opened) == 2 and all(c.is_closed for c in opened)  # its client and http

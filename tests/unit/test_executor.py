@@ -181,6 +181,21 @@ def test_once_every_engine_rank_failed_the_update_stops_reading_its_input():
     executor.close()
 
 
+def test_a_failed_registration_of_the_second_buffer_leaves_neither_registered():
+    class SecondRegistrationFails(CopyingTransport):
+        def register(self, buffer):
+            if self.registered:
+                raise TransferError("register_memory failed (injected)")
+            super().register(buffer)
+
+    transport = SecondRegistrationFails()
+    executor = TransferExecutor(transport, torch.device("cpu"), 5.0)
+    with pytest.raises(TransferError, match="injected"):
+        executor.reserve(1 << 16)
+    assert transport.registered == [] and len(transport.unregistered) == 1
+    assert executor.buffer_bytes == 0
+
+
 _KEEP_ALIVE: list[object] = []  # the late write lands after its test ended; keep its memory
 
 

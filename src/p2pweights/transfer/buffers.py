@@ -65,10 +65,19 @@ class StagingBuffers:
         num_bytes: int,
         device: torch.device,
         register: Callable[[torch.Tensor], None],
+        unregister: Callable[[torch.Tensor], None],
     ):
+        """Both buffers registered, or (if registering one fails) neither."""
         self.buffers = [StagingBuffer(allocate_staging(num_bytes, device)) for _ in range(2)]
-        for buffer in self.buffers:
-            register(buffer.tensor)
+        registered: list[torch.Tensor] = []
+        try:
+            for buffer in self.buffers:
+                register(buffer.tensor)
+                registered.append(buffer.tensor)
+        except BaseException:
+            for tensor in registered:
+                unregister(tensor)
+            raise
         self._current = 0
 
     @property

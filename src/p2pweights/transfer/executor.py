@@ -118,7 +118,9 @@ class TransferExecutor:
                 num_bytes,
             )
             self._release_buffers()
-        self._buffers = StagingBuffers(num_bytes, self._device, self._transport.register)
+        self._buffers = StagingBuffers(
+            num_bytes, self._device, self._transport.register, self._transport.unregister
+        )
 
     def _release_buffers(self) -> None:
         """Deregister the buffers before their memory goes back to the allocator."""
