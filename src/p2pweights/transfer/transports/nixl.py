@@ -251,6 +251,7 @@ class NixlTransport(Transport):
                 )
             remote_descs.append((w.dst_address, w.num_bytes, device))
         deadline = time.monotonic() + timeout_s
+        handle = None
         try:
             handle = self._agent.initialize_xfer(
                 "WRITE",
@@ -260,6 +261,8 @@ class NixlTransport(Transport):
             )
             state = self._agent.transfer(handle)
         except Exception as exc:
+            if handle is not None:  # made, but refused: NIXL would keep it until close
+                self._release(handle)
             raise self._error(target, writes, f"NIXL refused the transfer ({exc!r})") from exc
         delay = 20e-6
         try:
