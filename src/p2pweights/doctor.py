@@ -113,19 +113,44 @@ def _sglang() -> list[Finding]:
 
 
 def _transport_import(kind: str) -> Finding:
-    module, extra = {
-        "mooncake": ("mooncake.engine", "mooncake-transfer-engine"),
-        "nixl": ("nixl._api", "nixl"),
-    }[kind]
+    module = {"mooncake": "mooncake.engine", "nixl": "nixl._api"}[kind]
     try:
         importlib.import_module(module)
     except Exception as exc:  # ImportError, or OSError from a missing shared library
-        hint = ""
-        if "libibverbs" in str(exc) or "librdmacm" in str(exc):
-            hint = " (apt-get install libibverbs1 librdmacm1 ibverbs-providers libnuma1)"
-        return Finding(kind, WARN, f"not importable: {exc}{hint}; pip install {extra}")
+        return Finding(kind, WARN, f"not importable: {exc}; {install_hint(kind, exc)}")
     found = [f"{d} {v}" for d in _distributions(kind) for v in [_version(d)] if v]
     return Finding(kind, OK, f"importable ({', '.join(found) or 'version unknown'})")
+
+
+def wanted_distribution(kind: str, cuda: str | None, gpu: bool) -> str:
+    """The build of ``kind`` this host needs: by whether it has a GPU and by torch's CUDA
+    (``torch.version.cuda``; Mooncake and NIXL ship one wheel per CUDA major)."""
+    major = (cuda or "").split(".")[0]
+    if kind == "mooncake":
+        if not gpu:
+            return "mooncake-transfer-engine-non-cuda"
+        return "mooncake-transfer-engine" if major == "12" else "mooncake-transfer-engine-cuda13"
+    return "nixl-cu12" if major == "12" else "nixl-cu13"
+
+
+def install_hint(kind: str, error: BaseException, installed: list[str] | None = None) -> str:
+    """What to run so ``kind`` imports here: the Debian libraries it links against if
+    those are missing, else the build this host needs (replacing another build that is
+    installed and does not load)."""
+    if "libibverbs" in str(error) or "librdmacm" in str(error):
+        return "apt-get install libibverbs1 librdmacm1 ibverbs-providers libnuma1"
+    import torch
+
+    wanted = wanted_distribution(kind, torch.version.cuda, torch.cuda.is_available())
+    if installed is None:
+        installed = [d for d in _distributions(kind) if _version(d)]
+    others = [d for d in installed if d not in (wanted, "nixl")]  # "nixl" is the front
+    if wanted in installed and not others:
+        return f"{wanted} is installed but does not load here (see the error above)"
+    if kind == "nixl" and wanted not in installed:
+        return f"pip install --no-deps nixl {wanted}"
+    remove = f"pip uninstall -y {' '.join(others)}; " if others else ""
+    return f"{remove}pip install {wanted}"
 
 
 def _distributions(kind: str) -> list[str]:

@@ -12,7 +12,16 @@ import torch
 
 from p2pweights import doctor
 from p2pweights import doctor as doctor_module
-from p2pweights.doctor import FAIL, OK, WARN, Finding, engine_findings, rdma_devices
+from p2pweights.doctor import (
+    FAIL,
+    OK,
+    WARN,
+    Finding,
+    engine_findings,
+    install_hint,
+    rdma_devices,
+    wanted_distribution,
+)
 from p2pweights.engines.client import EngineClient
 from p2pweights.transfer.transports.cuda_ipc import host_id
 
@@ -169,3 +178,34 @@ def test_what_doctor_opens_for_an_engine_it_closes_even_when_it_does_not_answer(
     (finding,) = engine_findings("http://10.0.0.5:30000", timeout_s=1.0)
     assert finding.status == FAIL
     assert len(opened) == 2 and all(c.is_closed for c in opened)  # its client and http
+
+
+@pytest.mark.parametrize(
+    ("kind", "cuda", "gpu", "wanted"),
+    [
+        ("mooncake", None, False, "mooncake-transfer-engine-non-cuda"),
+        ("mooncake", "13.0", False, "mooncake-transfer-engine-non-cuda"),  # CUDA torch, no GPU
+        ("mooncake", "13.0", True, "mooncake-transfer-engine-cuda13"),
+        ("mooncake", "12.8", True, "mooncake-transfer-engine"),
+        ("nixl", "12.4", True, "nixl-cu12"),
+        ("nixl", "13.0", False, "nixl-cu13"),
+    ],
+)
+def test_the_build_a_host_needs(kind, cuda, gpu, wanted) -> None:
+    assert wanted_distribution(kind, cuda, gpu) == wanted
+
+
+def test_the_fix_doctor_suggests_replaces_a_build_that_does_not_load() -> None:
+    """The bug: a CPU host with the CUDA 12 Mooncake build was told to install it."""
+    error = ImportError("libcudart.so.12: cannot open shared object file")
+    cpu = "mooncake-transfer-engine-non-cuda"  # this development machine has no GPU
+    assert install_hint("mooncake", error, ["mooncake-transfer-engine"]) == (
+        f"pip uninstall -y mooncake-transfer-engine; pip install {cpu}"
+    )
+    assert install_hint("mooncake", error, []) == f"pip install {cpu}"
+    assert "installed but does not load" in install_hint("mooncake", error, [cpu])
+    missing_libs = ImportError("libibverbs.so.1: cannot open shared object file")
+    assert install_hint("mooncake", missing_libs, []).startswith("apt-get install libibverbs1")
+    assert (
+        install_hint("nixl", ImportError("x"), ["nixl"]) == "pip install --no-deps nixl nixl-cu13"
+    )
