@@ -63,7 +63,7 @@ from p2pweights.source.expected import (
     engine_dtype,
     expected_checkpoint,
 )
-from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs
+from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs, described_inputs
 from p2pweights.source.stream import UpdateSource
 from p2pweights.transfer.executor import RunResult, TransferExecutor
 from p2pweights.transfer.transports import create_transport
@@ -345,15 +345,16 @@ class WeightSyncSession:
         tensors = _pairs(named_tensors)
         whole = not isinstance(tensors, Iterator)
         first = self._plan is None
-        if first or whole:
-            tensors = list(tensors)
+        described = described_inputs(named_tensors) if first and not whole else None
+        if (first and described is None) or whole:
+            tensors = list(tensors)  # a first update must be known whole before it is planned
             whole = True  # checked whole in prepare, not again as it streams
         given = tensors if isinstance(tensors, list) else None
         # every rank takes this step (an iterator is checked as it streams): ranks must
         # run the same collectives whatever each one was given
         with _timed(stages, "probe" if first else "check_inputs"):
             try:
-                self._step("prepare", lambda: self._prepare(given))
+                self._step("prepare", lambda: self._prepare(given, described))
             except BaseException:
                 if first:  # every rank probes again next time: they must gather alike
                     self._source = self._plan = None
@@ -430,18 +431,23 @@ class WeightSyncSession:
         prefix = "" if cls.__name__ == kind else f"{kind}: "
         return cls(f"{who} failed the '{name}' step of this update{others}: {prefix}{message}")
 
-    def _prepare(self, tensors: list[tuple[str, torch.Tensor]] | None) -> None:
-        """Check the whole input (None: a later update's iterator, checked as it streams);
-        on the first update also probe the loaders and plan."""
+    def _prepare(
+        self,
+        tensors: list[tuple[str, torch.Tensor]] | None,
+        described: dict[str, InputSpec] | None = None,
+    ) -> None:
+        """Check the whole input (None: an iterator, checked as it streams); on the first
+        update also probe the loaders and plan, from the input or from what a described
+        iterator says it will yield."""
         if self._source is not None and self._plan is not None:
             if tensors is not None:
                 self._source.check_whole(tensors)
             return
-        assert tensors is not None, "the first update is always read whole"
+        assert tensors is not None or described is not None, "a first update is known whole"
         own: dict[str, InputSpec] | None = None
         error: Exception | None = None
         try:
-            own = describe_inputs(tensors)
+            own = describe_inputs(tensors) if tensors is not None else dict(described or {})
             self._check_against_checkpoints(own)
         except Exception as exc:  # raised after the gather: every rank must take part
             error = exc
@@ -475,7 +481,8 @@ class WeightSyncSession:
             formats,
             finite=self.config.check_finite,
         )
-        source.check_whole(tensors)
+        if tensors is not None:
+            source.check_whole(tensors)
         assert self._executor is not None
         if self._targets:
             self._executor.reserve(plan.buffer_bytes)

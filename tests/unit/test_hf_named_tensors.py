@@ -89,6 +89,18 @@ def test_dtype_casts_floating_tensors_before_gathering(tmp_path):
     _assert_same(ours, saved)
 
 
+@pytest.mark.parametrize("model_name", ["qwen3-tiny", "qwen3-tiny-tied", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_specs_say_what_will_be_yielded_without_gathering(model_name, dtype):
+    """A first update plans from specs() and then streams: they must agree, names, shapes
+    and dtypes, fused experts reverted to per-expert checkpoint tensors included."""
+    model = _model(model_name, dtype=torch.float32)
+    pairs = hf_named_tensors(model, dtype=dtype)
+    specs = pairs.specs()
+    assert {n: (tuple(t.shape), t.dtype) for n, t in pairs} == specs
+    assert all(dtype is None or d == dtype for _, d in specs.values())
+
+
 def _fsdp_rank(rank: int, port: int, model_name: str, out) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -492,6 +492,50 @@ def test_abort_from_another_thread_cancels_a_running_update(engines):
     assert engine.running and _holds(engine, 3)
 
 
+class Described:
+    """An iterator that says what it will yield (``specs()``), as hf_named_tensors does."""
+
+    def __init__(self, value, engine):
+        self.pairs, self.engine = iter(_tensors(value)), engine
+        self.open_at_first_pull: bool | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.open_at_first_pull is None:
+            self.open_at_first_pull = self.engine.open
+        return next(self.pairs)
+
+    def specs(self):
+        return {name: (tuple(t.shape), t.dtype) for name, t in _tensors(0)}
+
+
+def test_a_first_update_from_a_described_iterator_is_planned_before_it_is_read(engines):
+    """Planning needs names, shapes and dtypes only: the input is then streamed, not held."""
+    engine = engines.setdefault("http://e0", FakeEngine("http://e0"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        described = Described(4, engine)
+        session.update(described)
+        assert described.open_at_first_pull is True  # not read before the session opened
+        assert _holds(engine, 4)
+        plain = Described(5, engine)
+        plain.specs = None  # says nothing: a first update would read it whole first
+        session.update(plain)
+    assert _holds(engine, 5) and engine.violations == []
+
+
+def test_a_described_iterator_that_does_not_yield_what_it_said_fails_the_update(engines):
+    engine = engines.setdefault("http://e0", FakeEngine("http://e0"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        liar = Described(4, engine)
+        liar.pairs = iter([(n, t.to(torch.float32)) for n, t in _tensors(4)])
+        with pytest.raises(ConfigError, match="'q' is torch.float32, the first update sent"):
+            session.update(liar)
+
+
 def test_a_failed_weight_check_leaves_the_engine_torn_until_an_update_passes_it(engines):
     config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
     engine = engines.setdefault("http://c", FakeEngine("http://c"))

@@ -28,7 +28,7 @@ import torch
 
 from p2pweights.config import parse_bytes
 
-__all__ = ["hf_named_tensors"]
+__all__ = ["HfNamedTensors", "hf_named_tensors"]
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -38,26 +38,72 @@ def hf_named_tensors(
     *,
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> HfNamedTensors:
     """(checkpoint name, full tensor) pairs of a transformers ``model``, plain or FSDP2.
 
     Under FSDP2 (``fully_shard``, DTensor parameters) this is a collective: every rank
     of the mesh must iterate it to the end. ``dtype`` casts floating-point tensors
-    before gathering (e.g. fp32 master weights to the engine's bf16). Tensors come on
-    the device the parameters live on.
+    bucket by bucket, before gathering (e.g. fp32 master weights to the engine's bf16).
+    Tensors come on the device the parameters live on. The answer is an iterator that
+    also says what it will yield without gathering anything (``specs()``), so even a
+    first ``WeightSyncSession.update`` streams it instead of holding the whole model.
     """
-    state = _checkpoint_state(model)
-    if dtype is not None:
-        state = {name: _cast(tensor, dtype) for name, tensor in state.items()}
-    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()}
-    limit = parse_bytes(bucket_bytes)
-    reverse = _reverse_transforms(model)
-    for bucket in _buckets(_conversion_units(list(state), reverse), sizes, limit):
-        full = _gathered({name: state[name] for name in bucket})
-        if reverse is not None:
-            full = _reverted(model, full)
-        yield from full.items()
-        del full
+    return HfNamedTensors(model, parse_bytes(bucket_bytes), dtype)
+
+
+class HfNamedTensors(Iterator[tuple[str, torch.Tensor]]):
+    """``hf_named_tensors``' answer: the pairs, gathered bucket by bucket as iterated."""
+
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None):
+        self._model = model
+        self._dtype = dtype
+        self._bucket_bytes = bucket_bytes
+        self._state = _checkpoint_state(model)
+        self._reverse = _reverse_transforms(model)
+        self._pairs: Iterator[tuple[str, torch.Tensor]] | None = None
+
+    def __iter__(self) -> HfNamedTensors:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        if self._pairs is None:
+            self._pairs = self._generate()
+        return next(self._pairs)
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Checkpoint name -> (shape, dtype) of every tensor this will yield, from the
+        parameters' global shapes (a DTensor's full shape) on the meta device: nothing
+        is gathered or copied."""
+        meta = {
+            name: torch.empty(tuple(tensor.shape), dtype=self._dtype_of(tensor), device="meta")
+            for name, tensor in self._state.items()
+        }
+        if self._reverse is not None:
+            meta = _reverted(self._model, meta)
+        return {name: (tuple(t.shape), t.dtype) for name, t in meta.items()}
+
+    def _dtype_of(self, tensor: torch.Tensor) -> torch.dtype:
+        return (
+            self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
+        )
+
+    def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self._state
+        sizes = {  # by the size each tensor will have (cast)
+            name: tensor.numel() * torch.empty((), dtype=self._dtype_of(tensor)).element_size()
+            for name, tensor in state.items()
+        }
+        units = _conversion_units(list(state), self._reverse)
+        for bucket in _buckets(units, sizes, self._bucket_bytes):
+            local = {name: state[name] for name in bucket}
+            if self._dtype is not None:
+                local = {name: _cast(tensor, self._dtype) for name, tensor in local.items()}
+            full = _gathered(local)
+            del local
+            if self._reverse is not None:
+                full = _reverted(self._model, full)
+            yield from full.items()
+            del full
 
 
 def _checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

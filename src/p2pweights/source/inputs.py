@@ -7,6 +7,7 @@ tensor is held only until every group that reads it has been loaded.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from p2pweights.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     pass
@@ -52,6 +55,24 @@ def describe_inputs(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, In
             raise ConfigError(f"HF tensor {name!r} was given twice in one update")
         specs[name] = InputSpec(tuple(tensor.shape), tensor.dtype)
     return specs
+
+
+def described_inputs(named_tensors: object) -> dict[str, InputSpec] | None:
+    """What an iterator says it will yield, if it says (a ``specs()`` method returning
+    name -> (shape, dtype), as ``hf_named_tensors`` does), without consuming it; None
+    when it does not say or cannot (the caller then reads the input whole)."""
+    specs = getattr(named_tensors, "specs", None)
+    if not callable(specs):
+        return None
+    try:
+        found = {name: InputSpec(tuple(shape), dtype) for name, (shape, dtype) in specs().items()}
+    except Exception:  # only an optimisation: the input is read whole instead
+        logger.warning("the update's specs() failed; reading the input whole", exc_info=True)
+        return None
+    for name, spec in found.items():
+        if not isinstance(spec.dtype, torch.dtype):
+            raise ConfigError(f"specs() gave HF tensor {name!r} the dtype {spec.dtype!r}")
+    return found
 
 
 def check_input(name: str, tensor: torch.Tensor, known: Mapping[str, InputSpec]) -> None:
