@@ -532,7 +532,7 @@ def test_a_described_iterator_that_does_not_yield_what_it_said_fails_the_update(
         session.connect(["http://e0"])
         liar = Described(4, engine)
         liar.pairs = iter([(n, t.to(torch.float32)) for n, t in _tensors(4)])
-        with pytest.raises(ConfigError, match="'q' is torch.float32, the first update sent"):
+        with pytest.raises(ConfigError, match=r"'q' is torch\.float32, the first update sent"):
             session.update(liar)
 
 
