@@ -138,8 +138,9 @@ class WeightSyncSession:
         """The recordings' change counts the fp8 regions were learned from."""
         self._running = threading.Lock()
         """Held while update() runs; abort() from another thread waits for it."""
+        self._updating_thread: int | None = None
         self._cancel = threading.Event()
-        """Set by abort() while an update runs: the update stops at its next step or group."""
+        """Set by abort() while an update runs: it stops before its writes or at its next group."""
 
     @classmethod
     def from_torch_distributed(
@@ -326,14 +327,17 @@ class WeightSyncSession:
         After a failed update the engines stay paused (their weight version says
         ``p2pweights-updating:<version>``); the next ``update`` rewrites every weight
         and resumes them, or ``abort()`` gives up. ``abort()`` from another thread
-        cancels a running update: it stops at its next step or parameter group and
-        raises ``TransferError``, and then ``abort()`` does its work.
+        cancels a running update: it stops before its writes or at its next
+        parameter group and raises ``TransferError``, and then ``abort()`` does its work
+        (an update past its writes completes first).
         """
         if not self._running.acquire(blocking=False):
             raise ConfigError("update() is already running in another thread of this session")
+        self._updating_thread = threading.get_ident()
         try:
             return self._update(named_tensors, version)
         finally:
+            self._updating_thread = None
             self._cancel.clear()
             self._running.release()
 
@@ -399,7 +403,6 @@ class WeightSyncSession:
         """Run ``action``; every trainer rank learns whether all of them succeeded."""
         error: Exception | None = None
         try:
-            self._raise_if_cancelled(name)
             result = action()
         except Exception as exc:  # an interrupt propagates at once: no rank waits for it
             error = exc
@@ -511,12 +514,15 @@ class WeightSyncSession:
                 "checkpoint tensor (nothing was written)"
             )
 
-    def _build_plan(self) -> BytePlan:
-        """The byte plan of the probed groups into the current targets' publications."""
+    def _build_plan(
+        self, targets: Mapping[Hashable, Sequence[RankPublication]] | None = None
+    ) -> BytePlan:
+        """The byte plan of the probed groups into the targets' publications (by default
+        the current targets)."""
         return build_byte_plan(
             self._plan_groups,
             {key: _ParamBytes(self._replicas[key]) for key in self._plan_groups},
-            self._targets,
+            self._targets if targets is None else targets,
             self.config.buffer_bytes,
         )
 
@@ -543,7 +549,7 @@ class WeightSyncSession:
             lambda item: clients[item[2].engine_url].publication(item[2].engine_rank, item[2].role),
             live,
         )
-        moved = False
+        targets = {key: list(pubs) for key, pubs in self._targets.items()}
         for (key, index, old), new in zip(live, fresh, strict=True):
             if new == old:
                 continue
@@ -561,12 +567,14 @@ class WeightSyncSession:
                 old.epoch,
                 new.epoch,
             )
-            self._targets[key][index] = new
-            moved = True
-        if moved:
-            self._executor.connect([pub for pubs in self._targets.values() for pub in pubs])
-            if self._plan is not None:
-                self._plan = self._build_plan()
+            targets[key][index] = new
+        if targets == self._targets:
+            return
+        # connected and planned first, then kept: a failure here leaves the old targets,
+        # so the next update sees the publication as new again and retries this
+        self._executor.connect([pub for pubs in targets.values() for pub in pubs])
+        plan = self._build_plan(targets) if self._plan is not None else None
+        self._targets, self._plan = targets, plan
 
     def _stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
         """With pipeline stages: the inputs of every stage (one all-gather, first update
@@ -595,8 +603,22 @@ class WeightSyncSession:
     def _write(
         self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool, stages: dict[str, float]
     ) -> RunResult:
+        try:
+            return self._write_all(tensors, checked, stages)
+        except BaseException:
+            if self.config.num_senders > 1 and isinstance(tensors, Iterator):
+                # A stream may run collectives as it is read (FSDP2 gathers bucket by
+                # bucket): every rank must read it to the end, or the others hang in them.
+                for _ in tensors:
+                    pass
+            raise
+
+    def _write_all(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool, stages: dict[str, float]
+    ) -> RunResult:
         assert self._executor is not None and self._source is not None and self._plan is not None
         self._last_run = None
+        self._raise_if_cancelled("write")  # abort() came while preparing or opening
         with _timed(stages, "control_plane"):
             self._refresh_targets()  # before anything is written: the sessions are open now
         if self._leader:
@@ -683,15 +705,27 @@ class WeightSyncSession:
         each engine, including those that could not be reached; it does not raise.
         Only trainer rank 0 drives the engines; on other ranks this returns an empty
         report. Called from another thread while ``update()`` runs, it cancels that
-        update (which raises ``TransferError`` at its next step or parameter group) and
+        update (which raises ``TransferError`` before its writes or at its next parameter group) and
         waits for it to stop (writes in flight are bounded by ``transfer_timeout_s``,
         engine calls by their time limits) before giving up as above.
         """
-        if self._running.locked():  # an update runs in another thread: cancel it first
+        with self._stopped_update():
+            return self._abort(resume_incomplete)
+
+    @contextmanager
+    def _stopped_update(self) -> Iterator[None]:
+        """Inside: no update runs (one running in another thread is cancelled and waited for)."""
+        if self._running.locked():
             self._cancel.set()
+            if self._updating_thread == threading.get_ident():
+                raise ConfigError(
+                    "abort() or close() was called inside update() on its own thread (from "
+                    "a signal handler?): the update is cancelled and raises TransferError; "
+                    "call abort() once it returned"
+                )
         with self._running:
             self._cancel.clear()
-            return self._abort(resume_incomplete)
+            yield
 
     def _abort(self, resume_incomplete: bool) -> AbortReport:
         report = AbortReport()
@@ -723,17 +757,19 @@ class WeightSyncSession:
         # engines' start weights; a reconnect's next update sends trained weights
 
     def close(self) -> None:
-        """``abort()``, then release connections, writer threads and the transport."""
-        try:
-            self.abort()
-        except Exception as exc:  # closing must not hide the error that led here
-            logger.warning("p2pweights close: abort failed: %r", exc)
-        self._disconnect()
-        if self._executor is not None:
-            transport = self._executor.transport
-            self._executor.close()
-            transport.close()
-            self._executor = None
+        """``abort()``, then release connections, writer threads and the transport (an
+        update running in another thread is cancelled and waited for first)."""
+        with self._stopped_update():
+            try:
+                self._abort(resume_incomplete=False)
+            except Exception as exc:  # closing must not hide the error that led here
+                logger.warning("p2pweights close: abort failed: %r", exc)
+            self._disconnect()
+            if self._executor is not None:
+                transport = self._executor.transport
+                self._executor.close()
+                transport.close()
+                self._executor = None
 
     def __enter__(self) -> WeightSyncSession:
         return self

@@ -85,17 +85,20 @@ def checksums_by_rank(url: str, answer: Mapping[str, Any]) -> list[dict[str, str
     list (one per runner role, all of one TP rank) in sglang 0.5.23's.
     """
     try:
-        ranks = {
-            _tp_rank(entry["parallelism_info"]): dict(entry["checksums"])
+        entries = [
+            (_tp_rank(entry["parallelism_info"]), dict(entry["checksums"]))
             for entry in answer["ranks"]
-        }
+        ]
+        ranks = dict(entries)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise EngineError(
             f"engine {url}: /weights_checker answered checksums p2pweights cannot read "
             f"({exc!r}): {str(dict(answer))[:300]}"
         ) from exc
-    if sorted(ranks) != list(range(len(ranks))):
-        raise EngineError(f"engine {url}: /weights_checker answered TP ranks {sorted(ranks)}")
+    if sorted(ranks) != list(range(len(ranks))) or len(ranks) != len(entries):
+        raise EngineError(
+            f"engine {url}: /weights_checker answered TP ranks {[r for r, _ in entries]}"
+        )
     return [ranks[rank] for rank in range(len(ranks))]
 
 

@@ -113,6 +113,9 @@ def test_checksums_of_a_real_tp2_server_are_read_per_rank() -> None:
 def test_an_unreadable_checksum_answer_is_an_engine_error() -> None:
     with pytest.raises(EngineError, match=r"http://x:1.*cannot read"):
         checksums_by_rank("http://x:1", {"success": True, "ranks": [{"checksums": {}}]})
+    rank0 = answers("tp2")["/weights_checker"]["ranks"][0]
+    with pytest.raises(EngineError, match=r"answered TP ranks \[0, 0\]"):
+        checksums_by_rank("http://x:1", {"success": True, "ranks": [rank0, rank0]})
 
 
 def test_a_publication_republished_after_moved_storage_carries_its_epoch(

@@ -482,6 +482,7 @@ def test_abort_from_another_thread_cancels_a_running_update(engines):
         release.set()
         worker.join(10)
         aborter.join(10)
+        assert not worker.is_alive() and not aborter.is_alive()
         assert isinstance(outcome.get("error"), TransferError), outcome
         assert "cancelled by abort()" in str(outcome["error"])
         report = outcome["abort"]
@@ -520,9 +521,12 @@ def test_a_first_update_from_a_described_iterator_is_planned_before_it_is_read(e
         session.update(described)
         assert described.open_at_first_pull is True  # not read before the session opened
         assert _holds(engine, 4)
+    with WeightSyncSession(CONFIG) as session:  # a first update again
+        session.connect(["http://e0"])
         plain = Described(5, engine)
-        plain.specs = None  # says nothing: a first update would read it whole first
+        plain.specs = None  # says nothing: the first update reads it whole before opening
         session.update(plain)
+        assert plain.open_at_first_pull is False
     assert _holds(engine, 5) and engine.violations == []
 
 
@@ -534,6 +538,29 @@ def test_a_described_iterator_that_does_not_yield_what_it_said_fails_the_update(
         liar.pairs = iter([(n, t.to(torch.float32)) for n, t in _tensors(4)])
         with pytest.raises(ConfigError, match=r"'q' is torch\.float32, the first update sent"):
             session.update(liar)
+
+
+def test_a_rank_that_fails_early_still_reads_a_stream_to_its_end_with_other_senders(engines):
+    """A stream may run collectives as it is read (FSDP2 gathers bucket by bucket): a
+    trainer rank whose write step fails before it read the stream (here: cancelled by
+    abort()) must still read it whole, or the other ranks hang in those collectives."""
+    config = SyncConfig(buffer_bytes="1MiB", trainer_rank=0, num_trainer_ranks=2)
+    with WeightSyncSession(config, agree=lambda ok: ok) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+        read = []
+
+        def streamed():
+            for pair in _tensors(2):
+                read.append(pair[0])
+                yield pair
+
+        session._cancel.set()  # as abort() from another thread does
+        with pytest.raises(TransferError, match="cancelled"):
+            session._write(streamed(), False, {})
+        session._cancel.clear()
+        assert read == ["q", "k", "v", "o"]  # drained, written nowhere
+        assert engines["http://e0"].writes == 2  # the first update's two batches only
 
 
 def test_a_failed_weight_check_leaves_the_engine_torn_until_an_update_passes_it(engines):

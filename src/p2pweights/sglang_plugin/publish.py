@@ -95,7 +95,13 @@ class LivePublication:
         old, self._publisher = self._publisher, publisher
         self._storage, self.epoch = storage_of(model), self.epoch + 1
         if old is not None:
-            old.close()
+            try:
+                old.close()
+            except Exception:  # the new publication stands; the old agent's memory may stay
+                logger.exception(
+                    "p2pweights_nixl: tp rank %d: closing the previous NIXL agent failed",
+                    self.engine_rank,
+                )
         logger.info(
             "p2pweights_nixl: tp rank %d published %d parameters (%s) through NIXL agent %s "
             "(%s, epoch %d)",

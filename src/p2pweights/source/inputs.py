@@ -66,12 +66,12 @@ def described_inputs(named_tensors: object) -> dict[str, InputSpec] | None:
         return None
     try:
         found = {name: InputSpec(tuple(shape), dtype) for name, (shape, dtype) in specs().items()}
+        wrong = [name for name, spec in found.items() if not isinstance(spec.dtype, torch.dtype)]
+        if wrong:
+            raise TypeError(f"specs() gave HF tensor {wrong[0]!r} a dtype that is no torch.dtype")
     except Exception:  # only an optimisation: the input is read whole instead
         logger.warning("the update's specs() failed; reading the input whole", exc_info=True)
         return None
-    for name, spec in found.items():
-        if not isinstance(spec.dtype, torch.dtype):
-            raise ConfigError(f"specs() gave HF tensor {name!r} the dtype {spec.dtype!r}")
     return found
 
 
