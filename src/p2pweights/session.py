@@ -56,7 +56,7 @@ from p2pweights.progress import progress
 from p2pweights.replica.registry import ReplicaHandle, config_path, replica_for
 from p2pweights.report import UpdateReport
 from p2pweights.source.checkpoint_format import unify
-from p2pweights.source.completeness import left_out, partly_fed
+from p2pweights.source.completeness import check_whole_parameters
 from p2pweights.source.expected import (
     ExpectedCheckpoint,
     check_first_update,
@@ -460,7 +460,11 @@ class WeightSyncSession:
         if own is None or specs is None:
             return  # another rank failed before the gather; agree() fails the step
         keys = sorted(self._targets, key=str)
-        self._check_whole_parameters(specs, keys)
+        check_whole_parameters(
+            specs,
+            [expected for expected, _ in self._expected.values() if expected is not None],
+            (self._replicas[key].trainer_feeds for key in keys),  # probed only if needed
+        )
         with progress("p2pweights: probing sglang's loaders", total=2 * len(keys)) as advance:
             formats = {}
             for key in keys:
@@ -491,28 +495,6 @@ class WeightSyncSession:
             self._executor.reserve(plan.buffer_bytes)
         self._source, self._plan = source, plan
         self._reads_seen = None  # a new source learns its regions afresh
-
-    def _check_whole_parameters(self, specs: Mapping[str, InputSpec], keys: list[Any]) -> None:
-        """Refuse a first update that leaves out part of a fused parameter (k_proj of a
-        qkv_proj, one gate_proj of a gate_up_proj), naming the checkpoint tensors."""
-        missing: dict[str, InputSpec] = {}
-        for expected, _ in self._expected.values():
-            if expected is not None and expected.unchecked is None:
-                missing.update(left_out(specs.keys(), expected))
-        if not missing:
-            return
-        partial: set[str] = set()
-        for key in keys:
-            partial.update(partly_fed(specs, missing, self._replicas[key].trainer_feeds))
-        if partial:
-            names = sorted(partial)
-            raise ConfigError(
-                f"the first update leaves out {len(names)} checkpoint tensor(s) that feed the "
-                f"same engine parameters as tensors it sends: {', '.join(names[:8])}"
-                + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-                + "; those parameter slices would keep bytes no update wrote. Send every "
-                "checkpoint tensor (nothing was written)"
-            )
 
     def _build_plan(
         self, targets: Mapping[Hashable, Sequence[RankPublication]] | None = None
@@ -550,6 +532,7 @@ class WeightSyncSession:
             live,
         )
         targets = {key: list(pubs) for key, pubs in self._targets.items()}
+        moved = False
         for (key, index, old), new in zip(live, fresh, strict=True):
             if new == old:
                 continue
@@ -568,7 +551,8 @@ class WeightSyncSession:
                 new.epoch,
             )
             targets[key][index] = new
-        if targets == self._targets:
+            moved = True
+        if not moved:
             return
         # connected and planned first, then kept: a failure here leaves the old targets,
         # so the next update sees the publication as new again and retries this
@@ -705,8 +689,8 @@ class WeightSyncSession:
         each engine, including those that could not be reached; it does not raise.
         Only trainer rank 0 drives the engines; on other ranks this returns an empty
         report. Called from another thread while ``update()`` runs, it cancels that
-        update (which raises ``TransferError`` before its writes or at its next parameter group) and
-        waits for it to stop (writes in flight are bounded by ``transfer_timeout_s``,
+        update (which raises ``TransferError`` before its writes or at its next parameter
+        group) and waits for it to stop (writes in flight are bounded by ``transfer_timeout_s``,
         engine calls by their time limits) before giving up as above.
         """
         with self._stopped_update():

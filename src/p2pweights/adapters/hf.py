@@ -90,8 +90,7 @@ class HfNamedTensors(Iterator[tuple[str, torch.Tensor]]):
     def _generate(self) -> Iterator[tuple[str, torch.Tensor]]:
         state = self._state
         sizes = {  # by the size each tensor will have (cast)
-            name: tensor.numel() * torch.empty((), dtype=self._dtype_of(tensor)).element_size()
-            for name, tensor in state.items()
+            name: tensor.numel() * self._dtype_of(tensor).itemsize for name, tensor in state.items()
         }
         units = _conversion_units(list(state), self._reverse)
         for bucket in _buckets(units, sizes, self._bucket_bytes):

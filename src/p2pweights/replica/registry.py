@@ -156,10 +156,6 @@ class ReplicaHandle:
         """How this layout's loaders want the trainer's tensors (see ``CheckpointFormat``)."""
         return self.replica.checkpoint_format(inputs)
 
-    def feeds(self, inputs: Mapping[str, InputSpec]) -> Mapping[str, frozenset[str]]:
-        """Per input (checkpoint format), the parameters its loader writes."""
-        return self.replica.feeds(inputs)
-
     def trainer_feeds(self, inputs: Mapping[str, InputSpec]) -> dict[str, frozenset[str]]:
         """Per trainer input, the parameters its loader inputs write (a weight the
         engine holds in fp8 feeds its block scales too)."""

@@ -11,8 +11,9 @@ feeds, such as an MTP layer of an engine without a draft, is not its concern).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
+from p2pweights.errors import ConfigError
 from p2pweights.source.expected import ExpectedCheckpoint
 from p2pweights.source.fp8_block import SCALE_SUFFIX
 from p2pweights.source.inputs import InputSpec
@@ -49,3 +50,28 @@ def partly_fed(
     for name in sent:
         by_sent |= fed.get(name, frozenset())
     return sorted(name for name in missing if fed.get(name, frozenset()) & by_sent)
+
+
+def check_whole_parameters(
+    sent: Mapping[str, InputSpec],
+    expected: Iterable[ExpectedCheckpoint],
+    feeds: Iterable[Feeds],
+) -> None:
+    """Raise ``ConfigError`` naming the checkpoint tensors (of any of the engines'
+    checkpoints ``expected``) that ``sent`` leaves out of a parameter it feeds, by any of
+    the replicas' probes ``feeds``."""
+    missing: dict[str, InputSpec] = {}
+    for checkpoint in expected:
+        if checkpoint.unchecked is None:
+            missing.update(left_out(sent.keys(), checkpoint))
+    if not missing:
+        return
+    names = sorted({name for feed in feeds for name in partly_fed(sent, missing, feed)})
+    if names:
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        raise ConfigError(
+            f"the first update leaves out {len(names)} checkpoint tensor(s) that feed the "
+            f"same engine parameters as tensors it sends: {', '.join(names[:8])}{more}; those "
+            f"parameter slices would keep bytes no update wrote. Send every checkpoint tensor "
+            f"(nothing was written)"
+        )
