@@ -11,12 +11,15 @@
     │   └── LayoutMismatchError  the replica's bytes do not fit what the engine published
     ├── TransportError         a transport could not be set up or connected
     └── TransferError          a write failed, timed out or was refused; fails the update
+        └── UnsettledWrite       one gave up at its deadline, may still land: settle() it
 
 Every message names what it can of engine URL, engine rank and parameter, and
 what to do next. Lower-level exceptions are chained with ``raise ... from``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 class P2PWeightsError(Exception):
@@ -57,6 +60,33 @@ class TransportError(P2PWeightsError):
 
 class TransferError(P2PWeightsError):
     """A write failed, did not finish in time, or would leave a published region."""
+
+
+class UnsettledWrite(TransferError):
+    """A write gave up at its deadline while some of its transfers were neither confirmed
+    finished nor cancelled: they may still read its source memory and land in the engine.
+
+    Until ``settle`` returns True that memory must not be refilled, deregistered or freed,
+    and the engine rank counts as torn (a later write into it could be overwritten by the
+    stale one).
+    """
+
+    def __init__(self, message: str, settle: Callable[[float], bool] | None = None) -> None:
+        super().__init__(message)
+        self._settle = settle
+        self._settled = settle is None  # rebuilt from its message alone: nothing to wait for
+
+    @property
+    def settled(self) -> bool:
+        """Whether the transfers were seen finished or failed (by an earlier ``settle``)."""
+        return self._settled
+
+    def settle(self, timeout_s: float) -> bool:
+        """Check at least once, and up to ``timeout_s``, whether the transfers finished or
+        failed; True once they did (the transport then released what they held)."""
+        if not self._settled and self._settle is not None:
+            self._settled = self._settle(timeout_s)
+        return self._settled
 
 
 def where(url: str | None = None, rank: int | None = None, param: str | None = None) -> str:

@@ -7,6 +7,9 @@ failure names it.
 Writers of different ranks of one engine run at the same time (several NICs, or
 NVLink to several GPUs). Once a batch to a rank failed, later batches to that rank
 are skipped rather than sent (each would wait out its own timeout on a dead peer).
+A writer whose write was given up on while still in flight (``UnsettledWrite``)
+refuses every later batch, of any update, until that write settled: a new write into
+the rank could otherwise be overwritten by the stale one landing after it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from p2pweights.engines.published import RankPublication
-from p2pweights.errors import TransferError
+from p2pweights.errors import TransferError, UnsettledWrite
 from p2pweights.transfer.transports.base import Transport, Write
 
 _MAX_NAMED = 4
@@ -80,6 +83,8 @@ class RankWriter:
         self._timeout_s = timeout_s
         url, rank = key
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"p2pw-writer-{url}-r{rank}")
+        self._unsettled: UnsettledWrite | None = None
+        """This rank's last write given up on while in flight, until it settled."""
 
     def submit(self, batch: WriteBatch, failed: FailedTargets) -> Future[None]:
         return self._thread.submit(self._run, batch, failed)
@@ -88,8 +93,22 @@ class RankWriter:
         earlier = failed.get(self.key)
         if earlier is not None:
             raise TransferError(f"write to {batch.describe()} skipped: an earlier write failed")
+        if self._unsettled is not None and not self._unsettled.settle(0.0):
+            error = TransferError(
+                f"write to {batch.describe()} refused: an earlier write to this engine rank "
+                f"was given up on and may still land ({self._unsettled}); close() the "
+                f"session and connect a new one if it never ends"
+            )
+            failed.record(self.key, error)
+            raise error
+        self._unsettled = None
         try:
             self._transport.write(batch.target, batch.writes, self._timeout_s)
+        except UnsettledWrite as exc:
+            unsettled = UnsettledWrite(f"write to {batch.describe()} failed: {exc}", exc.settle)
+            self._unsettled = unsettled
+            failed.record(self.key, unsettled)
+            raise unsettled from exc
         except Exception as exc:  # a transport bug must still fail the update, named
             error = TransferError(f"write to {batch.describe()} failed: {exc}")
             error.__cause__ = exc
@@ -97,6 +116,6 @@ class RankWriter:
             raise error from exc
 
     def close(self) -> None:
-        """Cancel queued batches and wait for the running one; transports bound it by
-        ``timeout_s``, so memory is never deregistered under a running write."""
+        """Cancel queued batches and wait for the running one (transports bound it by
+        ``timeout_s``); a write it gave up on unsettled is the executor's to keep track of."""
         self._thread.shutdown(wait=True, cancel_futures=True)

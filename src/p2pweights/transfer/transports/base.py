@@ -8,6 +8,9 @@ register an engine rank's weight memory and produce what that rank publishes.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +20,8 @@ import torch
 
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import EngineError
+
+logger = logging.getLogger(__name__)
 
 _CONFIGS = {"mooncake": "MooncakeConfig", "nixl": "NixlConfig", "cuda_ipc": "CudaIpcConfig"}
 
@@ -76,9 +81,13 @@ class Transport(ABC):
     def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
         """Issue ``writes`` to ``target`` and return when all completed.
 
-        Raises ``TransferError`` if any failed or the batch is not done after
-        ``timeout_s``; a timed-out batch's resources are released before raising.
-        Safe to call from one thread per target concurrently.
+        Raises ``TransferError`` if any failed, or was refused, and every one issued is
+        known finished or cancelled. Raises ``UnsettledWrite`` if, after ``timeout_s``,
+        some were neither: they may still read their source and land in ``target``, so
+        their staging memory stays untouched, registered and allocated, and ``target``
+        torn, until the error's ``settle`` returns True (the transport then releases what
+        they held; ``close`` deregisters nothing they still read). Safe to call from one
+        thread per target concurrently.
         """
 
     def direct_view(
@@ -99,6 +108,76 @@ class Transport(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class InFlight(ABC):
+    """Transfers a write gave up on at its deadline that were neither confirmed finished
+    nor cancelled; ``settle`` polls them (and releases what they hold once they ended)."""
+
+    def __init__(self, sources: Sequence[tuple[int, int]]) -> None:
+        self.sources = tuple(sources)
+        """(address, num_bytes) of the source memory they read."""
+        self._lock = threading.Lock()
+        self._settled = False
+
+    def settle(self, timeout_s: float) -> bool:
+        """Poll at least once, then until ``timeout_s`` passed: True once every transfer
+        finished or failed (and was released)."""
+        deadline = time.monotonic() + timeout_s
+        delay = 20e-6
+        if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
+            return False  # another thread is settling them right now
+        try:
+            while not self._settled:
+                if self._poll():
+                    self._release()
+                    self._settled = True
+                elif time.monotonic() >= deadline:
+                    break
+                else:
+                    time.sleep(delay)
+                    delay = min(2 * delay, 1e-3)
+            return self._settled
+        finally:
+            self._lock.release()
+
+    def reads(self, address: int, num_bytes: int) -> bool:
+        """Whether they read any of ``[address, address + num_bytes)``."""
+        return any(a < address + num_bytes and address < a + n for a, n in self.sources)
+
+    @abstractmethod
+    def _poll(self) -> bool:
+        """One check without blocking: whether every transfer finished or failed."""
+
+    def _release(self) -> None:  # noqa: B027 (optional to override)
+        """Release what the transfers held (called once, after they ended)."""
+
+
+def unsettled(in_flight: list[InFlight]) -> list[InFlight]:
+    """Those of ``in_flight`` that one poll does not find settled (settled ones are dropped)."""
+    return [entry for entry in in_flight if not entry.settle(0.0)]
+
+
+def reading(in_flight: Sequence[InFlight], buffer: torch.Tensor) -> bool:
+    """Whether any of ``in_flight`` reads ``buffer``'s memory."""
+    num_bytes = buffer.numel() * buffer.element_size()
+    return any(entry.reads(buffer.data_ptr(), num_bytes) for entry in in_flight)
+
+
+_QUARANTINE: list[object] = []
+"""What a closed transport or executor could not release because a write given up on may
+still use it: kept referenced for the life of the process, so it is never freed."""
+
+
+def quarantine(what: object, described: str, reason: str) -> None:
+    """Never free ``what`` (``described`` for the log): memory an unsettled write may still
+    read, or the engine object still driving it, deliberately leaked."""
+    _QUARANTINE.append(what)
+    logger.warning(
+        "p2pweights keeps %s for the life of the process, neither deregistered nor freed: %s",
+        described,
+        reason,
+    )
 
 
 class Publisher(ABC):

@@ -39,8 +39,14 @@ import torch
 
 from p2pweights.config import CudaIpcConfig
 from p2pweights.engines.published import IpcSegment, RankPublication
-from p2pweights.errors import ConfigError, TransferError, TransportError
-from p2pweights.transfer.transports.base import Publisher, Transport, Write, require_backend
+from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite
+from p2pweights.transfer.transports.base import (
+    InFlight,
+    Publisher,
+    Transport,
+    Write,
+    require_backend,
+)
 from p2pweights.transfer.transports.cuda_runtime import CudaRuntime, cuda_runtime
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
@@ -240,9 +246,14 @@ class CudaIpcTransport(Transport):
         deadline = time.monotonic() + timeout_s
         while not done.query():
             if time.monotonic() > deadline:
-                # A device copy cannot be cancelled: the stream drains on its own.
-                raise TransferError(
-                    f"{len(copies)} copies to {target.where} still running after {timeout_s} s"
+                # A device copy cannot be cancelled: the stream drains on its own, and
+                # until it did the copies read the staging buffer and write the engine.
+                running = PendingCopies(done, [(c.src_address, c.num_bytes) for c in copies])
+                raise UnsettledWrite(
+                    f"{len(copies)} copies to {target.where} still running after {timeout_s} s; "
+                    f"a device copy cannot be cancelled, so this engine rank stays torn until "
+                    f"they finished",
+                    running.settle,
                 )
             time.sleep(_POLL_S)
 
@@ -262,6 +273,17 @@ class CudaIpcTransport(Transport):
             self._sources = RegionIndex([])
         for entry in opened:
             self._close_pointers(entry.mapped)
+
+
+class PendingCopies(InFlight):
+    """Device copies a write gave up on, until their completion event fired."""
+
+    def __init__(self, done: Any, sources: list[tuple[int, int]]):
+        super().__init__(sources)
+        self._done = done
+
+    def _poll(self) -> bool:
+        return bool(self._done.query())
 
 
 def _alias(pointer: int, num_bytes: int, device: int) -> torch.Tensor | None:

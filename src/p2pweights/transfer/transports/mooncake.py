@@ -10,8 +10,15 @@ finishes or Mooncake's own timeout passes, which is ``MC_TRANSFER_TIMEOUT``
 (default 30 s, at least 5 s) plus one nanosecond per byte; neither can honour a
 caller's ``timeout_s``. Submitting each write as a one-entry batch and polling its
 status without blocking gives every write its own verdict and a deadline we
-control. A write still in flight at the deadline cannot be cancelled: its batch
-descriptor is left to Mooncake (a small leak, on the failure path only).
+control.
+
+A write still in flight at the deadline cannot be cancelled, and may still land: the
+batch is neither finished nor failed until ``transfer_check_status`` says so (which
+also frees its descriptor). Mooncake's own "timed out" status (-2, a slice slower than
+``MC_SLICE_TIMEOUT``) is no verdict either: the slice is still posted and the batch
+not freed. ``write`` then raises ``UnsettledWrite``, whose ``settle`` keeps polling
+those batches; until they ended, ``unregister`` and ``close`` leave the memory they
+read registered (``close`` keeps the engine itself, whose threads still move them).
 """
 
 from __future__ import annotations
@@ -26,8 +33,17 @@ import torch
 
 from p2pweights.config import MooncakeConfig
 from p2pweights.engines.published import RankPublication
-from p2pweights.errors import ConfigError, TransferError, TransportError, where
-from p2pweights.transfer.transports.base import Publisher, Transport, Write, require_backend
+from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite, where
+from p2pweights.transfer.transports.base import (
+    InFlight,
+    Publisher,
+    Transport,
+    Write,
+    quarantine,
+    reading,
+    require_backend,
+    unsettled,
+)
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
 logger = logging.getLogger(__name__)
@@ -77,6 +93,8 @@ class MooncakeTransport(Transport):
         self._registered: list[tuple[int, int]] = []
         self._local = RegionIndex([])
         self._peers: set[str] = set()
+        self._in_flight: list[InFlight] = []
+        """Batches writes gave up on that had not ended: their memory stays registered."""
 
     @property
     def session_id(self) -> str:
@@ -103,6 +121,14 @@ class MooncakeTransport(Transport):
         address = buffer.data_ptr()
         with self._lock:
             if not any(a == address for a, _ in self._registered):
+                return
+            self._in_flight = unsettled(self._in_flight)
+            if reading(self._in_flight, buffer):
+                logger.warning(
+                    "Mooncake: a staging buffer at 0x%x stays registered: a write given up on "
+                    "still reads it",
+                    address,
+                )
                 return
             self._engine.unregister_memory(address)
             self._registered = [r for r in self._registered if r[0] != address]
@@ -143,39 +169,66 @@ class MooncakeTransport(Transport):
                 failures.append(_describe(i, w, "Mooncake refused to submit it"))
                 break  # the peer is unreachable; the rest would fail the same way
             pending[batch_id] = i
+        slow: set[int] = set()  # writes Mooncake reported timed out: still in flight
         delay = 20e-6
         while pending:
             for batch_id, i in list(pending.items()):
                 status = self._engine.transfer_check_status(batch_id)
                 if status == _PENDING:
                     continue
-                del pending[batch_id]
-                if status == _FAILED:
+                if status == _TIMED_OUT:
+                    slow.add(i)
+                    continue
+                del pending[batch_id]  # ended (and its descriptor freed by the binding)
+                if status != _DONE:
                     failures.append(_describe(i, writes[i], "failed"))
-                elif status == _TIMED_OUT:
-                    failures.append(_describe(i, writes[i], "timed out inside Mooncake"))
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
-        if failures or pending:
-            self._raise(target, writes, failures, pending, timeout_s)
+        if pending:
+            raise self._unsettled(target, writes, failures, pending, slow, timeout_s)
+        if failures:
+            raise TransferError(self._message(target, writes, failures))
 
-    def _raise(
+    def _unsettled(
         self,
         target: RankPublication,
         writes: Sequence[Write],
         failures: list[str],
         pending: dict[int, int],
+        slow: set[int],
         timeout_s: float,
-    ) -> None:
+    ) -> UnsettledWrite:
         late = [
-            _describe(i, writes[i], f"not done after {timeout_s:g} s") for i in pending.values()
+            _describe(
+                i,
+                writes[i],
+                f"not done after {timeout_s:g} s"
+                + (" (Mooncake reports it timed out)" if i in slow else ""),
+            )
+            for i in pending.values()
         ]
-        problems = failures + late
+        batches = _PendingBatches(
+            self._engine,
+            list(pending),
+            [(writes[i].src_address, writes[i].num_bytes) for i in pending.values()],
+        )
+        with self._lock:
+            self._in_flight.append(batches)
+        return UnsettledWrite(
+            f"{self._message(target, writes, failures + late)}; {len(pending)} of them are "
+            f"still in flight and may land later, so this engine rank stays torn until they "
+            f"ended",
+            batches.settle,
+        )
+
+    def _message(
+        self, target: RankPublication, writes: Sequence[Write], problems: list[str]
+    ) -> str:
         named = "; ".join(problems[:_MAX_FAILURES_NAMED])
         more = len(problems) - _MAX_FAILURES_NAMED
-        raise TransferError(
+        return (
             f"{where(target.engine_url, target.engine_rank)} (Mooncake session "
             f"{target.session_id}): {len(problems)} of {len(writes)} writes did not complete: "
             f"{named}{f' (and {more} more)' if more > 0 else ''}; check that the engine is "
@@ -184,10 +237,39 @@ class MooncakeTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            for address, _ in self._registered:
-                self._engine.unregister_memory(address)
-            self._registered.clear()
+            self._in_flight = unsettled(self._in_flight)
+            if self._in_flight:
+                # its worker threads may still move those bytes: neither the engine nor the
+                # memory it reads may go
+                quarantine(
+                    (self._engine, self._in_flight, self._registered),
+                    f"Mooncake engine {self.session_id} with {len(self._registered)} "
+                    f"registered buffer(s)",
+                    f"{len(self._in_flight)} write(s) given up on have not ended",
+                )
+            else:
+                for address, _ in self._registered:
+                    self._engine.unregister_memory(address)
+            self._registered = []
             self._local = RegionIndex([])
+
+
+class _PendingBatches(InFlight):
+    """Mooncake batches a write gave up on, polled until each completed or failed."""
+
+    def __init__(self, engine: Any, batch_ids: list[int], sources: list[tuple[int, int]]):
+        super().__init__(sources)
+        self._engine = engine
+        self._batch_ids = batch_ids
+
+    def _poll(self) -> bool:
+        # a batch that ended is freed by transfer_check_status: never asked again
+        self._batch_ids = [
+            batch_id
+            for batch_id in self._batch_ids
+            if self._engine.transfer_check_status(batch_id) in (_PENDING, _TIMED_OUT)
+        ]
+        return not self._batch_ids
 
 
 class MooncakePublisher(Publisher):

@@ -27,6 +27,16 @@ engine's agent keeps its thread but waits for UCX events, up to
 ``_PROGRESS_WAIT_US``: a write wakes it at once, an idle agent sleeps. The trainer's
 agent has no progress thread: ``write()`` drives progress itself while it polls, and
 a second thread on the same worker only contended with it (more CPU per write).
+
+A write late at its deadline. Releasing an active transfer handle asks the backend to
+cancel it, but a successful release confirms nothing: UCX's ``releaseReqH`` calls
+``ucp_request_cancel`` on the requests not yet complete (which cannot recall an RMA
+put already handed to the network; NIXL's own comment there says it "may not be
+enough") and reports success whatever happened. So a transfer still in progress at
+the deadline is not released: ``write`` raises ``UnsettledWrite``, whose ``settle``
+polls ``check_xfer_state`` (driving progress) until NIXL reports it done or failed,
+and only then releases the handle. Until then the staging memory it reads stays
+registered, and ``close`` keeps the agent (``quarantine``).
 """
 
 from __future__ import annotations
@@ -46,8 +56,17 @@ import torch
 from p2pweights.config import NixlConfig
 from p2pweights.engines.published import RankPublication
 from p2pweights.environment import keep_ucx_efa_module_out
-from p2pweights.errors import ConfigError, TransferError, TransportError, where
-from p2pweights.transfer.transports.base import Publisher, Transport, Write, require_backend
+from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite, where
+from p2pweights.transfer.transports.base import (
+    InFlight,
+    Publisher,
+    Transport,
+    Write,
+    quarantine,
+    reading,
+    require_backend,
+    unsettled,
+)
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
 
 logger = logging.getLogger(__name__)
@@ -89,29 +108,32 @@ def _new_agent(name: str, backend: str, *, progress_thread: bool) -> Any:
 
 @contextlib.contextmanager
 def _waiting_progress_thread(nixl_agent: type) -> Iterator[None]:
-    """While an agent is created, its progress thread waits for UCX events instead of
-    spinning: ``nixl_agent`` sets ``pthrDelay = 0`` on its bindings' config object, so
-    the bindings' config class is swapped for one that keeps ``_PROGRESS_WAIT_US``.
-    Where the bindings differ (another NIXL release), agents keep NIXL's default."""
+    """While this thread creates an agent, its progress thread waits for UCX events
+    instead of spinning: ``nixl_agent`` sets ``pthrDelay = 0`` on the config object it
+    makes of its bindings' class, and for this thread only that assignment keeps
+    ``_PROGRESS_WAIT_US`` (``p2pweights.thread_patch``: configs other threads make
+    meanwhile keep what they are given). Where the bindings differ (another NIXL
+    release), agents keep NIXL's default."""
+    from p2pweights.thread_patch import UNSET, Current, thread_patch, unpatched
+
     bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
-    base = getattr(bindings, "nixlAgentConfig", None)
-    delay: Any = getattr(base, "pthrDelay", None)
-    if bindings is None or base is None or not hasattr(delay, "__set__"):
+    base = unpatched(bindings, "nixlAgentConfig")
+    if bindings is None or base is None or not hasattr(getattr(base, "pthrDelay", None), "__set__"):
         logger.debug("NIXL bindings without nixlAgentConfig.pthrDelay; progress thread unchanged")
         yield
         return
 
-    class _WaitingConfig(base):  # type: ignore[misc, valid-type]
-        pthrDelay = property(
-            lambda self: delay.__get__(self),
-            lambda self, _value: delay.__set__(self, _PROGRESS_WAIT_US),
-        )
+    def waiting_config(original: type, current: Current) -> type:
+        delay: Any = original.pthrDelay  # type: ignore[attr-defined]
 
-    bindings.nixlAgentConfig = _WaitingConfig
-    try:
+        def set_delay(config: Any, value: int) -> None:
+            delay.__set__(config, value if current() is UNSET else _PROGRESS_WAIT_US)
+
+        waiting = property(delay.__get__, set_delay)
+        return type(original.__name__, (original,), {"pthrDelay": waiting})
+
+    with thread_patch(bindings, "nixlAgentConfig", True, waiting_config):
         yield
-    finally:
-        bindings.nixlAgentConfig = base
 
 
 def _mem_type(tensor: torch.Tensor) -> tuple[str, int]:
@@ -141,6 +163,8 @@ class NixlTransport(Transport):
         self._local_device: dict[int, int] = {}  # buffer address -> device id
         self._descs: dict[int, Any] = {}  # buffer address -> its nixlRegDList
         self._remote: dict[str, _RemoteAgent] = {}  # agent name -> what we learnt
+        self._in_flight: list[InFlight] = []
+        """Transfers writes gave up on that had not ended: their memory stays registered."""
 
     @property
     def agent_name(self) -> str:
@@ -171,6 +195,14 @@ class NixlTransport(Transport):
         mem_type, _ = _mem_type(buffer)
         address = buffer.data_ptr()
         with self._lock:
+            self._in_flight = unsettled(self._in_flight)
+            if reading(self._in_flight, buffer):
+                logger.warning(
+                    "NIXL: a staging buffer at 0x%x stays registered: a write given up on "
+                    "still reads it",
+                    address,
+                )
+                return
             descs = self._descs.pop(address, None)
             if descs is None:
                 return
@@ -271,13 +303,24 @@ class NixlTransport(Transport):
                 delay = min(2 * delay, 1e-3)
                 state = self._agent.check_xfer_state(handle)
         except Exception as exc:  # the bindings raise e.g. nixlRemoteDisconnectError
+            # an error status: the backend ended the transfer, nothing more of it moves
             self._release(handle)
             raise self._error(target, writes, f"NIXL reported {exc!r}") from exc
+        if state == "PROC":  # not released: see "A write late at its deadline" above
+            transfer = _PendingTransfer(
+                self._agent, handle, [(w.src_address, w.num_bytes) for w in writes]
+            )
+            with self._lock:
+                self._in_flight.append(transfer)
+            message = self._error(target, writes, f"not done after {timeout_s:g} s")
+            raise UnsettledWrite(
+                f"{message}; NIXL cannot confirm it cancelled, so it may still land and this "
+                f"engine rank stays torn until NIXL reports it ended",
+                transfer.settle,
+            )
         self._release(handle)
-        if state == "ERR":
-            raise self._error(target, writes, "NIXL reported ERR")
         if state != "DONE":
-            raise self._error(target, writes, f"not done after {timeout_s:g} s (cancelled)")
+            raise self._error(target, writes, f"NIXL reported {state}")
 
     def _local_descs(
         self, target: RankPublication, writes: Sequence[Write]
@@ -302,12 +345,9 @@ class NixlTransport(Transport):
         return mem_types.pop(), descs
 
     def _release(self, handle: Any) -> None:
-        # Releasing an active transfer asks the backend to cancel it; if it cannot, NIXL
-        # keeps the handle and retries at agent destruction.
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:
-            logger.warning("could not release a NIXL transfer handle (%r); NIXL keeps it", exc)
+        # Only handles whose transfer ended (or never started) come here, so NIXL has
+        # nothing to cancel; should it refuse anyway, it keeps the handle until close.
+        _release(self._agent, handle)
 
     def _error(
         self, target: RankPublication, writes: Sequence[Write], reason: str
@@ -322,6 +362,19 @@ class NixlTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
+            self._in_flight = unsettled(self._in_flight)
+            if self._in_flight:
+                # the agent may still move those bytes: neither it, its connections, nor
+                # the memory registered with it may go
+                quarantine(
+                    (self._agent, self._in_flight, self._registered),
+                    f"NIXL agent {self.agent_name} with {len(self._registered)} registered "
+                    f"buffer(s)",
+                    f"{len(self._in_flight)} transfer(s) given up on have not ended",
+                )
+                self._remote.clear()
+                self._registered = []
+                return
             for name in self._remote:
                 try:
                     self._agent.remove_remote_agent(name)
@@ -335,6 +388,33 @@ class NixlTransport(Transport):
             self._local_index.clear()
             self._local_device.clear()
             self._descs.clear()
+
+
+def _release(agent: Any, handle: Any) -> None:
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception as exc:
+        logger.warning("could not release a NIXL transfer handle (%r); NIXL keeps it", exc)
+
+
+class _PendingTransfer(InFlight):
+    """A NIXL transfer a write gave up on, polled until NIXL reports it done or failed,
+    then released (its handle object is kept: dropping it would release it, cancelling)."""
+
+    def __init__(self, agent: Any, handle: Any, sources: list[tuple[int, int]]):
+        super().__init__(sources)
+        self._agent = agent
+        self._handle = handle
+
+    def _poll(self) -> bool:
+        try:
+            return self._agent.check_xfer_state(self._handle) != "PROC"
+        except Exception as exc:  # an error status: the backend ended it
+            logger.debug("NIXL: a late transfer ended with %r", exc)
+            return True
+
+    def _release(self) -> None:
+        _release(self._agent, self._handle)
 
 
 class _RemoteAgent:
