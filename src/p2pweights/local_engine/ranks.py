@@ -22,11 +22,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import env as sglang_env
 from p2pweights.replica.sglang import reference
+from p2pweights.thread_patch import patched_call
 from p2pweights.transfer.buffers import aligned, staged_bytes
 from p2pweights.transfer.transports import Publisher, create_publisher
 
@@ -63,6 +65,22 @@ def move_into_arena(
     return arena
 
 
+class _TensorsStayOnHost(TorchFunctionMode):
+    """``Tensor.cuda()`` answers the tensor itself. A torch function mode is this
+    thread's alone: other threads' ``.cuda()`` is torch's."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _chunks_stay_on_host() -> Iterator[None]:
     """sglang's weight comparator moves each chunk to CUDA before comparing (``.cuda()``).
@@ -74,27 +92,23 @@ def _chunks_stay_on_host() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
-    try:
+    with _TensorsStayOnHost():
         yield
-    finally:
-        torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
 def _no_cuda_sync() -> Iterator[None]:
     """sglang's ``set_embed_and_head`` empties the CUDA cache and synchronizes; on a host
-    without a GPU there is nothing to wait for (only used around that call)."""
+    without a GPU there is nothing to wait for (only used around that call, and only
+    for the calling thread: ``p2pweights.thread_patch``)."""
     if torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.empty_cache, torch.cuda.synchronize
-    torch.cuda.empty_cache = torch.cuda.synchronize = _nothing
-    try:
+    with (
+        patched_call(torch.cuda, "empty_cache", _nothing),
+        patched_call(torch.cuda, "synchronize", _nothing),
+    ):
         yield
-    finally:
-        torch.cuda.empty_cache, torch.cuda.synchronize = saved
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

@@ -30,7 +30,6 @@ and the first update is let through with a warning.
 from __future__ import annotations
 
 import difflib
-import gc
 import hashlib
 import json
 import logging
@@ -159,20 +158,11 @@ def expected_checkpoint(model_path: str | os.PathLike[str]) -> ExpectedCheckpoin
 def _derive(
     values: dict[str, Any], config_file: Path, files: list[Path], note: str
 ) -> ExpectedCheckpoint:
-    # Tens of thousands of small objects set off full garbage collections over the
-    # trainer's whole heap; without them a DeepSeek-V3 sized config takes a third.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _derive_now(values, config_file, files, note)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _derive_now(
-    values: dict[str, Any], config_file: Path, files: list[Path], note: str
-) -> ExpectedCheckpoint:
+    # The garbage collector stays on here: switching it off is process-wide (every
+    # thread of the trainer) and bought little. DeepSeek-V3 (46,183 tensors), median of
+    # 3 on a 2-core host: 4.4 s with it, 3.0 s without in a bare process; 3.7 s either
+    # way with 4 million live objects on the heap, as a trainer has (full collections
+    # then come rarely). Once per model: the result is cached.
     if files:
         try:
             return _from_headers(values, config_file.parent, files)

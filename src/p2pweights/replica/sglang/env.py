@@ -24,7 +24,8 @@ built; on a host that is neither CUDA nor sglang's CPU engine it imports
 ``vllm._custom_ops.rotary_embedding``. ``SGLANG_USE_CPU_ENGINE=1`` would avoid that,
 but it also changes how loaders pad and shard, so replicas would no longer match a
 GPU server. Instead, on hosts without CUDA, ``_rope_without_forward_kernel`` marks
-the rotary module's platform flag as CPU for the duration of model construction:
+the rotary module's platform flag as CPU while a model is constructed, for the
+constructing thread only (``p2pweights.thread_patch``; other threads see sglang's flag):
 the rope then skips choosing a fallback kernel (``use_fallback_kernel = False``).
 That choice only decides which kernel ``forward`` calls; the rope holds no parameters
 (its ``cos_sin_cache`` is a non-persistent buffer, dtype chosen by a separate flag),
@@ -49,6 +50,7 @@ import torch
 from p2pweights import environment
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
+from p2pweights.thread_patch import patched_call, patched_flag
 
 if TYPE_CHECKING:
     from torch import nn
@@ -424,14 +426,12 @@ def _rope_without_forward_kernel(device: torch.device | str) -> Iterator[None]:
     if is_cuda() or environment.sglang_cpu_engine():
         yield
         return
-    saved_is_cpu, saved_get_device = base._is_cpu, rope_variant.get_device
-    base._is_cpu = True
-    rope_variant.get_device = lambda device_id=None: str(torch.device(device))
-    try:
+    # for this thread only: other threads of the trainer keep sglang's answers
+    with (
+        patched_flag(base, "_is_cpu", True),
+        patched_call(rope_variant, "get_device", lambda device_id=None: str(torch.device(device))),
+    ):
         yield
-    finally:
-        base._is_cpu = saved_is_cpu
-        rope_variant.get_device = saved_get_device
 
 
 def build_model(

@@ -37,7 +37,6 @@ import bisect
 import contextlib
 import itertools
 import sys
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from p2pweights.replica.sglang import gathered_copies
+from p2pweights.thread_patch import patched_call, unpatched
 
 aten = torch.ops.aten
 
@@ -596,26 +596,21 @@ class LoadRecorder(TorchDispatchMode):
 @contextlib.contextmanager
 def inline_loads() -> Iterator[None]:
     """sglang loaders that would copy host tensors on a thread pool copy inline meanwhile
-    (every loaded sglang module's ``should_async_load`` answers False)."""
+    (every loaded sglang module's ``should_async_load`` answers False), in this thread
+    only: other threads' loaders keep sglang's choice (``p2pweights.thread_patch``)."""
     from sglang.srt.model_loader import utils
 
-    with _inline_lock:
-        original = utils.should_async_load
-        patched = [
-            module
-            for name, module in list(sys.modules.items())
-            if name.startswith("sglang.") and getattr(module, "should_async_load", None) is original
-        ]
-        for module in patched:
-            module.should_async_load = _never  # type: ignore[attr-defined]
-        try:
-            yield
-        finally:
-            for module in patched:
-                module.should_async_load = original  # type: ignore[attr-defined]
-
-
-_inline_lock = threading.Lock()
+    # (another thread may hold the patch: the functions seen are then its dispatchers)
+    original = unpatched(utils, "should_async_load")
+    holders = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("sglang.") and unpatched(module, "should_async_load") is original
+    ]
+    with contextlib.ExitStack() as stack:
+        for module in holders:
+            stack.enter_context(patched_call(module, "should_async_load", _never))
+        yield
 
 
 def _never(weight: torch.Tensor) -> bool:
