@@ -59,6 +59,7 @@ def main() -> None:
     from p2pweights.config import NixlConfig
     from p2pweights.engines.published import parse_publication
     from p2pweights.plan.byte_plan import build_byte_plan
+    from p2pweights.testing.loaders import FnLoader
     from p2pweights.transfer.executor import TransferExecutor
     from p2pweights.transfer.transports import Write
     from p2pweights.transfer.transports.nixl import NixlTransport
@@ -108,7 +109,7 @@ def main() -> None:
             torch.cuda.synchronize()
             started = time.perf_counter()
             ready = ((plan.group("r", i), [(n, source[n])]) for i, n in enumerate(names))
-            stats = executor.run(plan, ready, load)
+            stats = executor.run(plan, ready, {"r": FnLoader("r", load)})
             stats.raise_if_failed()
             elapsed = time.perf_counter() - started
             here.send(rep)

@@ -18,6 +18,7 @@ import torch
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import LayoutMismatchError, TransferError
 from p2pweights.plan.byte_plan import ALIGNMENT_BYTES, aligned, build_byte_plan
+from p2pweights.testing.loaders import FnLoader
 from p2pweights.transfer.executor import TransferExecutor
 from p2pweights.transfer.transports.base import Transport, Write
 
@@ -100,7 +101,7 @@ def _run(transport, buffer_bytes, source, targets, timeout_s=5.0, loads=None):
             views[name].copy_(value.view(torch.uint8))
 
     ready = ((plan.group("replica", i), [(n, source[n])]) for i, n in enumerate(source))
-    return executor, executor.run(plan, ready, load)
+    return executor, executor.run(plan, ready, {"replica": FnLoader("replica", load)})
 
 
 def test_bytes_land_bit_exact_across_flushes_and_targets():
@@ -176,7 +177,7 @@ def test_once_every_engine_rank_failed_the_update_stops_reading_its_input():
             views[name].copy_(value.view(torch.uint8))
 
     with pytest.raises(TransferError, match=r"every engine rank .* http://dead rank 0"):
-        executor.run(plan, streamed(), load)
+        executor.run(plan, streamed(), {"replica": FnLoader("replica", load)})
     assert len(consumed) <= 4 < len(source)  # stopped a few groups after the first failure
     executor.close()
 

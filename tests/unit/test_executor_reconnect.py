@@ -13,6 +13,7 @@ import torch
 
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.plan.byte_plan import build_byte_plan
+from p2pweights.testing.loaders import FnLoader
 from p2pweights.transfer.executor import TransferExecutor
 from p2pweights.transfer.transports.base import Transport
 
@@ -84,7 +85,7 @@ def _run(executor: TransferExecutor, targets: list[RankPublication]) -> None:
             views[name].copy_(value.view(torch.uint8))
 
     ready = ((plan.group("r", i), [(n, SOURCE[n])]) for i, n in enumerate(SOURCE))
-    executor.run(plan, ready, load).raise_if_failed()
+    executor.run(plan, ready, {"r": FnLoader("r", load)}).raise_if_failed()
 
 
 def test_reconnect_drops_stale_publications_and_keeps_the_buffers():

@@ -23,9 +23,11 @@ import torch
 from p2pweights import ConfigError, SyncConfig, TransferError, WeightSyncSession
 from p2pweights import session as session_module
 from p2pweights.engines import fleet as fleet_module
+from p2pweights.engines.calls import CallLog
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.plan import prepare as prepare_module
 from p2pweights.errors import EngineError, EngineUnreachable, LayoutMismatchError, P2PWeightsError
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
@@ -127,6 +129,7 @@ class FakeClient:
     def __init__(self, engine: FakeEngine):
         self.engine = engine
         self.url = engine.url
+        self.calls = CallLog()
 
     def server_info(self):
         return {"tp_size": 1, "version": "0.5.23"}
@@ -141,7 +144,7 @@ class FakeClient:
     def weight_version(self):
         return self.engine.call("model_info", lambda: self.engine.version)
 
-    def check_reachable(self):
+    def check_reachable(self, connections=1):
         if self.engine.dead:
             raise EngineUnreachable(f"engine {self.url}: GET /model_info: connection refused")
 
@@ -253,11 +256,9 @@ def engines(monkeypatch) -> dict[str, FakeEngine]:
     monkeypatch.setattr(fleet_module, "EngineClient", client_for)
     monkeypatch.setattr(session_module, "replica_for", lambda *a: FakeHandle())
     monkeypatch.setattr(session_module, "create_transport", lambda config: FakeTransport(engines))
-    monkeypatch.setattr(
-        session_module.WeightSyncSession, "_check_against_checkpoints", lambda self, specs: None
-    )
-    monkeypatch.setattr(session_module, "config_path", lambda info, path: Path("/x/config.json"))
-    monkeypatch.setattr(session_module, "expected_checkpoint", lambda folder: None)
+    monkeypatch.setattr(session_module, "check_against_checkpoints", lambda specs, expected: None)
+    monkeypatch.setattr(prepare_module, "config_path", lambda info, path: Path("/x/config.json"))
+    monkeypatch.setattr(prepare_module, "expected_checkpoint", lambda folder: None)
     monkeypatch.setattr(fleet_module, "check_sglang_version", lambda *a: None)
     return engines
 
@@ -283,7 +284,8 @@ def test_update_session_order(engines):
         report = session.update(_tensors(7))
     engine = engines["http://e0"]
     control = [e for e in _control(engine.events) if e not in ("model_info", "server_info")]
-    assert control == ["pause", "version_marker", "flush", "begin", "end", "version", "continue"]
+    assert control[0] == "pause" and set(control[1:3]) == {"version_marker", "flush"}
+    assert control[3:] == ["begin", "end", "version", "continue"]
     assert report.bytes_by_target == {("http://e0", 0): sum(PARAMS.values())}
     assert _holds(engine, 7) and engine.running and engine.version == "1"
     assert engine.violations == []
@@ -301,7 +303,8 @@ def test_check_snapshots_once_and_compares_once(engines):
     assert events.index("reset_tensors") < events.index("begin")
 
 
-STEPS = ["pause", "version_marker", "snapshot", "reset_tensors", "flush", "begin", "write1"]
+# the marker and the flush run at once (either may answer first), before the snapshot
+STEPS = ["pause", "version_marker", "flush", "snapshot", "reset_tensors", "begin", "write1"]
 STEPS += ["write2", "end", "compare", "version", "continue"]
 KINDS = ["answered", "silent", "lost"]
 WRITES = ("write1", "write2")  # the first and the second flush's batch
@@ -453,11 +456,11 @@ def test_abort_from_another_thread_cancels_a_running_update(engines):
     first_sent, release = threading.Event(), threading.Event()
 
     def streamed(value):
-        for i, pair in enumerate(_tensors(value)):
-            if i == 3:  # q, k, v sent (the first group written); the trainer is slow on "o"
-                first_sent.set()
-                release.wait(10)
-            yield pair
+        # "o" did not fit beside q, k, v: the engine opened and q, k, v were written;
+        # the trainer is slow to end its input ("o" staged, not written)
+        yield from _tensors(value)
+        first_sent.set()
+        release.wait(10)
 
     outcome: dict[str, object] = {}
     with WeightSyncSession(CONFIG) as session:
@@ -493,19 +496,84 @@ def test_abort_from_another_thread_cancels_a_running_update(engines):
     assert engine.running and _holds(engine, 3)
 
 
+def test_abort_before_the_first_buffer_was_written_leaves_the_engine_untouched(engines):
+    """The engines pause only once the first staging buffer is loaded: an update
+    cancelled while it is staged never paused them."""
+    import threading
+
+    staging, release = threading.Event(), threading.Event()
+
+    def streamed(value):
+        for i, pair in enumerate(_tensors(value)):
+            if i == 3:  # q, k, v staged; the trainer is slow on "o"
+                staging.set()
+                release.wait(10)
+            yield pair
+
+    outcome: dict[str, object] = {}
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+        engine = engines["http://e0"]
+        before = list(engine.events)
+
+        def run():
+            try:
+                session.update(streamed(2))
+            except Exception as exc:
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert staging.wait(10)
+        aborter = threading.Thread(target=lambda: outcome.setdefault("abort", session.abort()))
+        aborter.start()
+        for _ in range(1000):
+            if session._cancel.is_set():
+                break
+            threading.Event().wait(0.01)
+        release.set()
+        worker.join(10)
+        aborter.join(10)
+        assert isinstance(outcome.get("error"), TransferError), outcome
+        assert outcome["abort"].ok  # type: ignore[attr-defined]
+        assert engine.events == before  # never paused, opened or written
+        assert engine.running and _holds(engine, 1) and engine.version == "1"
+
+
+def test_engines_pause_only_once_the_first_buffer_is_loaded(engines, monkeypatch):
+    """Prepare before pause: reading, checking and staging the first buffer happen while
+    the engine still generates; it pauses right before the first write."""
+    order: list[str] = []
+    loaded = FakeHandle.load_into
+
+    def load_into(self, inputs, views):
+        order.append(f"load {len(views)} (engine paused: {engines['http://e0'].paused})")
+        loaded(self, inputs, views)
+
+    monkeypatch.setattr(FakeHandle, "load_into", load_into)
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+        order.clear()
+        session.update(iter(_tensors(2)))
+    assert order == ["load 1 (engine paused: False)", "load 1 (engine paused: True)"]
+    assert _holds(engines["http://e0"], 2) and engines["http://e0"].violations == []
+
+
 class Described:
     """An iterator that says what it will yield (``specs()``), as hf_named_tensors does."""
 
-    def __init__(self, value, engine):
-        self.pairs, self.engine = iter(_tensors(value)), engine
-        self.open_at_first_pull: bool | None = None
+    def __init__(self, value, engine, session):
+        self.pairs, self.engine, self.session = iter(_tensors(value)), engine, session
+        self.planned_at_first_pull: bool | None = None
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self.open_at_first_pull is None:
-            self.open_at_first_pull = self.engine.open
+        if self.planned_at_first_pull is None:
+            self.planned_at_first_pull = self.session._prepared is not None
         return next(self.pairs)
 
     def specs(self):
@@ -517,16 +585,16 @@ def test_a_first_update_from_a_described_iterator_is_planned_before_it_is_read(e
     engine = engines.setdefault("http://e0", FakeEngine("http://e0"))
     with WeightSyncSession(CONFIG) as session:
         session.connect(["http://e0"])
-        described = Described(4, engine)
+        described = Described(4, engine, session)
         session.update(described)
-        assert described.open_at_first_pull is True  # not read before the session opened
+        assert described.planned_at_first_pull is True  # planned before it was read
         assert _holds(engine, 4)
     with WeightSyncSession(CONFIG) as session:  # a first update again
         session.connect(["http://e0"])
-        plain = Described(5, engine)
-        plain.specs = None  # says nothing: the first update reads it whole before opening
+        plain = Described(5, engine, session)
+        plain.specs = None  # says nothing: the first update reads it whole to plan it
         session.update(plain)
-        assert plain.open_at_first_pull is False
+        assert plain.planned_at_first_pull is False
     assert _holds(engine, 5) and engine.violations == []
 
 
@@ -534,7 +602,7 @@ def test_a_described_iterator_that_does_not_yield_what_it_said_fails_the_update(
     engine = engines.setdefault("http://e0", FakeEngine("http://e0"))
     with WeightSyncSession(CONFIG) as session:
         session.connect(["http://e0"])
-        liar = Described(4, engine)
+        liar = Described(4, engine, session)
         liar.pairs = iter([(n, t.to(torch.float32)) for n, t in _tensors(4)])
         with pytest.raises(ConfigError, match=r"'q' is torch\.float32, the first update sent"):
             session.update(liar)
@@ -557,7 +625,7 @@ def test_a_rank_that_fails_early_still_reads_a_stream_to_its_end_with_other_send
 
         session._cancel.set()  # as abort() from another thread does
         with pytest.raises(TransferError, match="cancelled"):
-            session._write(streamed(), False, {})
+            session._write(streamed(), False, "2", False, {})
         session._cancel.clear()
         assert read == ["q", "k", "v", "o"]  # drained, written nowhere
         assert engines["http://e0"].writes == 2  # the first update's two batches only
@@ -654,8 +722,8 @@ def test_usage_errors(engines):
 
 def test_a_bad_tensor_in_a_streamed_update_leaves_a_visible_torn_engine(engines):
     def stream():
-        yield from _tensors(6)[:3]  # q, k, v: the qkv group is complete and staged
-        yield "o", torch.zeros(3, dtype=torch.uint8)  # the wrong shape
+        yield from _tensors(6)  # "o" did not fit beside q, k, v: those were written
+        yield "o", torch.zeros(3, dtype=torch.uint8)  # again, and of the wrong shape
 
     with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
         session.connect(["http://e0"])
@@ -666,6 +734,23 @@ def test_a_bad_tensor_in_a_streamed_update_leaves_a_visible_torn_engine(engines)
         assert engine.paused and engine.version == f"{UPDATING_PREFIX}2"
         report = session.update(iter(_tensors(7)))
     assert _holds(engine, 7) and engine.running and engine.version == report.version
+
+
+def test_a_bad_tensor_before_the_first_buffer_was_written_leaves_the_engine_untouched(engines):
+    def stream():
+        yield from _tensors(6)[:3]  # q, k, v: the qkv group is complete and staged
+        yield "o", torch.zeros(3, dtype=torch.uint8)  # the wrong shape
+
+    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(5))
+        engine = engines["http://e0"]
+        before = list(engine.events)
+        with pytest.raises(ConfigError, match="'o' has shape"):
+            session.update(stream())
+        assert engine.events == before and engine.running and engine.version == "1"
+        session.update(iter(_tensors(7)))
+    assert _holds(engine, 7) and engine.running
 
 
 def test_an_engine_left_open_without_a_marker_is_taken_over_and_rewritten(engines):
@@ -730,6 +815,6 @@ def test_a_first_update_that_failed_to_prepare_is_prepared_again(engines):
         session.connect(["http://e0"])
         with pytest.raises(ConfigError):
             session.update([*_tensors(1), ("q", torch.zeros(2, dtype=torch.uint8))])
-        assert session._plan is None and session._source is None
+        assert session._prepared is None
         session.update(_tensors(2))
     assert _holds(engines["http://e0"], 2)

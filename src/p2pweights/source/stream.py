@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -30,6 +31,15 @@ ReadyGroup = tuple[GroupPlan, Sequence[tuple[str, torch.Tensor]]]
 Reads = Mapping[str, "list[Read] | None"]
 """Per loader input a replica loaded, the views its replayed loads read (None: a load of
 it runs the loader)."""
+
+
+class ReadRecorder(Protocol):
+    """A replica's record of what its replayed loads read (``ReplicaHandle``)."""
+
+    @property
+    def replays_changed(self) -> int: ...
+
+    def input_reads(self) -> Reads: ...
 
 
 def _views(
@@ -66,6 +76,23 @@ class UpdateSource:
         self.convert_s = 0.0
         self.regions = 0
         """Weights quantized only in the blocks this sender's loaders read (``use_regions``)."""
+        self._reads_seen: tuple[int, ...] | None = None
+        """The recordings' change counts the regions were learned from."""
+
+    def learn_regions(self, replicas: Mapping[Hashable, ReadRecorder]) -> None:
+        """After writes landed: quantize, from the next update on, only the blocks the
+        replicas' checked recordings read, if those changed since they were last learned."""
+        keys = self.quantizing_keys()
+        seen = tuple(replicas[key].replays_changed for key in keys)
+        if not keys or seen == self._reads_seen:
+            return
+        self._reads_seen = seen
+        self.use_regions({key: replicas[key].input_reads() for key in keys})
+
+    def forget_regions(self) -> None:
+        """After a failed write (a loader may have to run again): quantize whole."""
+        self._reads_seen = None
+        self.use_regions({})
 
     def quantizing_keys(self) -> list[Hashable]:
         """The replicas whose loaders read weights this sender quantizes."""

@@ -1,0 +1,129 @@
+"""How several sending trainer ranks fail together: every step ends with ``agree``.
+
+Each step of an update (prepare, open, write, close, check, finish) runs on every
+sending trainer rank, of every pipeline stage, and ends with ``agree(ok)``: an
+all-reduce of success flags. If any rank failed, every rank raises: with ``gather``,
+the first failing rank's error (same class where it is p2pweights', same message,
+naming that rank) on every rank; without it, the failing rank its own error and the
+others a ``TransferError`` naming the step. So no rank reports success for an update
+another rank failed, and every rank runs the same collectives in the same order.
+
+A step may run inside another (the write step opens the engines once its first
+buffer is staged): a failure agreed on inside is raised as it is by the outer step,
+after the outer step's own ``agree``, instead of being wrapped again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TypeVar, cast
+
+from p2pweights import errors
+from p2pweights.errors import ConfigError, P2PWeightsError, TransferError
+from p2pweights.source.inputs import InputSpec
+
+__all__ = ["Collective"]
+
+T = TypeVar("T")
+
+_ERRORS: dict[str, type[P2PWeightsError]] = {
+    name: cls
+    for name, cls in vars(errors).items()
+    if isinstance(cls, type) and issubclass(cls, P2PWeightsError)
+}
+"""p2pweights' error classes by name: a failed step raises the failing rank's class everywhere."""
+
+_AGREED = "_p2pweights_agreed"
+"""Set on an error every rank raised for the same failed step."""
+
+
+class Collective:
+    """The ``agree`` / ``gather`` protocol of one trainer rank."""
+
+    def __init__(
+        self,
+        rank_name: str,
+        agree: Callable[[bool], bool] | None = None,
+        gather: Callable[[object], list[object]] | None = None,
+        *,
+        stage: int = 0,
+        num_stages: int = 1,
+    ):
+        self.rank_name = rank_name
+        self._agree = agree or (lambda ok: ok)
+        self._gather = gather
+        self._stage, self._num_stages = stage, num_stages
+
+    def step(self, name: str, action: Callable[[], T]) -> T:
+        """Run ``action``; every trainer rank learns whether all of them succeeded."""
+        error: Exception | None = None
+        try:
+            result = action()
+        except Exception as exc:  # an interrupt propagates at once: no rank waits for it
+            error = exc
+        if self._agree(error is None):
+            return result
+        if error is not None and getattr(error, _AGREED, False):
+            self._gather_failure(name, error)  # the other ranks gather too
+            raise error
+        failure = self._gather_failure(name, error)
+        setattr(failure, _AGREED, True)
+        if failure is error:
+            raise failure
+        raise failure from error
+
+    def _gather_failure(self, name: str, error: Exception | None) -> Exception:
+        """What this rank raises for a failed step: with ``gather``, the first failing
+        rank's error on every rank (same class where it is p2pweights', same message)."""
+        if self._gather is None:
+            if error is not None:
+                return error
+            return TransferError(
+                f"{self.rank_name}: another trainer rank failed the '{name}' step of this "
+                f"update (its error names the engine)"
+            )
+        mine = None if error is None else (self.rank_name, type(error).__name__, str(error))
+        failures = [cast(tuple[str, str, str], f) for f in self._gather(mine) if f is not None]
+        assert failures, "agree() said a rank failed, but none reported an error"
+        who, kind, message = failures[0]
+        others = f" ({len(failures) - 1} other rank(s) failed too)" if len(failures) > 1 else ""
+        cls = _ERRORS.get(kind, P2PWeightsError)
+        prefix = "" if cls.__name__ == kind else f"{kind}: "
+        return cls(f"{who} failed the '{name}' step of this update{others}: {prefix}{message}")
+
+    def stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
+        """With pipeline stages: the inputs of every stage (one all-gather, first update
+        only), checked for tensors sent by two stages; None if a rank (``own`` None here)
+        failed before it. With one stage: ``own``."""
+        if self._num_stages == 1:
+            return own
+        assert self._gather is not None, "pipeline stages need gather="
+        gathered = self._gather(None if own is None else (self._stage, own))
+        if any(entry is None for entry in gathered):
+            return None
+        return union_of_stages(cast(list[tuple[int, Mapping[str, InputSpec]]], gathered))
+
+
+def union_of_stages(
+    gathered: list[tuple[int, Mapping[str, InputSpec]]],
+) -> dict[str, InputSpec]:
+    """Every stage's inputs as one; a tensor may come from one stage only, and the ranks
+    of one stage must send the same tensors."""
+    by_stage: dict[int, Mapping[str, InputSpec]] = {}
+    for stage, specs in gathered:
+        if by_stage.setdefault(stage, specs) != specs:
+            raise ConfigError(
+                f"the trainer ranks of pipeline stage {stage} sent different HF tensors; the "
+                f"ranks of one stage must send the same (gathered) tensors"
+            )
+    union: dict[str, InputSpec] = {}
+    owner: dict[str, int] = {}
+    for stage, specs in sorted(by_stage.items()):
+        for name, spec in specs.items():
+            if name in owner:
+                raise ConfigError(
+                    f"HF tensor {name!r} was sent by pipeline stages {owner[name]} and {stage}; "
+                    f"each tensor must come from one stage (drop tied copies on all but one)"
+                )
+            owner[name], union[name] = stage, spec
+    return union
