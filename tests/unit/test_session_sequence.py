@@ -27,8 +27,8 @@ from p2pweights.engines.calls import CallLog
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.engines.update_session import UPDATING_PREFIX
-from p2pweights.plan import prepare as prepare_module
 from p2pweights.errors import EngineError, EngineUnreachable, LayoutMismatchError, P2PWeightsError
+from p2pweights.plan import prepare as prepare_module
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
 from p2pweights.transfer.transports.base import Transport

@@ -1,4 +1,4 @@
-"""A ``Loader`` (``transfer.executor``) made of a function, for tests and benchmarks of the executor alone."""
+"""A ``Loader`` (``transfer.executor``) made of a function: the executor alone, in tests."""
 
 from __future__ import annotations
 
