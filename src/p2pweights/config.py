@@ -130,6 +130,11 @@ class SyncConfig(_Config):
     on ``end_weight_update`` and on the weight checker (which hashes every weight)."""
     pause_mode: Literal["retract", "abort", "in_place"] = "retract"
     """How engines pause generation before the update (sglang's /pause_generation mode)."""
+    stage_before_pause: bool = True
+    """Read, check and convert the inputs and load the first staging buffer while the
+    engines still generate, pausing them only right before the first write (with several
+    sending ranks and an iterator, which may run collectives as it is read, they pause
+    first whatever this says). False pauses them before the inputs are read."""
     check_weight_update_equal: bool = False
     """Ask each engine's weight checker to compare the first update with its own weights."""
     check_finite: bool = False

@@ -326,7 +326,7 @@ class WeightSyncSession:
         version = version or str(self._next_version)
         # Streamed into several ranks, the input may run collectives as it is read: the
         # ranks open together before reading it, not each at its own first flush.
-        stream_first = whole or self.config.num_senders == 1
+        stream_first = self.config.stage_before_pause and (whole or self.config.num_senders == 1)
         if not stream_first:
             with _timed(stages, "control_plane"):
                 self._collective.step("open", lambda: self._open(version))

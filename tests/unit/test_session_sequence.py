@@ -541,9 +541,13 @@ def test_abort_before_the_first_buffer_was_written_leaves_the_engine_untouched(e
         assert engine.running and _holds(engine, 1) and engine.version == "1"
 
 
-def test_engines_pause_only_once_the_first_buffer_is_loaded(engines, monkeypatch):
+@pytest.mark.parametrize("stage_before_pause", [True, False])
+def test_engines_pause_only_once_the_first_buffer_is_loaded(
+    engines, monkeypatch, stage_before_pause
+):
     """Prepare before pause: reading, checking and staging the first buffer happen while
-    the engine still generates; it pauses right before the first write."""
+    the engine still generates; it pauses right before the first write (unless
+    ``stage_before_pause=False``)."""
     order: list[str] = []
     loaded = FakeHandle.load_into
 
@@ -552,12 +556,14 @@ def test_engines_pause_only_once_the_first_buffer_is_loaded(engines, monkeypatch
         loaded(self, inputs, views)
 
     monkeypatch.setattr(FakeHandle, "load_into", load_into)
-    with WeightSyncSession(CONFIG) as session:
+    config = SyncConfig(buffer_bytes="1MiB", stage_before_pause=stage_before_pause)
+    with WeightSyncSession(config) as session:
         session.connect(["http://e0"])
         session.update(_tensors(1))
         order.clear()
         session.update(iter(_tensors(2)))
-    assert order == ["load 1 (engine paused: False)", "load 1 (engine paused: True)"]
+    first = f"load 1 (engine paused: {not stage_before_pause})"
+    assert order == [first, "load 1 (engine paused: True)"]
     assert _holds(engines["http://e0"], 2) and engines["http://e0"].violations == []
 
 
