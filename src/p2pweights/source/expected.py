@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from p2pweights.bounded_cache import LruCache
 from p2pweights.errors import ConfigError
 from p2pweights.source.config_checkpoint import config_checkpoint, config_dtype
 from p2pweights.source.finite import check_finite
@@ -122,7 +123,10 @@ class ExpectedCheckpoint:
         return found
 
 
-_CACHE: dict[Hashable, ExpectedCheckpoint] = {}
+CACHE_SIZE = 16
+"""Checkpoints kept (least recently used dropped): one per model a process updates,
+with room for a few config revisions."""
+_CACHE: LruCache[Hashable, ExpectedCheckpoint] = LruCache(CACHE_SIZE)
 _CACHE_LOCK = threading.Lock()
 
 
@@ -130,7 +134,8 @@ def expected_checkpoint(model_path: str | os.PathLike[str]) -> ExpectedCheckpoin
     """The checkpoint of the model folder (or config.json) an engine was started from.
 
     Cached per config content (and per safetensors file, size and mtime when the
-    headers are read), so asking for every engine of one model costs one derivation.
+    headers are read), so asking for every engine of one model costs one derivation;
+    the ``CACHE_SIZE`` most recently used are kept.
     """
     path = Path(model_path)
     config_file = path / "config.json" if path.is_dir() else path

@@ -98,7 +98,11 @@ def usable(
     return _capable(device) and _kernel() is not None
 
 
-@functools.cache
+DEVICES_KEPT = 16
+"""Devices whose capability is remembered (a host's GPUs)."""
+
+
+@functools.lru_cache(maxsize=DEVICES_KEPT)
 def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= _MIN_CAPABILITY
 

@@ -178,7 +178,11 @@ def missing_symbols(symbols: Sequence[Symbol]) -> list[tuple[Symbol, str]]:
     return missing
 
 
-@functools.cache
+CHECKS_KEPT = 8
+"""Symbol sets whose check is remembered (``REQUIRED``, ``PLUGIN_REQUIRED``, a caller's own)."""
+
+
+@functools.lru_cache(maxsize=CHECKS_KEPT)
 def check_sglang(symbols: tuple[Symbol, ...] = REQUIRED) -> None:
     """Raise ``ConfigError`` unless the installed sglang has every symbol; once per process.
 

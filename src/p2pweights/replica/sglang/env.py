@@ -271,7 +271,11 @@ def _rejected(fields: Mapping[str, Any], exc: Exception) -> str:
     )
 
 
-@functools.cache
+ARGS_CLASSES_KEPT = 4
+"""ServerArgs classes whose field names are remembered (one per installed sglang)."""
+
+
+@functools.lru_cache(maxsize=ARGS_CLASSES_KEPT)
 def _server_args_names(server_args_cls: type) -> frozenset[str]:
     """Cached: msgspec resolves ServerArgs' ~550 annotations on every call (~10 ms)."""
     return frozenset(f.name for f in _server_args_fields(server_args_cls))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from p2pweights import environment
+from p2pweights.bounded_cache import LruCache
 from p2pweights.errors import ConfigError
 from p2pweights.replica.base import ParamLayout, bytes_spanned
 from p2pweights.replica.layout_key import ENGINE_LOCAL_ARGS
@@ -108,8 +109,12 @@ class ModelReplica:
             if getattr(param, "_skip_weight_check", False) or name in shared
         )
         # (hf name, shape, dtype) -> the parameters it writes; filled by the probe.
-        self.probe_cache: dict[tuple[str, tuple[int, ...], torch.dtype], Written] = {}
-        self._loader_maps: dict[tuple[tuple[str, InputSpec], ...], LoaderMap] = {}
+        self.probe_cache: LruCache[tuple[str, tuple[int, ...], torch.dtype], Written] = LruCache(
+            PROBES_KEPT
+        )
+        self._loader_maps: LruCache[tuple[tuple[str, InputSpec], ...], LoaderMap] = LruCache(
+            LOADER_MAPS_KEPT
+        )
         # inputs and destinations alike but for values -> the loader's recorded copies
         # (None: that load must run the loader every time); see replay.py
         self._replays: dict[ReplayKey, Replay | None] = {}
@@ -404,6 +409,13 @@ class ModelReplica:
 
 
 _MAX_REPLAYS = 4096
+
+PROBES_KEPT = 1 << 18
+"""Probed (HF name, shape, dtype) kept per replica: above any checkpoint's tensor count
+(Kimi-K2's, block-fp8 scales included, is about 140,000), so a trainer's names are
+probed once; names and shapes that keep changing drop the least recently used."""
+LOADER_MAPS_KEPT = 8
+"""Probed input sets kept per replica (an update's inputs, and their fp8 variant)."""
 
 
 def _quantizable(spec: InputSpec) -> bool:
