@@ -1,0 +1,295 @@
+"""p2pweights as miles' weight updater: ``--update-weight-transfer-mode p2p`` through p2pweights.
+
+Read from radixark/miles at ``31f1ca961`` (2026-08-21). miles has no pluggable
+weight-transfer protocol there: ``MegatronTrainRayActor.init``
+(``miles/backends/megatron_utils/actor.py``) picks ``update_weight_cls`` from
+``--update-weight-transfer-mode`` (``broadcast``, ``disk-delta``, else the module's
+``UpdateWeightP2P``), and no flag names a class by path. Every updater but the colocated
+one derives from ``DistBucketedWeightUpdateMixin``, whose ``update_weights`` drives one
+update through hooks: ``_pause_and_prepare_engines`` (rank 0 pauses, flushes and begins
+the engines' update session), then on every rank the bucketed TP / EP gathers and HF
+conversion, handing each bucket of (HF name, tensor) pairs to
+``_update_weight_implementation`` on the ranks where ``_is_source``, then
+``_finalize_and_resume_engines`` (rank 0 sets the version, ends the session, resumes).
+
+``P2PWeightsUpdater`` is such a class. Every rank of a pipeline stage holds the stage's
+gathered weights, so every rank is a source, and the ranks of a stage are one p2pweights
+sender group (``SyncConfig.pipeline_stage`` from miles' parallel state): they split the
+engine ranks, each writing only its stage's parameters. The hooks become one
+``WeightSyncSession.update``: it starts in ``_pause_and_prepare_engines``, each bucket
+streams into it (``StreamedUpdate``), and ``_finalize_and_resume_engines`` waits for it
+and records its ``UpdateReport`` for ``pop_metrics``. p2pweights owns the engines' update
+session (pause, begin, end, version, resume; stage 0's rank 0): miles' own calls to them
+are replaced, since the session cannot yet leave them to miles.
+
+``install`` is the one step miles needs, run through an existing flag::
+
+    --update-weight-transfer-mode p2p
+    --custom-megatron-init-path p2pweights.integrations.miles.install
+
+miles calls ``install(args)`` on every trainer rank before it picks the updater class;
+``install`` rebinds ``UpdateWeightP2P`` in miles' actor module to ``P2PWeightsUpdater``.
+``install(args, config=SyncConfig(...))``, from an init function of your own, sets
+what miles' flags do not (the transport; fields left unset come from the flags).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from p2pweights.config import MooncakeConfig, SyncConfig
+from p2pweights.errors import ConfigError
+from p2pweights.integrations.streamed_update import StreamedUpdate
+from p2pweights.report import UpdateReport
+from p2pweights.session import WeightSyncSession
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "P2PWeightsUpdater",
+    "config_from_args",
+    "engine_urls",
+    "install",
+    "update_metrics",
+]
+
+MILES_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
+"""The miles commit this module was written against."""
+_MIXIN = "miles.backends.megatron_utils.update_weight.update_weight_from_distributed.mixin"
+_ACTOR = "miles.backends.megatron_utils.actor"
+_PARALLEL = "miles.backends.training_utils.parallel"
+METRIC_PREFIX = "perf/update_weights_p2pweights"
+
+
+def _miles_base() -> type:
+    """miles' ``DistBucketedWeightUpdateMixin``; p2pweights' stand-in without miles."""
+    try:
+        return importlib.import_module(_MIXIN).DistBucketedWeightUpdateMixin  # type: ignore[no-any-return]
+    except ModuleNotFoundError as exc:
+        if exc.name != "miles":
+            raise  # miles is there but does not import: say why, do not hide it
+    from p2pweights.integrations._miles_stand_in import DistBucketedWeightUpdateMixin
+
+    return DistBucketedWeightUpdateMixin
+
+
+if TYPE_CHECKING:
+    from p2pweights.integrations._miles_stand_in import DistBucketedWeightUpdateMixin as _Base
+else:
+    _Base = _miles_base()
+
+
+class P2PWeightsUpdater(_Base):
+    """miles' weight updater writing through a ``WeightSyncSession`` (one per trainer rank).
+
+    Built by miles as ``cls(args, model, weights_getter=..., model_name=...,
+    quantization_config=..., is_lora=...)`` on every trainer rank. ``session`` is for
+    tests; by default the session is made over all ranks (its own gloo group: it runs
+    its collectives on the update's worker thread), one sender group per pipeline stage.
+    """
+
+    sync_config: ClassVar[SyncConfig | None] = None
+    """What ``install(args, config=...)`` was given; fields it leaves unset come from args."""
+
+    def __init__(
+        self,
+        args: Any,
+        model: Sequence[torch.nn.Module],
+        weights_getter: Any = None,
+        *,
+        model_name: str,
+        quantization_config: dict | None,
+        is_lora: bool = False,
+        session: WeightSyncSession | None = None,
+    ):
+        if is_lora:
+            raise ConfigError(
+                "p2pweights writes full weights, not LoRA adapters; use "
+                "--update-weight-transfer-mode broadcast for LoRA runs"
+            )
+        self.args = args
+        self.model = model
+        self.model_name = model_name
+        self.quantization_config = quantization_config
+        self.weight_version = 0
+        self.rollout_engines: Sequence[Any] | None = None
+        self.rollout_engine_lock: Any = None
+        self._connection_stale = False
+        self._init_lora(
+            args=args,
+            model=model,
+            model_name=model_name,
+            quantization_config=quantization_config,
+            is_lora=False,
+        )
+        if session is None:
+            stage, num_stages = _pipeline()
+            session = _session(config_from_args(args, self.sync_config, stage, num_stages))
+        self.session = session
+        self._group_name = f"p2pweights-pp_{session.config.pipeline_stage}"
+        self._stream: StreamedUpdate | None = None
+
+    # -- what miles' actor calls ----------------------------------------------------------------
+
+    def connect_rollout_engines(
+        self,
+        rollout_engines: Sequence[Any],
+        rollout_engine_lock: Any,
+        engine_gpu_counts: Sequence[int] | None = None,
+        engine_gpu_offsets: Sequence[int] | None = None,
+    ) -> None:
+        """Connect the session to the engines' servers (their URLs from the engine
+        actors). The GPU counts and offsets are unused: each engine says its layout.
+        The lock serializes miles' NCCL broadcasts; p2pweights needs none."""
+        self.session.connect(engine_urls(rollout_engines))
+        self.rollout_engines = rollout_engines
+        self.rollout_engine_lock = rollout_engine_lock
+        self._connection_stale = False
+
+    def is_rollout_engines_fresh(self) -> bool:
+        return self.rollout_engines is not None and not self._connection_stale
+
+    def mark_engine_connection_stale(self) -> None:
+        self._connection_stale = True
+
+    def update_weights(self) -> None:
+        """miles' update (its mixin's ``update_weights``); if miles' own code fails midway,
+        the running p2pweights update is told the trainer stopped sending, so it fails too."""
+        try:
+            super().update_weights()
+        except BaseException as exc:
+            stream, self._stream = self._stream, None
+            if stream is not None and stream.running:
+                config = self.session.config
+                stream.cancel(exc, wait_s=config.control_timeout_s + config.transfer_timeout_s)
+            raise
+
+    # -- the mixin's hooks ----------------------------------------------------------------------
+
+    @property
+    def _is_source(self) -> bool:
+        """Every rank: the ranks of a stage split the engine ranks among themselves."""
+        return True
+
+    @property
+    def _is_lora_source(self) -> bool:
+        return False
+
+    def _pause_and_prepare_engines(self) -> None:
+        """Start the update (p2pweights pauses and opens the engines, once it has what
+        it needs to write: miles must not)."""
+        if self.rollout_engines is None:
+            raise ConfigError("connect_rollout_engines() must come before update_weights()")
+        self._stream = StreamedUpdate(
+            self.session, version=str(self.weight_version), name=f"{self._group_name}-update"
+        )
+
+    def _update_weight_implementation(
+        self, converted_named_tensors: list[tuple[str, torch.Tensor]], pbar: Any = None
+    ) -> None:
+        """One bucket into the running update; returns once the update took it."""
+        if self._stream is None:
+            raise ConfigError("a weight bucket came outside update_weights()")
+        self._stream.send(converted_named_tensors)
+        if pbar is not None:
+            pbar.update(1)
+
+    def _finalize_and_resume_engines(self) -> None:
+        """Wait for the update (p2pweights closes, versions and resumes the engines)."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            raise ConfigError("no update is running to finish")
+        report = stream.finish()
+        self.update_weight_metrics = update_metrics(report)
+
+
+def update_metrics(report: UpdateReport) -> dict[str, float]:
+    """An update's report as miles step-log metrics (``perf/update_weights_p2pweights_*``):
+    seconds, this trainer rank's bytes and GB/s, each stage's seconds, and the longest
+    engine pause where the report has one."""
+    metrics = {
+        f"{METRIC_PREFIX}_seconds": report.seconds,
+        f"{METRIC_PREFIX}_bytes": float(report.bytes_written),
+        f"{METRIC_PREFIX}_gb_per_s": report.gb_per_s,
+    }
+    for stage, seconds in report.stage_seconds.items():
+        metrics[f"{METRIC_PREFIX}_{stage}_s"] = seconds
+    paused = getattr(report, "paused_s", None)  # per engine, in newer reports
+    if isinstance(paused, Mapping) and paused:
+        metrics[f"{METRIC_PREFIX}_paused_s_max"] = float(max(paused.values()))
+    return metrics
+
+
+def config_from_args(
+    args: Any, config: SyncConfig | None, pipeline_stage: int, num_pipeline_stages: int
+) -> SyncConfig:
+    """The session's config: miles' flags (``--update-weight-buffer-size``,
+    ``--p2p-transfer-timeout``, ``--pause-generation-mode``, ``--check-weight-update-equal``),
+    then every field ``config`` sets explicitly, then this rank's pipeline stage. The
+    transport defaults to Mooncake over RDMA at this node's address (Ray's)."""
+    fields: dict[str, object] = {
+        "buffer_bytes": args.update_weight_buffer_size,
+        "transfer_timeout_s": args.p2p_transfer_timeout,
+        "pause_mode": args.pause_generation_mode,
+        "check_weight_update_equal": bool(args.check_weight_update_equal),
+    }
+    if config is None or "transport" not in config.model_fields_set:
+        fields["transport"] = MooncakeConfig(protocol="rdma", local_hostname=_node_address())
+    if config is not None:
+        fields.update({name: getattr(config, name) for name in config.model_fields_set})
+    fields["pipeline_stage"], fields["num_pipeline_stages"] = pipeline_stage, num_pipeline_stages
+    return SyncConfig(**fields)
+
+
+def engine_urls(rollout_engines: Sequence[Any]) -> list[str]:
+    """The servers of miles' engine actors (``SGLangEngine.get_topology_info()["url"]``)."""
+    import ray
+
+    infos = ray.get([engine.get_topology_info.remote() for engine in rollout_engines])
+    return [info["url"] for info in infos]
+
+
+def install(args: Any = None, *, config: SyncConfig | None = None) -> type[P2PWeightsUpdater]:
+    """Make miles' ``--update-weight-transfer-mode p2p`` build ``P2PWeightsUpdater``.
+
+    For ``--custom-megatron-init-path p2pweights.integrations.miles.install`` (miles
+    calls it with its args on every trainer rank, before it builds the updater), or
+    from your own init function with a ``config``. Returns the class installed.
+    """
+    if args is not None and args.update_weight_transfer_mode != "p2p":
+        raise ConfigError(
+            f"p2pweights replaces miles' p2p updater, but --update-weight-transfer-mode is "
+            f"{args.update_weight_transfer_mode!r}; add --update-weight-transfer-mode p2p"
+        )
+    actor = importlib.import_module(_ACTOR)
+    cls = P2PWeightsUpdater
+    if config is not None:
+        cls = type("P2PWeightsUpdater", (P2PWeightsUpdater,), {"sync_config": config})
+    actor.UpdateWeightP2P = cls
+    logger.info("miles' p2p weight transfer now writes with p2pweights (%s)", cls.__qualname__)
+    return cls
+
+
+def _pipeline() -> tuple[int, int]:
+    """(this rank's pipeline stage, the number of stages), from miles' parallel state."""
+    pp = importlib.import_module(_PARALLEL).get_parallel_state().pp
+    return pp.rank, pp.size
+
+
+def _session(config: SyncConfig) -> WeightSyncSession:
+    """A session over every trainer rank, with its own gloo group: its collectives run on
+    the update's worker thread, beside miles' on the trainer's."""
+    import torch.distributed as dist
+
+    return WeightSyncSession.from_torch_distributed(config, group=dist.new_group(backend="gloo"))
+
+
+def _node_address() -> str:
+    import ray.util
+
+    return str(ray.util.get_node_ip_address())
