@@ -1,0 +1,295 @@
+"""verl 0.9.1's checkpoint-engine seam: the backend ``"p2pweights"`` and the manager it needs.
+
+verl moves weights from its actor workers to its rollout replicas through a checkpoint
+engine (``verl/checkpoint_engine/base.py``). Its ``CheckpointEngine`` contract fits a
+one-sided writer: ``send_weights(weights, global_steps)`` runs on every actor rank with
+the full HF-named tensors (``get_per_tensor_param()``), and here it is one
+``WeightSyncSession.update`` of all actor ranks together. verl's stock
+``CheckpointEngineManager.update_weights`` does not fit: around the transfer it aborts
+every replica's requests and releases its KV cache, then runs a receiving half on the
+rollout workers whose server adapter flushes the cache while the trainer is still
+writing, and only resumes the KV cache after the transfer. p2pweights pauses and
+resumes the engines itself, so under that manager generation would resume before the
+KV cache is back. ``P2PWeightsCheckpointManager`` replaces it
+(``rollout.checkpoint_manager_class``): it connects the actor ranks to the replicas'
+sglang servers, calls only the actor side, and leaves pausing to p2pweights.
+
+Config (``actor_rollout_ref.rollout``)::
+
+    checkpoint_manager_class: p2pweights.integrations.verl.P2PWeightsCheckpointManager
+    checkpoint_engine:
+      backend: p2pweights
+      custom_backend_module: p2pweights.integrations.verl
+      update_weights_bucket_megabytes: 512       # SyncConfig.buffer_bytes
+      engine_kwargs:
+        p2pweights:                              # any other SyncConfig field
+          transport: {kind: mooncake, protocol: rdma}
+
+Importing this module registers the backend (``custom_backend_module`` makes verl
+import it on every worker and in the trainer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+from verl.checkpoint_engine.base import (
+    CheckpointEngine,
+    CheckpointEngineManager,
+    CheckpointEngineRegistry,
+)
+from verl.utils.ray_utils import auto_await
+from verl.workers.rollout.replica import RolloutMode
+
+from p2pweights.config import SyncConfig
+from p2pweights.errors import ConfigError
+from p2pweights.report import UpdateReport
+from p2pweights.session import WeightSyncSession
+
+__all__ = [
+    "BACKEND",
+    "MANAGER_CLASS",
+    "P2PWeightsCheckpointEngine",
+    "P2PWeightsCheckpointManager",
+    "engine_urls",
+    "merge_metrics",
+    "sync_config",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "p2pweights"
+"""The name the backend is registered under (``checkpoint_engine.backend``)."""
+MANAGER_CLASS = f"{__name__}.P2PWeightsCheckpointManager"
+"""What ``rollout.checkpoint_manager_class`` must say."""
+
+_KWARGS = "actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.p2pweights"
+_SET_BY_VERL = {
+    "buffer_bytes": "set it with checkpoint_engine.update_weights_bucket_megabytes",
+    "trainer_rank": "every actor rank sends; the ranks are read from torch.distributed",
+    "num_trainer_ranks": "every actor rank sends; the ranks are read from torch.distributed",
+    "pipeline_stage": "verl hands every actor rank the whole model (one sender group)",
+    "num_pipeline_stages": "verl hands every actor rank the whole model (one sender group)",
+}
+_NEEDS_MANAGER = (
+    "the p2pweights checkpoint engine writes the rollout engines itself and has no "
+    "rollout half; verl's stock CheckpointEngineManager would abort the replicas, release "
+    "their KV cache and run a receiving half around it. Set "
+    f"actor_rollout_ref.rollout.checkpoint_manager_class={MANAGER_CLASS}"
+)
+
+
+def sync_config(bucket_size: int, engine_kwargs: Mapping[str, Any]) -> SyncConfig:
+    """The session's config from verl's: ``bucket_size`` (bytes, from
+    ``update_weights_bucket_megabytes``) and ``engine_kwargs.p2pweights`` (SyncConfig
+    fields; a DictConfig is fine). Raises ``ConfigError`` naming verl's key."""
+    given = _plain(engine_kwargs)
+    refused = sorted(given.keys() & _SET_BY_VERL.keys())
+    if refused:
+        key = refused[0]
+        raise ConfigError(f"{_KWARGS}.{key} cannot be set here: {_SET_BY_VERL[key]}")
+    try:
+        return SyncConfig(buffer_bytes=bucket_size, **given)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{_KWARGS} (update_weights_bucket_megabytes -> buffer_bytes={bucket_size}) is not "
+            f"a valid p2pweights SyncConfig: {exc}"
+        ) from exc
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class P2PWeightsCheckpointEngine(CheckpointEngine):
+    """verl's checkpoint engine on an actor rank: ``send_weights`` is one p2pweights update.
+
+    verl builds one on every actor rank (``is_master`` on rank 0) and on every rollout
+    worker; only the actor ranks' instances are used, and only through
+    ``P2PWeightsCheckpointManager``. The session is made at the first ``connect``, with
+    every actor rank (``WeightSyncSession.from_torch_distributed`` over verl's default
+    process group), so building one costs nothing on the rollout workers.
+    """
+
+    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+        self.config = sync_config(bucket_size, engine_kwargs)
+        self.is_master = is_master
+        self._session: WeightSyncSession | None = None
+        self._urls: list[str] = []
+
+    def connect(self, urls: Sequence[str]) -> None:
+        """Connect this actor rank to the replicas' sglang servers (every actor rank
+        together: the first call runs one all-gather). Connecting again to the same URLs
+        does nothing; other URLs (replicas added or removed) reconnect."""
+        urls = list(urls)
+        if self._session is None:
+            self._session = _new_session(self.config)
+        if urls == self._urls:
+            return
+        self._urls = []  # a failed connect leaves the session unconnected
+        self._session.connect(urls)
+        self._urls = urls
+
+    async def send_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        global_steps: int | None = None,
+    ) -> dict[str, float]:
+        """Write ``weights`` into every connected engine; ``global_steps`` is the weight
+        version the engines show. Returns this rank's metrics (merged by the manager).
+        Raises p2pweights' error when the update failed (every actor rank raises)."""
+        if self._session is None or not self._urls:
+            raise ConfigError(f"send_weights before the engines were connected: {_NEEDS_MANAGER}")
+        version = None if global_steps is None else str(global_steps)
+        report = self._session.update(weights, version=version)
+        return _rank_metrics(report)
+
+    def close(self) -> None:
+        """Release the session (verl never calls this; the process exit does it)."""
+        if self._session is not None:
+            self._session.close()
+            self._session, self._urls = None, []
+
+    # verl's stock manager's steps: refused, before any byte moves
+
+    def prepare(self) -> dict[str, Any]:
+        raise ConfigError(_NEEDS_MANAGER)
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        raise ConfigError(_NEEDS_MANAGER)
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        raise ConfigError(_NEEDS_MANAGER)
+
+    def finalize(self) -> None:
+        raise ConfigError(_NEEDS_MANAGER)
+
+    async def receive_weights(self, global_steps: int | None = None) -> Any:
+        raise ConfigError(_NEEDS_MANAGER)
+
+
+class P2PWeightsCheckpointManager(CheckpointEngineManager):
+    """verl's manager for the p2pweights backend (``rollout.checkpoint_manager_class``).
+
+    ``update_weights(global_steps)``: connect every actor rank to the replicas' URLs
+    (once, and again when replicas were added or removed), run ``update_weights`` on
+    the actor worker group (each rank's ``send_weights``), then tag the replicas'
+    outputs with ``global_steps`` as verl's rollout half does. It does not abort,
+    resume or release anything itself: p2pweights pauses each engine
+    (``SyncConfig.pause_mode``), writes, and resumes it. A KV cache that
+    ``sleep_replicas()`` released is restored before the update (verl's own manager
+    restores it after its transfer), so generation never resumes without it.
+    """
+
+    def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
+        super().__init__(config, actor_wg, replicas)
+        if not issubclass(self.backend_cls, P2PWeightsCheckpointEngine):
+            raise ConfigError(
+                f"{type(self).__name__} drives the p2pweights backend only, but "
+                f"checkpoint_engine.backend is {config.backend!r}; set it to {BACKEND!r} "
+                f"(and custom_backend_module to {__name__!r})"
+            )
+        self._connected: list[str] | None = None
+        self._kv_released = False
+
+    @auto_await
+    async def sleep_replicas(self) -> None:
+        await super().sleep_replicas()
+        self._kv_released = True
+
+    @auto_await
+    async def wake_up_replicas(self) -> None:
+        await super().wake_up_replicas()
+        self._kv_released = False
+
+    @auto_await
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
+        urls = engine_urls(self.replicas)
+        if self._kv_released:
+            # a standalone replica's sleep released only its KV cache (if free_cache_engine);
+            # it must be back before p2pweights resumes generation
+            await self.resume_kv_cache_replicas()
+            self._kv_released = False
+        actors: Any = self.actor_wg  # a RayWorkerGroup: its worker methods are bound at runtime
+        world = actors.world_size
+        if urls != self._connected:
+            self._connected = None
+            ray.get(actors.execute_checkpoint_engine(["connect"] * world, [urls] * world))
+            self._connected = urls
+        results = ray.get(actors.update_weights(global_steps=global_steps, mode=self.backend))
+        if global_steps is not None:
+            await asyncio.gather(
+                *(r.server_handle.set_global_steps.remote(global_steps) for r in self.replicas)
+            )
+        return merge_metrics(results)
+
+
+def engine_urls(replicas: Sequence[Any]) -> list[str]:
+    """The sglang server URL of each replica (``RolloutReplica.server_address``: its
+    node-rank-0 server, ``host:port``), refusing replicas p2pweights cannot write."""
+    if not replicas:
+        raise ConfigError("the checkpoint manager has no rollout replicas to write")
+    for replica in replicas:
+        if replica.rollout_mode is not RolloutMode.STANDALONE:
+            raise ConfigError(
+                f"rollout replica {replica.replica_rank} ({replica.server_address}) runs in "
+                f"{replica.rollout_mode} mode; p2pweights writes standalone (disaggregated) "
+                f"replicas only: a hybrid or colocated replica releases its weights when it "
+                f"sleeps. Keep checkpoint_engine.backend=naive for colocated training"
+            )
+    return [f"http://{replica.server_address}" for replica in replicas]
+
+
+def merge_metrics(per_rank: Iterable[object]) -> dict[str, float]:
+    """The actor ranks' ``send_weights`` metrics as one: bytes summed over the ranks,
+    seconds (and engine pause time) the slowest rank's."""
+    ranks = [m for m in per_rank if isinstance(m, Mapping)]
+    if not ranks:
+        return {}
+    merged = {
+        "p2pweights/bytes": float(sum(m.get("p2pweights/bytes", 0.0) for m in ranks)),
+        "p2pweights/seconds": max(m.get("p2pweights/seconds", 0.0) for m in ranks),
+    }
+    paused = [m["p2pweights/paused_s"] for m in ranks if "p2pweights/paused_s" in m]
+    if paused:
+        merged["p2pweights/paused_s"] = max(paused)
+    if merged["p2pweights/seconds"] > 0:
+        merged["p2pweights/gb_per_s"] = (
+            merged["p2pweights/bytes"] / merged["p2pweights/seconds"] / 1e9
+        )
+    return merged
+
+
+def _rank_metrics(report: UpdateReport) -> dict[str, float]:
+    metrics = {
+        "p2pweights/bytes": float(report.bytes_written),
+        "p2pweights/seconds": report.seconds,
+    }
+    paused = getattr(report, "paused_s", None)  # per engine, where the session records it
+    if isinstance(paused, Mapping) and paused:
+        metrics["p2pweights/paused_s"] = max(float(s) for s in paused.values())
+    elif isinstance(paused, int | float):
+        metrics["p2pweights/paused_s"] = float(paused)
+    return metrics
+
+
+def _new_session(config: SyncConfig) -> WeightSyncSession:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return WeightSyncSession.from_torch_distributed(config)
+    return WeightSyncSession(config)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers (verl's config) as plain dicts and lists, for pydantic."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [_plain(v) for v in value]
+    return value
