@@ -9,16 +9,23 @@ publications, the weight checker, which hashes every weight) and ``control_timeo
 for each update-session call that does no work on the weights (pause, flush, begin,
 version, continue), so a hung engine outside the writes costs at most that long.
 ``end_weight_update`` re-processes the model and is bounded by ``timeout_s``.
+
+Every request is recorded in ``calls`` (route, time, whether it opened a TCP
+connection: httpx keeps connections alive and reuses them; the trace extension says
+when it had to open one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from p2pweights.engines.calls import CallLog, ControlCall
+from p2pweights.engines.concurrency import at_once
 from p2pweights.engines.published import RankPublication, parse_publication
 from p2pweights.errors import EngineError, EngineUnreachable
 
@@ -36,9 +43,14 @@ class EngineClient:
         api_key: str | None = None,
         control_timeout_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        """``transport``: httpx's, for tests that replay recorded answers (default: HTTP)."""
+        """``transport``: httpx's, for tests that replay recorded answers (default: HTTP);
+        ``clock``: monotonic seconds for ``calls`` (injectable for tests)."""
         self.url = url.rstrip("/")
+        self.calls = CallLog()
+        """Every request this client sent (``Fleet`` clears it when an update opens)."""
+        self._clock = clock
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout_s = timeout_s
         self._control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s
@@ -54,11 +66,19 @@ class EngineClient:
     def server_info(self) -> dict[str, Any]:
         return self._json("GET", "/server_info")
 
-    def check_reachable(self) -> None:
+    def check_reachable(self, connections: int = 1) -> None:
         """Raise unless the engine answers within ``control_timeout_s``. Asks ``/model_info``,
         which the HTTP server answers itself: sglang's ``/health`` may run a generation,
-        which a paused engine never finishes."""
-        self._json("GET", "/model_info", control=True)
+        which a paused engine never finishes.
+
+        ``connections`` > 1 asks that many times at once, so as many kept-alive
+        connections are ready for calls made at once right after (best effort: a check
+        answered before the next is sent leaves its connection to that one)."""
+
+        def ask() -> None:
+            self._json("GET", "/model_info", control=True)
+
+        at_once(*[ask] * connections)
 
     def model_info(self) -> dict[str, Any]:
         return self._json("GET", "/model_info")
@@ -141,8 +161,17 @@ class EngineClient:
         self, method: str, route: str, *, control: bool = False, **kwargs: Any
     ) -> httpx.Response:
         timeout = self._control_timeout_s if control else self._timeout_s
+        opened: list[bool] = []
+
+        def trace(event: str, info: dict[str, Any]) -> None:
+            if event == "connection.connect_tcp.started":
+                opened.append(True)
+
+        started = self._clock()
         try:
-            return self._http.request(method, route, timeout=timeout, **kwargs)
+            return self._http.request(
+                method, route, timeout=timeout, extensions={"trace": trace}, **kwargs
+            )
         except httpx.TimeoutException as exc:
             raise EngineUnreachable(
                 f"engine {self.url}: {method} {route} got no answer within {timeout:g} s "
@@ -151,6 +180,11 @@ class EngineClient:
             ) from exc
         except httpx.HTTPError as exc:
             raise EngineUnreachable(f"engine {self.url}: {method} {route} failed: {exc!r}") from exc
+        finally:
+            ended = self._clock()
+            self.calls.record(
+                ControlCall(self.url, f"{method} {route}", started, ended, bool(opened))
+            )
 
     def _json(
         self, method: str, route: str, *, control: bool = False, **kwargs: Any

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.client import EngineClient
+from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.published import RankPublication
 from p2pweights.engines.speculative import has_model_draft
@@ -16,7 +17,6 @@ from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, Engi
 from p2pweights.errors import EngineError, EngineUnreachable
 from p2pweights.transfer.transports.base import require_backend
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 _PUBLISH_FLAGS = {
@@ -179,30 +179,6 @@ def connect_engine(
     return engine
 
 
-def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
-    """``call`` on every item at once; after all finished, raise naming every failure.
-
-    Returns only once every call returned, also when interrupted (Ctrl-C), so no call
-    still runs on an engine while the caller goes on (e.g. to ``abort()`` it).
-    """
-    if len(items) <= 1:
-        return [call(item) for item in items]
-    pool = ThreadPoolExecutor(min(len(items), 16))
-    try:
-        futures = [pool.submit(call, item) for item in items]
-        wait(futures)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if len(errors) == 1:
-        raise errors[0]  # type: ignore[misc]
-    if errors:
-        kind = EngineUnreachable if all(isinstance(e, EngineUnreachable) for e in errors) else None
-        message = "; ".join(str(e) for e in errors)
-        raise (kind or EngineError)(message) from errors[0]
-    return [f.result() for f in futures]
-
-
 class Fleet:
     """The connected engines, driven together through their update sessions.
 
@@ -239,9 +215,18 @@ class Fleet:
 
         Every engine must answer first: an engine that died since the last update fails
         the update before any engine is paused (a retry would otherwise pause the
-        healthy ones, then stop at the dead one)."""
+        healthy ones, then stop at the dead one).
+
+        The check also readies (opens, or finds kept alive) as many connections per
+        engine as the update later uses at once, so no call in the pause opens one:
+        sglang's server closes a connection idle for 5 s (``SGLANG_TIMEOUT_KEEP_ALIVE``),
+        less than a training step."""
+        for engine in self.engines:  # what follows is this update's
+            engine.client.calls.clear()
+            engine.update.paused_s = None
+        connections = 1 if pause_mode == "in_place" else 2  # the marker and the flush
         try:
-            self.each(lambda e: e.client.check_reachable())
+            self.each(lambda e: e.client.check_reachable(connections))
         except EngineUnreachable as exc:
             raise EngineUnreachable(
                 f"{exc} (before the update: no engine was paused or written; restart or drop "
@@ -285,6 +270,15 @@ class Fleet:
 
         concurrently(one, self.engines)
         return report
+
+    def paused_seconds(self) -> dict[str, float]:
+        """Engine URL -> seconds from its pause (or from when it was found paused) to its
+        resume, for each engine the last update (or the abort after it) resumed."""
+        return {e.url: e.update.paused_s for e in self.engines if e.update.paused_s is not None}
+
+    def control_calls(self) -> ControlCalls:
+        """Every HTTP call to the engines since the last update opened (its abort's too)."""
+        return ControlCalls(tuple(call for e in self.engines for call in e.client.calls.calls()))
 
     def next_numeric_version(self) -> int:
         """One past the largest numeric weight version the engines report (1 if none is)."""

@@ -5,8 +5,8 @@ is open, ``end_weight_update`` and direct writes belong inside one, and generati
 stays paused from ``pause_generation`` to ``continue_generation``. An update drives
 every engine through::
 
-    running --pause--> paused --flush, begin--> open --writes, end--> closed
-            --(compare)--> version, continue --> running
+    running --pause--> paused --"updating" version + flush (at once), begin--> open
+            --writes, end--> closed --(compare)--> version, continue --> running
 
 and a failure can stop it anywhere. So the session never keeps one flag for all
 engines: each ``EngineUpdate`` records its own phase from what its engine answered,
@@ -14,6 +14,10 @@ and each step acts only where it is needed (open only engines that are not open,
 close only those that are). A call that got no answer at all leaves the phase
 ``UNKNOWN``; the engine is asked (``p2pweights_engine_state`` where served) or
 handled by tolerant calls before it is written again.
+
+Within one engine, calls that do not depend on each other's effect run at once
+(``_flush_with_marker``); the others wait for the answer before them, for the reasons
+written there and in ``finish``. ``paused_since`` and ``paused_s`` time the pause each update costs.
 
 Torn weights are made visible. Once an engine is open, its weight version is set to
 ``p2pweights-updating:<version>`` and stays so until the update completed there
@@ -29,10 +33,12 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2pweights.engines.client import EngineClient
+from p2pweights.engines.concurrency import at_once
 from p2pweights.errors import EngineError, EngineStateError, EngineUnreachable
 
 logger = logging.getLogger(__name__)
@@ -84,7 +90,15 @@ class EngineUpdate:
     """Its weight version says ``p2pweights-updating:`` (set by this session or found)."""
     check_failed: bool = False
     """Its last weight check failed or went unanswered (``incomplete`` is set with it)."""
+    paused_since: float | None = None
+    """``clock()`` when its pause answered, or when this session found it paused
+    (adopted, or left paused by an earlier failed update); None while running."""
+    paused_s: float | None = None
+    """Seconds from ``paused_since`` to the answer of its last resume (None: not resumed
+    since ``Fleet.open`` cleared it)."""
     last_error: str | None = field(default=None, repr=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    """Monotonic seconds (injectable for tests)."""
     _version: str | None = field(default=None, repr=False)
 
     @property
@@ -111,6 +125,8 @@ class EngineUpdate:
             self._set_reported(reported)
         elif self.incomplete:
             self.phase = Phase.UNKNOWN  # paused, and maybe still open
+        if self.phase is not Phase.RUNNING:
+            self._note_paused()
 
     def take_over(self, before: EngineUpdate) -> None:
         """Carry what an earlier connection to the same engine knew (a reconnect): who
@@ -126,6 +142,9 @@ class EngineUpdate:
             self.holds = before.holds
         self.snapshot_taken, self.reset_done = before.snapshot_taken, before.reset_done
         self._version = before._version
+        if self.phase is not Phase.RUNNING and before.paused_since is not None:
+            # paused since the earlier connection paused it, not since this one saw it
+            self.paused_since = min(self.paused_since or before.paused_since, before.paused_since)
 
     # -- the update steps ----------------------------------------------------------------------
 
@@ -139,21 +158,18 @@ class EngineUpdate:
         """
         self._probe_if_unknown()
         if self.phase in (Phase.RUNNING, Phase.UNKNOWN):
-            self.paused_by_us = True  # even if the answer is lost: resuming is then ours
-            self._call(lambda c: c.pause_generation(pause_mode))
-            if self.phase is Phase.RUNNING:
-                self.phase = Phase.PAUSED
+            self._pause(pause_mode)
         self._version = version
         self.shows_updating = True  # even if the answer is lost, it may show it
-        self._call(lambda c: c.update_weight_version(updating_version(version)))
+        # sglang refuses to flush while requests run, as they do after an in_place pause
+        flush = self.phase is not Phase.OPEN and pause_mode != "in_place"
+        self._flush_with_marker(version, flush)
         if snapshot and not self.snapshot_taken:
             self._call(lambda c: c.weights_checker("snapshot"))
             self.snapshot_taken = True
         if snapshot and not self.reset_done:
             self._reset_for_check()
         if self.phase is not Phase.OPEN:
-            if pause_mode != "in_place":
-                self._call(lambda c: c.flush_cache())
             self._begin()
 
     def mark_written(self) -> None:
@@ -185,7 +201,13 @@ class EngineUpdate:
         self.check_failed = False
 
     def finish(self, version: str) -> None:
-        """Show the new version and resume generation (the weights are whole)."""
+        """Show the new version and resume generation (the weights are whole).
+
+        One after the other, not at once: sglang tags every token with the weight
+        version current when it was generated (``record_weight_version_change``), so a
+        resume that overtook the version would tag tokens of the new weights
+        ``p2pweights-updating:``; and a version that failed while the resume went
+        through would leave whole weights serving under it."""
         if self.incomplete:
             raise EngineStateError(
                 f"engine {self.url}: not resumed, its writes did not all land (internal error: "
@@ -236,6 +258,46 @@ class EngineUpdate:
             self.last_error = str(exc)
             raise
 
+    def _pause(self, pause_mode: str) -> None:
+        self.paused_by_us = True  # even if the answer is lost: resuming is then ours
+        try:
+            self._call(lambda c: c.pause_generation(pause_mode))
+        except EngineUnreachable:
+            self._note_paused()  # it may have paused: from here on, as far as we can tell
+            raise
+        self._note_paused()
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.PAUSED
+
+    def _flush_with_marker(self, version: str, flush: bool) -> None:
+        """Show ``p2pweights-updating:<version>`` and, with ``flush``, flush the cache, at once.
+
+        What may overlap, from sglang 0.5.23's own code: neither call changes a weight
+        or opens a session, and neither depends on the other (the version is a label
+        the scheduler records, ``flush_cache`` drops the radix cache the old weights
+        filled; the tokenizer manager sends each through its own communicator). A
+        failure of either leaves the engine paused and not open, as it did when they
+        ran one after the other; a flush that went through beside a failed marker only
+        dropped a cache. What may not: the marker waits for the pause (tokens generated
+        before it must keep the old version) and ``begin`` waits for the marker (an
+        open engine always shows "updating"). ``begin_weight_update`` and
+        ``end_weight_update`` do not flush (they only restore and re-process the
+        weights), so the flush is still needed.
+        """
+        marker = updating_version(version)
+
+        def mark() -> None:
+            self._call(lambda c: c.update_weight_version(marker))
+
+        if flush:
+            at_once(mark, lambda: self._call(lambda c: c.flush_cache()))
+        else:
+            mark()
+
+    def _note_paused(self) -> None:
+        if self.paused_since is None:
+            self.paused_since = self.clock()
+
     def _reset_for_check(self) -> None:
         """reset_tensors overwrites every weight with noise: torn until rewritten, unless
         the engine answered that it did not reset."""
@@ -271,6 +333,9 @@ class EngineUpdate:
 
     def _resume(self) -> None:
         self._call(lambda c: c.continue_generation())
+        if self.paused_since is not None:
+            self.paused_s = self.clock() - self.paused_since
+        self.paused_since = None
         self.phase = Phase.RUNNING
         self.paused_by_us = False
 
@@ -289,6 +354,7 @@ class EngineUpdate:
             self.phase = Phase.CLOSED if self.incomplete else Phase.PAUSED
         else:
             self.phase = Phase.RUNNING
+            self.paused_since = None
 
 
 @dataclass
