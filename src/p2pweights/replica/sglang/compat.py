@@ -38,6 +38,9 @@ __all__ = [
     "PLUGIN_REQUIRED",
     "check_sglang",
     "missing_symbols",
+    "SglangApiError",
+    "API_ERRORS",
+    "api_error",
 ]
 
 SGLANG_VERSION: str = sglang.__version__
@@ -206,6 +209,35 @@ def check_sglang(symbols: tuple[Symbol, ...] = REQUIRED) -> None:
             low,
             high,
         )
+
+
+class SglangApiError(ConfigError):
+    """sglang's own code did not behave as p2pweights expects (an API that moved or
+    changed): not a problem of the user's tensors; the installed sglang is the cause."""
+
+
+API_ERRORS: tuple[type[Exception], ...] = (AttributeError, TypeError, ImportError, NameError)
+"""What sglang's code raises when an API it or p2pweights calls moved or changed; a
+tensor that does not fit raises other errors there (shape assertions, ``narrow`` and
+``copy_`` refusing: AssertionError, RuntimeError, IndexError, ValueError)."""
+
+
+def api_error(exc: BaseException, doing: str) -> SglangApiError | None:
+    """``SglangApiError`` for ``exc`` raised while ``doing``, if it is one of ``API_ERRORS``.
+
+    The caller raises it ``from exc``; None means the exception is not sglang's API.
+    """
+    if not isinstance(exc, API_ERRORS):
+        return None
+    low, high = TESTED_SGLANG
+    tested = "within" if is_tested() else "outside"
+    return SglangApiError(
+        f"sglang's code did not behave as p2pweights expects while {doing}: "
+        f"{type(exc).__name__}: {exc}. This is not a problem of the tensor: the installed "
+        f"sglang {SGLANG_VERSION} ({tested} the tested range) changed an API p2pweights "
+        f"relies on. p2pweights is tested with sglang {low} to {high}: install one of those "
+        f"(pip install 'sglang>={low},<={high}') or report the traceback"
+    )
 
 
 def is_tested() -> bool:

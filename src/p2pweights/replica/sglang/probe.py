@@ -17,7 +17,10 @@ since one loader call writes only a slice. A group is the unit ``load_into`` sta
 Shape errors surface here, before any byte is written: the loader's own checks and
 the meta ``copy_`` raise on a shape that does not fit, and the watcher also refuses
 a ``copy_`` whose source has a different element count than its destination (a
-silent broadcast). Both are raised as ``ConfigError`` naming the HF tensor.
+silent broadcast). Both are raised as ``ConfigError`` naming the HF tensor. What
+sglang's code raises when one of its APIs moved or changed (``compat.API_ERRORS``:
+an AttributeError, TypeError, ImportError) is raised as ``compat.SglangApiError``
+instead, naming the installed sglang and the tested range: the tensor is not at fault.
 
 Names that feed nothing (sglang skips e.g. ``rotary_emb.inv_freq``, or
 ``lm_head.weight`` when embeddings are tied) are reported in ``LoaderMap.unused``.
@@ -38,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from p2pweights.errors import ConfigError
+from p2pweights.replica.sglang.compat import api_error
 from p2pweights.source.inputs import InputSpec, ParamGroup
 
 if TYPE_CHECKING:
@@ -169,6 +173,13 @@ def _probe_one(replica: ModelReplica, hf_name: str, spec: InputSpec) -> Written:
     except ConfigError:
         raise
     except Exception as exc:
+        doing = (
+            f"probing how engine rank {replica.spec.world_rank} loads HF tensor {hf_name!r} "
+            f"{list(spec.shape)} {spec.dtype}"
+        )
+        moved = api_error(exc, doing)
+        if moved is not None:
+            raise moved from exc
         raise ConfigError(
             f"HF tensor {hf_name!r} {list(spec.shape)} {spec.dtype} does not fit what the "
             f"loader of engine rank {replica.spec.world_rank} expects: {exc}"
