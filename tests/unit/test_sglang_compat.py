@@ -73,3 +73,63 @@ def test_the_check_runs_once_per_process(monkeypatch: pytest.MonkeyPatch) -> Non
 )
 def test_release_parts(version: str, release: tuple[int, ...]) -> None:
     assert compat._release(version) == release
+
+
+# -- the plugin's hook targets and the sglang texts p2pweights matches on ---------------------
+
+
+def test_every_hook_target_of_the_plugin_is_checked() -> None:
+    from p2pweights.sglang_plugin import HOOK_TARGETS
+
+    checked = {str(symbol) for symbol in compat.PLUGIN_REQUIRED}
+    assert set(HOOK_TARGETS) <= checked
+    assert compat.missing_symbols(compat.PLUGIN_REQUIRED) == []
+
+
+def test_a_hook_target_split_into_module_and_member() -> None:
+    symbol = compat.hook_target("sglang.srt.entrypoints.engine.Engine._launch", "a test")
+    assert (symbol.module, symbol.name) == ("sglang.srt.entrypoints.engine", "Engine._launch")
+
+
+def test_a_hook_target_sglang_lost_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    monkeypatch.delattr(WeightUpdater, "end_weight_update")
+    with pytest.raises(
+        ConfigError, match=r"WeightUpdater\.end_weight_update \(used by sglang_plugin"
+    ):
+        compat.check_sglang(compat.PLUGIN_REQUIRED)
+
+
+def test_every_text_p2pweights_matches_is_in_the_installed_sglang() -> None:
+    from p2pweights.replica.sglang import messages
+
+    assert compat.missing_texts(messages.TEXTS) == []
+
+
+def test_a_reworded_sglang_answer_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.managers.scheduler_components import weight_updater
+
+    from p2pweights.replica.sglang import messages
+
+    def begin_weight_update(self: object, recv_req: object) -> object:
+        return {"success": False, "message": "an update session is in progress"}
+
+    monkeypatch.setattr(
+        weight_updater.SchedulerWeightUpdaterManager, "begin_weight_update", begin_weight_update
+    )
+    with pytest.raises(ConfigError) as info:
+        compat.check_sglang()
+    message = str(info.value)
+    assert repr(messages.ALREADY_OPEN.text) in message
+    assert "SchedulerWeightUpdaterManager.begin_weight_update" in message
+    assert "engines.update_session" in message
+    assert repr(messages.NOT_OPEN.text) not in message  # only what is missing
+
+
+def test_a_text_whose_function_is_gone_is_reported() -> None:
+    from p2pweights.replica.sglang.messages import SglangText
+
+    text = SglangText("hello", "sglang.srt.server_args", "no_such_function", "a test")
+    [(missing, why)] = compat.missing_texts([text])
+    assert missing is text and "AttributeError" in why

@@ -1,23 +1,31 @@
-"""Every sglang symbol p2pweights relies on, checked once per process.
+"""Every sglang symbol and text p2pweights relies on, checked once per process.
 
 p2pweights runs sglang's own model code and reaches into a few of its internals
-(private loader helpers, the runtime context, the rotary module's platform flag).
-Those move between sglang releases. ``check_sglang`` imports each one up front and,
-if any is missing, raises one ``ConfigError`` naming them all, the installed sglang
-and the tested range, instead of an ``AttributeError`` deep inside a replica build.
+(private loader helpers, the runtime context, the rotary module's platform flag),
+hooks some of its functions (the plugin's hook targets) and recognises some of its
+answers by their words (``messages``). Those move between sglang releases.
+``check_sglang`` imports each symbol up front and finds each text in the source of
+the sglang function that emits it; if any is missing it raises one ``ConfigError``
+naming them all, the installed sglang and the tested range, instead of an
+``AttributeError`` deep inside a replica build or a reworded answer silently taken
+for another.
 
-Add a symbol here when a module of p2pweights starts using it.
+Add a symbol here when a module of p2pweights starts using it, a text to
+``messages`` when one starts matching on it.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2pweights.errors import ConfigError
+from p2pweights.replica.sglang.messages import TEXTS, SglangText
+from p2pweights.sglang_plugin import HOOK_TARGETS
 
 try:
     import sglang
@@ -38,6 +46,8 @@ __all__ = [
     "PLUGIN_REQUIRED",
     "check_sglang",
     "missing_symbols",
+    "missing_texts",
+    "hook_target",
     "SglangApiError",
     "API_ERRORS",
     "api_error",
@@ -66,6 +76,14 @@ class Symbol:
 
 def _symbols(module: str, used_by: str, *names: str) -> tuple[Symbol, ...]:
     return tuple(Symbol(module, name, used_by) for name in names)
+
+
+def hook_target(target: str, used_by: str) -> Symbol:
+    """The symbol of a dotted hook target: the module is the part before the first
+    capitalised name (``pkg.module.Class.method`` -> ``pkg.module``, ``Class.method``)."""
+    parts = target.split(".")
+    first = next((i for i, part in enumerate(parts) if part[:1].isupper()), len(parts) - 1)
+    return Symbol(".".join(parts[:first]), ".".join(parts[first:]), used_by)
 
 
 _LOADER = "sglang.srt.model_loader.loader"
@@ -101,6 +119,8 @@ REQUIRED: tuple[Symbol, ...] = (
         "QuantizedRLModelLoader.is_reload_scenario",
     ),
     *_symbols("sglang.srt.model_loader.utils", "replica.sglang", "set_default_torch_dtype"),
+    # patched for the loading thread by replica.sglang.replay.inline_loads
+    *_symbols("sglang.srt.model_loader.utils", "replica.sglang.replay", "should_async_load"),
     *_symbols(
         "sglang.srt.configs.model_config", "replica.sglang.env", "ModelConfig.from_server_args"
     ),
@@ -125,9 +145,9 @@ REQUIRED: tuple[Symbol, ...] = (
     *_symbols(
         "sglang.srt.layers.rotary_embedding.rope_variant", "replica.sglang.env", "get_device"
     ),
-    *_symbols("sglang.srt.utils.weight_checker", "verify, local_engine", "WeightChecker"),
-    *_symbols("sglang.srt.utils.msgspec_utils", "local_engine.serve", "msgspec_to_builtins"),
-    *_symbols("sglang.srt.server_args", "local_engine.serve", "ServerArgs.resolved_dict"),
+    *_symbols("sglang.srt.utils.weight_checker", "replica.sglang.facade", "WeightChecker"),
+    *_symbols("sglang.srt.utils.msgspec_utils", "replica.sglang.facade", "msgspec_to_builtins"),
+    *_symbols("sglang.srt.server_args", "replica.sglang.facade", "ServerArgs.resolved_dict"),
 )
 """What a trainer process uses: replicas, reference models, the local engine, verification."""
 
@@ -142,27 +162,8 @@ PLUGIN_REQUIRED: tuple[Symbol, ...] = (
     ),
     *_symbols(_CONTEXT, "sglang_plugin", "get_model", "get_parallel", "get_serving"),
     *_symbols("sglang.srt.utils.network", "sglang_plugin", "NetworkAddress"),
-    *_symbols(
-        "sglang.srt.entrypoints.engine_info_bootstrap_server",
-        "sglang_plugin (hook target)",
-        "EngineInfoBootstrapServer",
-    ),
-    *_symbols(
-        "sglang.srt.entrypoints.engine",
-        "sglang_plugin (hook target)",
-        "Engine._launch_scheduler_processes",
-    ),
-    *_symbols(
-        "sglang.srt.model_executor.model_runner",
-        "sglang_plugin (hook target)",
-        "ModelRunner.initialize",
-    ),
-    *_symbols(
-        "sglang.srt.model_executor.model_runner_components.weight_updater",
-        "sglang_plugin (hook target)",
-        "WeightUpdater.begin_weight_update",
-        "WeightUpdater.end_weight_update",
-    ),
+    # every function and class the plugin hooks, from the plugin's own list
+    *(hook_target(target, "sglang_plugin (hook target)") for target in HOOK_TARGETS),
 )
 """What the NIXL plugin uses inside an sglang engine process (heavy imports: not checked
 by default; ``check_sglang(PLUGIN_REQUIRED)`` there)."""
@@ -185,19 +186,42 @@ CHECKS_KEPT = 8
 """Symbol sets whose check is remembered (``REQUIRED``, ``PLUGIN_REQUIRED``, a caller's own)."""
 
 
+def missing_texts(texts: Sequence[SglangText]) -> list[tuple[SglangText, str]]:
+    """Each text the installed sglang's emitting function no longer holds, with why."""
+    missing = []
+    for text in texts:
+        try:
+            found: object = importlib.import_module(text.module)
+            for part in text.function.split("."):
+                found = getattr(found, part)
+            source = inspect.getsource(inspect.unwrap(found))  # type: ignore[arg-type]
+        except (ImportError, AttributeError, OSError, TypeError) as exc:
+            missing.append((text, f"{type(exc).__name__}: {exc}"))
+            continue
+        if text.text not in source:
+            missing.append((text, "the function no longer says it (reworded?)"))
+    return missing
+
+
 @functools.lru_cache(maxsize=CHECKS_KEPT)
-def check_sglang(symbols: tuple[Symbol, ...] = REQUIRED) -> None:
-    """Raise ``ConfigError`` unless the installed sglang has every symbol; once per process.
+def check_sglang(
+    symbols: tuple[Symbol, ...] = REQUIRED, texts: tuple[SglangText, ...] = TEXTS
+) -> None:
+    """Raise ``ConfigError`` unless the installed sglang has every symbol and still emits
+    every text p2pweights matches on; once per process (per argument set).
 
     A release outside ``TESTED_SGLANG`` that has them all is logged, not refused.
     """
-    missing = missing_symbols(symbols)
+    missing = [
+        f"{symbol} (used by {symbol.used_by}; {why})" for symbol, why in missing_symbols(symbols)
+    ] + [
+        f"the text {text} (matched by {text.used_by}; {why})" for text, why in missing_texts(texts)
+    ]
     low, high = TESTED_SGLANG
     if missing:
-        lines = [f"{symbol} (used by {symbol.used_by}; {why})" for symbol, why in missing]
         raise ConfigError(
             f"the installed sglang {SGLANG_VERSION} lacks what p2pweights relies on: "
-            + "; ".join(lines)
+            + "; ".join(missing)
             + f". p2pweights is tested with sglang {low} to {high}: install one of those "
             f"(pip install 'sglang>={low},<={high}')"
         )

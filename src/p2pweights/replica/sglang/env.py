@@ -50,6 +50,7 @@ import torch
 from p2pweights import environment
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
+from p2pweights.replica.sglang import messages
 from p2pweights.thread_patch import patched_call, patched_flag
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ def _fields_for_server_args(server_args_fields: Mapping[str, Any]) -> dict[str, 
     return fields
 
 
-REDACTED = "<redacted>"
+REDACTED = messages.REDACTED.text
 """What sglang's ``/server_info`` shows in place of a secret."""
 
 
