@@ -305,6 +305,7 @@ def p2pweights_updates(
                     "seconds": report.seconds,
                     "bytes": report.bytes_written,
                     "stages": report.stage_seconds,
+                    "paused_s": max(getattr(report, "paused_s", {}).values(), default=0.0),
                 }
                 if k == 0 or k == num_updates - 1 or (verify_every and k % verify_every == 0):
                     t0 = time.perf_counter()
@@ -316,7 +317,8 @@ def p2pweights_updates(
                 rows.append(row)
                 print(
                     f"  {model} {staging} replay {mode} fused {fused} direct {direct} "
-                    f"batch {batch} update {k}: {report.summary()}"
+                    f"batch {batch} update {k}: {report.summary()} "
+                    f"(engine paused {row['paused_s'] * 1e3:.1f} ms)"
                 )
             session.close()
             # the first update probes; with replay the second runs the loaders to confirm
@@ -339,6 +341,7 @@ def p2pweights_updates(
             key += "/no-direct" if direct == "off" else ""
             out[key + ("/no-batch" if batch == "off" else "")] = {
                 "median_update_s": median_s,
+                "median_paused_s": statistics.median(r["paused_s"] for r in timed),
                 "update_gb_s": num_bytes / median_s / 1e9,
                 "median_stages_s": stages,
                 "load_stage_gb_s": num_bytes / stages["load"] / 1e9 if stages.get("load") else None,

@@ -52,6 +52,11 @@ NAME = "stage_breakdown"
 STAGES = ("probe", "check_inputs", "control_plane", "load", "wait", "verify")
 
 
+def paused_s(report: Any) -> float:
+    """The longest any engine stood paused for this update (0 where not reported)."""
+    return max(getattr(report, "paused_s", {}).values(), default=0.0)
+
+
 def categorize(stats: pstats.Stats) -> dict[str, float]:
     """Own time (tottime) of every profiled function, summed by where it lives."""
     totals = {
@@ -174,8 +179,14 @@ def main() -> int:
         },
         "bytes_written": first.bytes_written,
         "connect_s": connect_s,
-        "first_update": {"seconds": first.seconds, "stages": first.stage_seconds},
-        "warm_updates": [{"seconds": r.seconds, "stages": r.stage_seconds} for r in warm],
+        "first_update": {
+            "seconds": first.seconds,
+            "stages": first.stage_seconds,
+            "paused_s": paused_s(first),
+        },
+        "warm_updates": [
+            {"seconds": r.seconds, "stages": r.stage_seconds, "paused_s": paused_s(r)} for r in warm
+        ],
         "median_stages": medians,
         "median_seconds": total,
         "slowest_stage": slowest,
@@ -186,6 +197,8 @@ def main() -> int:
         if s in first.stage_seconds or s in medians
     ]
     rows.append(["total (UpdateReport.seconds)", first.seconds, total, 1.0])
+    warm_paused = median([paused_s(r) for r in warm])
+    rows.append(["engine paused (UpdateReport.paused_s, max)", paused_s(first), warm_paused, ""])
     text = (
         f"Command: `{command}`; {result['meta']['model']} "
         f"({first.bytes_written / GB:.3f} GB written per update), one engine of TP {args.tp}, "

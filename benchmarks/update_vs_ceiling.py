@@ -212,6 +212,7 @@ def run_case(
                         "ceiling_s": ceiling_s,
                         "p2p_s": report.seconds,
                         "p2p_stages": report.stage_seconds,
+                        "p2p_paused_s": max(getattr(report, "paused_s", {}).values(), default=0.0),
                         "broadcast_s": broadcast["seconds"],
                         "broadcast_par_s": broadcast["par_seconds"],
                         "broadcast_stages": broadcast["stages"],
@@ -294,6 +295,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any], command: str) ->
             "p2p load s",
             "p2p wait s",
             "p2p control s",
+            "p2p paused s",
             "bcast write s",
             "bcast apply s",
         ],
@@ -304,6 +306,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any], command: str) ->
                 r["median_p2p_stages"].get("load", 0.0),
                 r["median_p2p_stages"].get("wait", 0.0),
                 r["median_p2p_stages"].get("control_plane", 0.0),
+                r["median"]["p2p_paused_s"],
                 r["median_broadcast_stages"]["write"],
                 r["median_broadcast_stages"]["apply"],
             ]
