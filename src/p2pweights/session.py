@@ -46,6 +46,7 @@ import torch
 
 from p2pweights.collective import Collective
 from p2pweights.config import SyncConfig
+from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet
 from p2pweights.engines.update_session import AbortReport, EngineUpdate
@@ -358,11 +359,15 @@ class WeightSyncSession:
             self._collective.step("finish", lambda: self._finish(version))
         self._next_version = _next_version_after(version, self._next_version)
         stages["load"], stages["wait"] = result.load_s, result.wait_s
+        calls = self._fleet.control_calls() if self._leader else ControlCalls()
         report = UpdateReport(
             version=version,
             bytes_by_target=dict(result.bytes_by_target),
             stage_seconds=stages,
             seconds=time.perf_counter() - started,
+            paused_s=self._fleet.paused_seconds() if self._leader else {},
+            num_control_calls=calls.num_calls,
+            control_call_seconds=calls.wall_seconds,
         )
         logger.info("p2pweights update %s", report.summary())
         return report

@@ -824,3 +824,14 @@ def test_a_first_update_that_failed_to_prepare_is_prepared_again(engines):
         assert session._prepared is None
         session.update(_tensors(2))
     assert _holds(engines["http://e0"], 2)
+
+
+def test_the_report_says_how_long_each_engine_stood_paused(engines):
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0", "http://e1"])
+        report = session.update(_tensors(1))
+        assert set(report.paused_s) == {"http://e0", "http://e1"}
+        assert all(0 <= s <= report.seconds for s in report.paused_s.values())
+        assert "paused" in report.summary()
+        again = session.update(_tensors(2))
+    assert set(again.paused_s) == {"http://e0", "http://e1"} and _holds(engines["http://e1"], 2)
