@@ -49,6 +49,7 @@ class SlowAgent(RefusingAgent):
         self.state = "PROC"
         self.deregistered: list[object] = []
         self.released_in_progress = 0
+        self.removed: list[str] = []
 
     def transfer(self, handle):
         return "PROC"
@@ -65,7 +66,7 @@ class SlowAgent(RefusingAgent):
         self.deregistered.append(descs)
 
     def remove_remote_agent(self, name):
-        pass
+        self.removed.append(name)
 
 
 def _transport(agent: RefusingAgent, staging: torch.Tensor) -> NixlTransport:
@@ -157,3 +158,18 @@ def test_a_transfer_that_ends_in_error_before_the_deadline_fails_plainly():
         transport.write(TARGET, [Write(staging.data_ptr(), 4096, 64, 0)], timeout_s=5.0)
     assert not isinstance(caught.value, UnsettledWrite)
     assert agent.released == agent.made
+
+
+def test_the_engine_agent_of_a_transfer_in_progress_stays_loaded_until_it_ended():
+    """NIXL deletes a handle whose remote agent was removed: it could not be polled again."""
+    staging = torch.zeros(64, dtype=torch.uint8)
+    agent = SlowAgent()
+    transport = _transport(agent, staging)
+    with pytest.raises(UnsettledWrite) as caught:
+        transport.write(TARGET, [Write(staging.data_ptr(), 4096, 64, 0)], timeout_s=0.0)
+    transport.disconnect(TARGET)
+    assert agent.removed == [] and transport.peers == {"engine_agent"}
+    agent.state = "DONE"
+    assert caught.value.settle(0.0)
+    transport.disconnect(TARGET)
+    assert agent.removed == ["engine_agent"] and transport.peers == frozenset()

@@ -234,6 +234,18 @@ class NixlTransport(Transport):
 
     def disconnect(self, target: RankPublication) -> None:
         with self._lock:
+            self._in_flight = unsettled(self._in_flight)
+            if any(
+                isinstance(e, _PendingTransfer) and e.peer == target.agent_name
+                for e in self._in_flight
+            ):
+                # NIXL deletes a handle whose remote agent went (getXferStatus answers
+                # NOT_FOUND): it could then be neither polled nor released
+                logger.warning(
+                    "NIXL: agent %r stays loaded: a transfer given up on to it has not ended",
+                    target.agent_name,
+                )
+                return
             if self._remote.pop(target.agent_name or "", None) is None:
                 return
             try:
@@ -308,7 +320,7 @@ class NixlTransport(Transport):
             raise self._error(target, writes, f"NIXL reported {exc!r}") from exc
         if state == "PROC":  # not released: see "A write late at its deadline" above
             transfer = _PendingTransfer(
-                self._agent, handle, [(w.src_address, w.num_bytes) for w in writes]
+                self._agent, handle, target.peer, [(w.src_address, w.num_bytes) for w in writes]
             )
             with self._lock:
                 self._in_flight.append(transfer)
@@ -401,10 +413,11 @@ class _PendingTransfer(InFlight):
     """A NIXL transfer a write gave up on, polled until NIXL reports it done or failed,
     then released (its handle object is kept: dropping it would release it, cancelling)."""
 
-    def __init__(self, agent: Any, handle: Any, sources: list[tuple[int, int]]):
+    def __init__(self, agent: Any, handle: Any, peer: str, sources: list[tuple[int, int]]):
         super().__init__(sources)
         self._agent = agent
         self._handle = handle
+        self.peer = peer
 
     def _poll(self) -> bool:
         try:
