@@ -87,9 +87,9 @@ def still_in_flight(writes: list[LateWrite], timeout_s: float, refused: str) -> 
     named = "; ".join(w.batch.describe() for w in writes[:_MAX_NAMED])
     more = len(writes) - _MAX_NAMED
     return TransferError(
-        f"{len(writes)} write(s) given up on are still in flight after transfer_timeout_s="
-        f"{timeout_s:g} ({named}{f' and {more} more' if more > 0 else ''}): they may still "
-        f"land, so those engine ranks stay torn and {refused} is refused, their staging "
-        f"buffer kept as it is. update() again once the engine is responsive, or close() "
+        f"{named}{f' (and {more} more)' if more > 0 else ''}: {len(writes)} write(s) given "
+        f"up on are still in flight after transfer_timeout_s={timeout_s:g} and may still "
+        f"land, so those engine ranks stay torn and {refused} is refused (their staging "
+        f"buffer is kept as it is). update() again once the engine is responsive, or close() "
         f"this session (the memory they read is then kept, never freed) and connect a new one"
     )
