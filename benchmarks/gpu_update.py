@@ -236,6 +236,7 @@ def p2pweights_updates(
     fused_modes: tuple[str, ...] = ("on",),
     direct_modes: tuple[str, ...] = ("on",),
     batch_modes: tuple[str, ...] = ("on",),
+    stage_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
     """Updates into a fresh local engine on ``engine_gpu``, one session per combination
     of staging and the switches: replay (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``:
@@ -244,7 +245,8 @@ def p2pweights_updates(
     ``P2PWEIGHTS_COPY_KERNEL=0``), fp8 quantizer (``"off"`` sets ``P2PWEIGHTS_FUSED_FP8=0``:
     torch's math, not the one-pass kernel; only fp8 engines quantize),
     ``CudaIpcConfig.direct`` (off: an engine on the trainer's GPU is staged like any
-    other) and fp8 quantization in batches (off: one kernel launch per weight)."""
+    other), fp8 quantization in batches (off: one kernel launch per weight) and
+    ``SyncConfig.stage_before_pause`` (off: the engine pauses before the inputs are read)."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
     from p2pweights.replica.sglang.replay import Replay
@@ -274,14 +276,15 @@ def p2pweights_updates(
         out["engine_start_s"] = round(time.perf_counter() - started, 1)
         client = EngineClient(engine.url, timeout_s=600)
         runs = [
-            (s, r, f, d, b)
+            (s, r, f, d, b, p)
             for s in stagings
             for r in replay_modes
             for f in fused_modes
             for d in direct_modes
             for b in batch_modes
+            for p in stage_modes
         ]
-        for index, (staging, mode, fused, direct, batch) in enumerate(runs):
+        for index, (staging, mode, fused, direct, batch, staged) in enumerate(runs):
             os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "0" if mode == "off" else "1"
             os.environ["P2PWEIGHTS_COPY_KERNEL"] = "0" if mode == "foreach" else "1"
             Replay._run_on_one_gpu = (  # type: ignore[method-assign]
@@ -293,6 +296,7 @@ def p2pweights_updates(
                 transport=CudaIpcConfig(device=0, direct=direct == "on"),
                 buffer_bytes=buffer_bytes,
                 http_timeout_s=600,
+                stage_before_pause=staged == "on",
             )
             session = WeightSyncSession(config_, staging_device=staging)
             session.connect([engine.url])
@@ -306,6 +310,8 @@ def p2pweights_updates(
                     "bytes": report.bytes_written,
                     "stages": report.stage_seconds,
                     "paused_s": max(getattr(report, "paused_s", {}).values(), default=0.0),
+                    "control_calls": getattr(report, "num_control_calls", 0),
+                    "control_call_s": getattr(report, "control_call_seconds", 0.0),
                 }
                 if k == 0 or k == num_updates - 1 or (verify_every and k % verify_every == 0):
                     t0 = time.perf_counter()
@@ -317,7 +323,7 @@ def p2pweights_updates(
                 rows.append(row)
                 print(
                     f"  {model} {staging} replay {mode} fused {fused} direct {direct} "
-                    f"batch {batch} update {k}: {report.summary()} "
+                    f"batch {batch} staged-before-pause {staged} update {k}: {report.summary()} "
                     f"(engine paused {row['paused_s'] * 1e3:.1f} ms)"
                 )
             session.close()
@@ -339,9 +345,12 @@ def p2pweights_updates(
             )
             key += "/no-fused" if fused == "off" else ""
             key += "/no-direct" if direct == "off" else ""
+            key += "/pause-first" if staged == "off" else ""
             out[key + ("/no-batch" if batch == "off" else "")] = {
                 "median_update_s": median_s,
                 "median_paused_s": statistics.median(r["paused_s"] for r in timed),
+                "median_control_calls": statistics.median(r["control_calls"] for r in timed),
+                "median_control_call_s": statistics.median(r["control_call_s"] for r in timed),
                 "update_gb_s": num_bytes / median_s / 1e9,
                 "median_stages_s": stages,
                 "load_stage_gb_s": num_bytes / stages["load"] / 1e9 if stages.get("load") else None,
@@ -435,6 +444,53 @@ def nccl_baseline(model: str, engine_gpu: int, num_updates: int) -> dict[str, An
     return out
 
 
+# ---------------------------------------------------------------- load_weights floor
+
+
+def load_weights_floor(model: str, num_updates: int) -> dict[str, Any]:
+    """sglang's own ``load_weights`` of the trainer's tensors into the rank's model, all
+    on ``cuda:0`` in this one process: no transfer, no HTTP, no pause; the least any
+    in-place update of those weights could take (what the issue's pause target is
+    measured against)."""
+    from p2pweights.local_engine.serve import resolved_server_info
+    from p2pweights.replica.ranks import RankSpec
+    from p2pweights.replica.sglang import env as sglang_env
+    from p2pweights.replica.sglang.reference import load_real_rank_model
+
+    config = named_config(model)
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"p2pw-{model}-floor"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = trainer_tensors(config, "cuda:0")
+    refill(tensors, seed=11)
+    server_info = resolved_server_info(
+        {"model_path": str(folder), "tp_size": 1, "dtype": "bfloat16"}
+    )
+    spec = RankSpec.from_server_info(server_info, 0)
+    model_ = load_real_rank_model(
+        server_info["model_path"],
+        spec,
+        iter(tensors),
+        dtype="bfloat16",
+        server_args_fields=server_info,
+        device=torch.device("cuda", 0),
+    )
+    times = []
+    for k in range(num_updates + 1):
+        refill(tensors, seed=12 + k)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        with sglang_env.rank_scope(spec), torch.no_grad():
+            model_.load_weights(iter(tensors))  # type: ignore[union-attr]
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    num_bytes = _nbytes(tensors)
+    del model_
+    torch.cuda.empty_cache()
+    median_s = statistics.median(times[1:])
+    return {"load_weights_s": median_s, "all_s": times, "gb_s": num_bytes / median_s / 1e9}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -467,6 +523,7 @@ def main() -> None:
         ("fused", "torch's fp8 math instead of the kernel"),
         ("direct", "CudaIpcConfig(direct=False): a colocated engine is staged"),
         ("batch", "one fp8 kernel launch per weight"),
+        ("stage-before-pause", "engines pause before the inputs are read"),
     ):
         parser.add_argument(
             f"--{switch}",
@@ -479,8 +536,9 @@ def main() -> None:
         "--parts",
         nargs="+",
         default=["updates", "baseline"],
-        choices=["updates", "baseline", "colocated"],
-        help="per model: p2pweights updates, the NCCL baseline, updates into an engine on cuda:0",
+        choices=["updates", "baseline", "colocated", "floor"],
+        help="per model: p2pweights updates, the NCCL baseline, updates into an engine on "
+        "cuda:0, the engine model's own load_weights of the same tensors in one process",
     )
     parser.add_argument("--skip-ceilings", action="store_true")
     parser.add_argument("--out", default=None)
@@ -519,6 +577,7 @@ def main() -> None:
                     tuple(args.fused),
                     tuple(args.direct),
                     tuple(args.batch),
+                    tuple(args.stage_before_pause),
                 ),
             )
         if engine_gpu and "baseline" in args.parts:
@@ -529,9 +588,18 @@ def main() -> None:
             _section(
                 f"colocated/{model}",
                 lambda model=model: p2pweights_updates(
-                    model, 0, ["cuda:0"], args.updates, args.updates, args.buffer_mib * 2**20
+                    model,
+                    0,
+                    ["cuda:0"],
+                    args.updates,
+                    args.verify_every,
+                    args.buffer_mib * 2**20,
+                    direct_modes=tuple(args.direct),
+                    stage_modes=tuple(args.stage_before_pause),
                 ),
             )
+        if "floor" in args.parts:
+            _section(f"floor/{model}", lambda model=model: load_weights_floor(model, args.updates))
     RESULTS["sgl_kernel"] = _stub_calls()
     _save()
     print(json.dumps(RESULTS, indent=2, default=str)[-6000:])
