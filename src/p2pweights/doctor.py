@@ -73,8 +73,10 @@ def _python() -> Finding:
 
 
 def _sglang() -> list[Finding]:
+    from p2pweights.replica.sglang import facade
+
     try:
-        from p2pweights.replica.sglang import compat
+        compat = facade.compat()
     except P2PWeightsError as exc:
         return [Finding("sglang", FAIL, str(exc))]
     low, high = compat.TESTED_SGLANG
@@ -87,18 +89,11 @@ def _sglang() -> list[Finding]:
         Finding(
             "sglang",
             OK if tested else WARN,
-            f"{compat.SGLANG_VERSION}, every symbol a replica uses is there"
+            f"{compat.SGLANG_VERSION}, every symbol and answer text p2pweights relies on is there"
             + ("" if tested else f"; outside the tested {low} to {high}"),
         )
     ]
-    try:
-        io_struct = importlib.import_module("sglang.srt.managers.io_struct")
-        has_update_api = all(
-            hasattr(io_struct, name)
-            for name in ("BeginWeightUpdateReqInput", "EndWeightUpdateReqInput")
-        )
-    except ImportError:
-        has_update_api = False
+    has_update_api = facade.has_update_api()
     found.append(
         Finding(
             "sglang update API",

@@ -47,16 +47,13 @@ def expected_checksums(
     reference model is built on ``device`` (a GPU for models too large to check on
     the host quickly).
     """
-    from sglang.srt.utils.weight_checker import WeightChecker
-
     from p2pweights.replica.ranks import RankSpec
-    from p2pweights.replica.sglang import env as sglang_env
-    from p2pweights.replica.sglang import reference
+    from p2pweights.replica.sglang import facade
     from p2pweights.testing.engine_checkpoint import engine_checkpoint
 
     spec = RankSpec.from_server_info(server_info, engine_rank)
     folder = config_path(server_info, model_path).parent
-    model = reference.load_real_rank_model(
+    model = facade.load_real_rank_model(
         folder,
         spec,
         engine_checkpoint(folder, hf_tensors()),
@@ -65,8 +62,9 @@ def expected_checksums(
         device=device,
         role=role,
     )
-    with sglang_env.rank_scope(spec):
-        info = WeightChecker(get_model=lambda: model).handle("checksum", role=role)
+    checker = facade.weight_checker(lambda: model, spec)
+    with facade.rank_scope(spec):
+        info = checker.handle("checksum", role=role)
     if info is None:
         raise EngineError(f"rank {engine_rank}: sglang's WeightChecker returned no checksums")
     return dict(info["checksums"])

@@ -26,8 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
-from p2pweights.replica.sglang import env as sglang_env
-from p2pweights.replica.sglang import reference
+from p2pweights.replica.sglang import facade
 from p2pweights.thread_patch import patched_call
 from p2pweights.transfer.buffers import aligned, staged_bytes
 from p2pweights.transfer.transports import Publisher, create_publisher
@@ -127,15 +126,12 @@ class _Runner:
         device: torch.device,
         shared: Iterable[torch.nn.Parameter] = (),
     ):
-        from sglang.srt.utils.weight_checker import WeightChecker
-
         self.model, self.spec, self.role, self.device = model, spec, role, device
         shared_ids = {id(p) for p in shared}
         self.arena = move_into_arena(
             model, keep=[p for p in model.parameters() if id(p) in shared_ids]
         )
-        with sglang_env.rank_scope(spec):
-            self.checker = WeightChecker(get_model=lambda: self.model)
+        self.checker = facade.weight_checker(lambda: self.model, spec)
         # like sglang, each runner registers its own weights with its own transport
         # endpoint; the draft's copy of the target's embedding and head is not its own
         self.params = {
@@ -149,15 +145,15 @@ class _Runner:
 
     @torch.no_grad()
     def begin_update(self) -> None:
-        reference.begin_update(self.model, self.spec, self.device)
+        facade.begin_update(self.model, self.spec, self.device)
 
     @torch.no_grad()
     def end_update(self, run_post_load: bool) -> None:
         # Bytes that arrived by writes, not load_weights, need post_load_weights (as in sglang).
-        reference.end_update(self.model, self.spec, run_post_load=run_post_load, device=self.device)
+        facade.end_update(self.model, self.spec, run_post_load=run_post_load, device=self.device)
 
     def check(self, action: str, **options: Any) -> dict[str, Any] | None:
-        with sglang_env.rank_scope(self.spec), torch.no_grad(), _chunks_stay_on_host():
+        with facade.rank_scope(self.spec), torch.no_grad(), _chunks_stay_on_host():
             result: dict[str, Any] | None = self.checker.handle(action, role=self.role, **options)
             return result
 
@@ -183,7 +179,7 @@ class EngineRank:
         self.device = torch.device(device)
 
         def load(role: str) -> torch.nn.Module:
-            return reference.load_real_rank_model(
+            return facade.load_real_rank_model(
                 server_info["model_path"],
                 spec,
                 weights(),
@@ -253,7 +249,7 @@ class EngineRank:
             if offset < 0 or offset + num_bytes > area.numel():
                 raise ConfigError(f"{name!r} at offset {offset} leaves the broadcast area")
             views.append((name, area[offset : offset + num_bytes].view(dtype).view(shape)))
-        with sglang_env.rank_scope(self.spec):
+        with facade.rank_scope(self.spec):
             self.model.load_weights(iter(views))  # type: ignore[operator]
 
     def check(self, action: str, selector: str = "target", **options: Any) -> dict[str, Any] | None:

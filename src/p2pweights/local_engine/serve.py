@@ -13,7 +13,7 @@ import torch
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.local_engine.server import create_app
 from p2pweights.replica.ranks import RankSpec
-from p2pweights.replica.sglang import env as sglang_env
+from p2pweights.replica.sglang import facade
 from p2pweights.testing.engine_checkpoint import engine_checkpoint
 from p2pweights.testing.synthetic import synthetic_weights, write_model_dir
 
@@ -47,11 +47,7 @@ def resolved_server_info(fields: dict[str, Any]) -> dict[str, Any]:
     """sglang's resolved ServerArgs for ``fields``, as its ``/server_info`` serves them."""
     import json
 
-    from sglang.srt.runtime_context import get_server_args
-    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
-
-    sglang_env.ensure_server_args(fields)
-    resolved = msgspec_to_builtins(get_server_args().resolved_dict())
+    resolved = facade.resolved_server_args(fields)
     info: dict[str, Any] = json.loads(json.dumps(resolved, default=str))
     return info
 

@@ -24,14 +24,9 @@ from fastapi.responses import JSONResponse
 
 from p2pweights.errors import ConfigError
 from p2pweights.local_engine.ranks import EngineRank
+from p2pweights.replica.sglang import facade
 
 logger = logging.getLogger(__name__)
-
-
-def _sglang_version() -> str:
-    import sglang
-
-    return str(sglang.__version__)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -57,7 +52,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
     def get_server_info() -> dict[str, Any]:
         return {
             **server_info,
-            "version": _sglang_version(),
+            "version": facade.version(),
             "weight_version": state["weight_version"],
             # not sglang's: what state a failure left this engine in, for tests and users
             "p2pweights_engine_state": {

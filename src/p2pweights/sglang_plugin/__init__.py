@@ -34,7 +34,10 @@ This plugin registers five, the first three where sglang's Mooncake publishing l
    re-read them once the update session is open, before writing.
 
 Importing this package imports neither sglang nor NIXL; ``register()`` imports
-sglang's hook registry, and the hooks import the rest when they run.
+sglang's hook registry, and the hooks import the rest when they run. Everything of
+sglang it uses goes through ``p2pweights.replica.sglang.facade`` (which imports sglang
+only when called and no replica code), and ``replica.sglang.compat`` checks each hook
+target below (``PLUGIN_REQUIRED``).
 """
 
 from __future__ import annotations
@@ -67,27 +70,25 @@ _bootstrap_server: Any = None
 
 def register() -> None:
     """The entry point sglang's ``load_plugins()`` calls in each process."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+    from p2pweights.replica.sglang import facade
     from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
 
-    HookRegistry.register(BOOTSTRAP_SERVER_TARGET, NixlAwareBootstrapServer, HookType.REPLACE)
-    HookRegistry.register(LAUNCH_TARGET, start_bootstrap_server, HookType.BEFORE)
-    HookRegistry.register(RUNNER_TARGET, publish_after_initialize, HookType.AFTER)
-    HookRegistry.register(BEGIN_TARGET, republish_after_begin, HookType.AFTER)
-    HookRegistry.register(END_TARGET, republish_after_end, HookType.AFTER)
+    facade.register_hook(BOOTSTRAP_SERVER_TARGET, NixlAwareBootstrapServer, "REPLACE")
+    facade.register_hook(LAUNCH_TARGET, start_bootstrap_server, "BEFORE")
+    facade.register_hook(RUNNER_TARGET, publish_after_initialize, "AFTER")
+    facade.register_hook(BEGIN_TARGET, republish_after_begin, "AFTER")
+    facade.register_hook(END_TARGET, republish_after_end, "AFTER")
 
 
 def start_bootstrap_server(*_args: Any, **_kwargs: Any) -> None:
     """BEFORE hook of ``Engine._launch_scheduler_processes``: serve the ranks' info."""
     global _bootstrap_server
-    from sglang.srt.runtime_context import get_model, get_parallel, get_serving
-
+    from p2pweights.replica.sglang import facade
     from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
 
-    if _bootstrap_server is not None or get_parallel().node_rank != 0:
+    if _bootstrap_server is not None or facade.parallel().node_rank != 0:
         return
-    if get_model().remote_instance_weight_loader_start_seed_via_transfer_engine:
+    if facade.model_args().remote_instance_weight_loader_start_seed_via_transfer_engine:
         logger.warning(
             "p2pweights_nixl: --remote-instance-weight-loader-start-seed-via-transfer-engine is "
             "also set; sglang serves the bootstrap server and registers the weights with "
@@ -95,7 +96,7 @@ def start_bootstrap_server(*_args: Any, **_kwargs: Any) -> None:
         )
         return
     _bootstrap_server = NixlAwareBootstrapServer(
-        host=get_serving().host, port=get_model().engine_info_bootstrap_port
+        host=facade.serving_args().host, port=facade.model_args().engine_info_bootstrap_port
     )
 
 
@@ -106,7 +107,9 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     if getattr(runner, "is_draft_worker", False):
         logger.info("p2pweights_nixl: not publishing the draft model's weights")
         return
-    published = LivePublication(_tp_rank(runner), NixlConfig().backend, _bootstrap_url())
+    from p2pweights.replica.sglang import facade
+
+    published = LivePublication(_tp_rank(runner), NixlConfig().backend, facade.bootstrap_url())
     published.publish(runner.model)
     _published[id(runner)] = published
 
@@ -133,16 +136,6 @@ def _tp_rank(runner: Any) -> int:
     transporter = getattr(runner, "remote_instance_weight_transporter", None)
     if transporter is not None:
         return int(transporter.tp_rank)
-    from sglang.srt.runtime_context import get_parallel
+    from p2pweights.replica.sglang import facade
 
-    return int(get_parallel().tp_rank)
-
-
-def _bootstrap_url() -> str:
-    """Where ranks reach the bootstrap server, derived as sglang derives it for Mooncake."""
-    from sglang.srt.runtime_context import get_model, get_parallel
-    from sglang.srt.utils.network import NetworkAddress
-
-    dist_init_addr = get_parallel().dist_init_addr
-    host = NetworkAddress.parse(dist_init_addr).resolved().host if dist_init_addr else "127.0.0.1"
-    return str(NetworkAddress(host, get_model().engine_info_bootstrap_port).to_url())
+    return int(facade.parallel().tp_rank)
