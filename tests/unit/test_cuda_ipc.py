@@ -16,7 +16,7 @@ import torch
 from p2pweights import CudaIpcConfig, SyncConfig
 from p2pweights.engines.published import parse_publication
 from p2pweights.errors import ConfigError, EngineError, TransferError, TransportError
-from p2pweights.session import _staging_device
+from p2pweights.transfer.staging_device import staging_device_for
 from p2pweights.transfer.transports import Write
 from p2pweights.transfer.transports.cuda_ipc import (
     CudaIpcPublisher,
@@ -148,10 +148,10 @@ def test_config_selects_the_transport_and_refuses_unknown_fields() -> None:
 
 
 def test_staging_defaults_to_the_transport_gpu_else_host() -> None:
-    given = _staging_device(SyncConfig(transport=CudaIpcConfig()), "cpu")
+    given = staging_device_for(CudaIpcConfig(), "cpu")
     assert given == torch.device("cpu")
-    assert _staging_device(SyncConfig(), None) == torch.device("cpu")
-    default = _staging_device(SyncConfig(transport=CudaIpcConfig(device=0)), None)
+    assert staging_device_for(SyncConfig().transport, None) == torch.device("cpu")
+    default = staging_device_for(CudaIpcConfig(device=0), None)
     expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     assert default == expected
 
@@ -209,9 +209,9 @@ def test_a_parameter_outside_the_segments_is_refused() -> None:
 def test_staging_on_another_gpu_than_the_transport_is_warned(caplog) -> None:
     config = SyncConfig(transport=CudaIpcConfig(device=0))
     with caplog.at_level("WARNING", logger="p2pweights.session"):
-        assert _staging_device(config, "cuda:1") == torch.device("cuda", 1)
+        assert staging_device_for(config.transport, "cuda:1") == torch.device("cuda", 1)
     assert "crosses GPUs twice" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="p2pweights.session"):
-        _staging_device(config, "cuda:0")
+        staging_device_for(config.transport, "cuda:0")
     assert caplog.text == ""

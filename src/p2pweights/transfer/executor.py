@@ -5,13 +5,20 @@
 per engine rank, and the writes of a failed update that may still be running.
 
 ``run`` stages each group as its inputs complete: the group's block is reserved in
-the current buffer and its planned writes are queued for every engine rank that
-needs it. When the buffer is full it is flushed: the replicas load the staged
-groups' bytes (sglang's own loaders, one call per replica and buffer), the batches
-go to the writers, and filling continues in the other buffer, reused only once
-every write reading it has returned. A failed or late write fails its engine rank,
-not the others: later batches to it are skipped while the other ranks get all
-their bytes, and ``RunResult`` says which engines received everything.
+the current buffer for every engine rank that needs it. When the buffer is full it
+is flushed: the loaders (the replicas: sglang's own loaders, one call per replica and
+buffer) fill the staged groups' bytes, the writes are built from the plan and go to
+the writers, and filling continues in the other buffer, reused only once every write
+reading it has returned. A failed or late write fails its engine rank, not the
+others: later batches to it are skipped while the other ranks get all their bytes,
+and ``RunResult`` says which engines received everything.
+
+Nothing reaches an engine before ``RunHooks.before_writes`` returned: the run calls it
+once, after the first buffer was loaded and before its first write (or load into
+engine memory), so a caller can open the engines' update sessions only then, with
+the inputs read, checked, converted and the first buffer staged. It may return a new
+plan (an engine published its weights afresh): writes are built from the plan
+current at each flush.
 
 Where the transport maps an engine rank's memory for plain device copies
 (``Transport.direct_view``: CUDA IPC into the trainer's own GPU, colocated), that
@@ -23,31 +30,53 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from p2pweights.engines.published import RankPublication
-from p2pweights.errors import TransferError
+from p2pweights.errors import TransferError, UnsettledWrite
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
-from p2pweights.transfer.transports.base import Transport, Write
+from p2pweights.transfer.intra_op import one_intra_op_thread
+from p2pweights.transfer.late_writes import LateWrites, still_in_flight
+from p2pweights.transfer.transports.base import Transport, Write, quarantine
 from p2pweights.transfer.writers import FailedTargets, RankWriter, TargetKey, WriteBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HfInput", "LoadFn", "ReadyGroup", "RunResult", "TransferExecutor"]
+__all__ = ["HfInput", "Loader", "ReadyGroup", "RunHooks", "RunResult", "TransferExecutor"]
 
 HfInput = tuple[str, torch.Tensor]
-LoadFn = Callable[[Hashable, list[HfInput], dict[str, torch.Tensor]], None]
-"""``load(replica_key, hf_inputs, views)`` fills the views (param name -> flat uint8 view)
-with the bytes replica ``replica_key``'s loaders make of ``hf_inputs``."""
 ReadyGroup = tuple[GroupPlan, Sequence[HfInput]]
 """A planned group whose inputs all arrived, with those inputs."""
+
+
+class Loader(Protocol):
+    """What makes one shard layout's bytes (a replica: ``GroupPlan.key`` names it)."""
+
+    def load_into(self, inputs: Sequence[HfInput], views: Mapping[str, torch.Tensor]) -> None:
+        """Fill ``views`` (parameter name -> flat uint8 view) with the bytes ``inputs`` make."""
+
+
+@dataclass
+class RunHooks:
+    """What a run tells its caller, and when it asks it."""
+
+    progress: Callable[[int], None] | None = None
+    """Called with the bytes of each group staged (its block times its engine ranks)."""
+    before_writes: Callable[[], BytePlan | None] | None = None
+    """Called once per run before anything reaches an engine (also for a run that
+    writes nothing); a plan it returns replaces the run's plan for every later write."""
+    cancel: threading.Event | None = None
+    """Once set, the run raises ``TransferError`` at its next group or flush."""
+
 
 _MAX_FAILURES_NAMED = 4
 
@@ -92,7 +121,8 @@ class TransferExecutor:
         self._buffers: StagingBuffers | None = None
         self._writers: dict[TargetKey, RankWriter] = {}
         self._connected: dict[tuple[str, int, str], RankPublication] = {}
-        self._unfinished: list[Future[None]] = []
+        self._late = LateWrites()
+        """Writes of failed updates not seen settled: their buffers are not handed out again."""
 
     @property
     def transport(self) -> Transport:
@@ -106,11 +136,12 @@ class TransferExecutor:
         """Staging buffers of at least ``num_bytes`` each, registered with the transport.
 
         Called at connect with the best size known then; a larger plan grows them
-        (a new pair, registered again; the old pair is released).
+        (a new pair, registered again; the old pair is released once no write given up
+        on reads it: ``settle`` raises otherwise).
         """
         if self._buffers is not None and self._buffers.capacity_bytes >= num_bytes:
             return
-        self.settle()
+        self.settle("growing the staging buffers")
         if self._buffers is not None:
             logger.info(
                 "staging buffers grow from %d to %d bytes (a parameter group needs it)",
@@ -123,10 +154,19 @@ class TransferExecutor:
         )
 
     def _release_buffers(self) -> None:
-        """Deregister the buffers before their memory goes back to the allocator."""
+        """Deregister the buffers before their memory goes back to the allocator; one a
+        write given up on may still read is neither (kept for the life of the process)."""
         if self._buffers is not None:
             for buffer in self._buffers.buffers:
-                self._transport.unregister(buffer.tensor)
+                if self._late.reading(buffer):
+                    quarantine(
+                        buffer.tensor,
+                        f"a {buffer.capacity_bytes}-byte staging buffer",
+                        "a write given up on may still read it (engine ranks "
+                        f"{sorted(self._late.targets)})",
+                    )
+                else:
+                    self._transport.unregister(buffer.tensor)
             self._buffers = None
 
     @property
@@ -176,78 +216,86 @@ class TransferExecutor:
             if _peer(pub) not in kept:
                 self._transport.disconnect(pub)
 
-    def run(self, plan: BytePlan, ready: Iterable[ReadyGroup], load: LoadFn) -> RunResult:
-        """Stage and write every group ``ready`` yields; returns once all writes returned.
+    def run(
+        self,
+        plan: BytePlan,
+        ready: Iterable[ReadyGroup],
+        loaders: Mapping[Hashable, Loader],
+        hooks: RunHooks | None = None,
+    ) -> RunResult:
+        """Stage and write every group ``ready`` yields, its bytes made by
+        ``loaders[group.key]``; returns once all writes returned.
 
         A write that fails or is late fails its engine rank (``RunResult.failures``);
-        any other exception (bad input, a loader error, an interrupt) stops the run,
-        and writes still running are kept for ``settle``.
+        any other exception (bad input, a loader error, an interrupt, a cancel) stops
+        the run, and writes still running are kept for ``settle``. Before anything is
+        staged, the writes earlier updates gave up on must have settled (``settle``).
         """
-        self.settle()
+        self.settle("this update")
         if self._buffers is None or self._buffers.capacity_bytes < plan.buffer_bytes:
             raise TransferError(
                 f"staging buffers of {self.buffer_bytes} bytes cannot hold the plan's largest "
                 f"group ({plan.buffer_bytes} bytes); reserve() them first"
             )
-        update = _Run(self._buffers, self._writers, self._timeout_s, load, self._transport)
+        update = _Run(
+            plan,
+            self._buffers,
+            self._writers,
+            self._timeout_s,
+            loaders,
+            self._transport,
+            hooks or RunHooks(),
+        )
         try:
             for group, inputs in ready:
                 update.stage(group, inputs)
             result = update.finish()
         except BaseException:
-            self._unfinished = update.abort() + update.late
+            update.abort()
             raise
-        self._unfinished = update.late  # late writes still read the buffers
+        finally:
+            self._late.extend(update.late)  # they may still read the buffers
         return result
 
-    def settle(self) -> None:
-        """Before the buffers are reused or released, let a failed update's writes return."""
-        if not self._unfinished:
-            return
-        _, running = wait(self._unfinished, timeout=self._timeout_s)
-        if running:
-            raise TransferError(
-                f"{len(running)} write(s) of the last, failed update are still running after "
-                f"transfer_timeout_s={self._timeout_s}; an engine is stuck. close() this "
-                f"session and connect a new one"
-            )
-        self._unfinished = []
+    @property
+    def unsettled_targets(self) -> frozenset[TargetKey]:
+        """Engine ranks a write given up on may still land in (as of the last ``settle``):
+        torn until it settled, whatever a later update wrote there."""
+        return self._late.targets
+
+    def settle(self, refused: str = "reusing their staging buffer") -> None:
+        """Before the buffers are reused or released, let the writes failed updates gave up
+        on end; raises ``TransferError`` naming the engine ranks of those still in flight
+        after ``transfer_timeout_s`` (their buffers stay out of use until they end)."""
+        unsettled = self._late.settle(self._timeout_s)
+        if unsettled:
+            raise still_in_flight(unsettled, self._timeout_s, refused)
 
     def close(self) -> None:
-        """Stop the writers (a running write returns within its timeout) and drop the buffers."""
+        """Stop the writers (a running write returns within its timeout) and drop the
+        buffers, except those a write given up on may still read (never freed)."""
         self.disconnect()
-        self._unfinished = []
+        self._late.settle(0.0)
         self._release_buffers()
-
-
-@contextlib.contextmanager
-def _one_intra_op_thread(on_host: bool) -> Iterator[None]:
-    """Host-side loads run on one torch intra-op thread, then the old count is restored.
-
-    The loaders' work is mostly large ``copy_``s, which torch splits over its intra-op
-    threads and joins at a barrier; when the writer thread or another process holds a
-    core, every copy waits for it. Measured on the 2-core machine (benchmarks/cpu_cost.py,
-    1 GB into a TP-2 engine): the load stage took 1-4 s with two threads while using
-    0.2-0.4 CPU-s, and 0.055-0.07 s with one. The setting is process-wide while loads run.
-    """
-    if not on_host:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass
 class _DirectLoad:
     """Groups of one replica an engine rank receives straight into its memory."""
 
-    target: RankPublication
+    target: TargetWrites
+    groups: list[GroupPlan] = field(default_factory=list)
     inputs: list[HfInput] = field(default_factory=list)
     views: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A group staged in the current buffer at ``base``, for these engine ranks."""
+
+    group: GroupPlan
+    base: int
+    targets: frozenset[tuple[str, int, str]]
 
 
 def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
@@ -255,42 +303,52 @@ def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
     return (pub.backend, pub.session_id, pub.agent_name)
 
 
+def _runner(target: RankPublication) -> tuple[str, int, str]:
+    """(engine URL, engine rank, role): one runner of an engine rank."""
+    return (target.engine_url, target.engine_rank, target.role)
+
+
 class _Run:
-    """One update's staging state: what is staged in the current buffer, batches, futures."""
+    """One update's staging state: what is staged in the current buffer, writes, futures."""
 
     def __init__(
         self,
+        plan: BytePlan,
         buffers: StagingBuffers,
         writers: dict[TargetKey, RankWriter],
         timeout_s: float,
-        load: LoadFn,
+        loaders: Mapping[Hashable, Loader],
         transport: Transport,
+        hooks: RunHooks,
     ):
+        self._plan = plan
         self._buffers = buffers
         self._writers = writers
         self._timeout_s = timeout_s
-        self._load = load
+        self._loaders = loaders
         self._transport = transport
+        self._hooks = hooks
+        self._opened = hooks.before_writes is None
         buffers.reset()
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
+        self._placed: list[_Placed] = []
         # loads straight into engine memory, per (replica, engine rank and runner)
         self._direct: dict[tuple[Hashable, tuple[str, int, str]], _DirectLoad] = {}
         self._direct_bytes: dict[tuple[str, int, str], int] = defaultdict(int)
         self._direct_devices: set[torch.device] = set()
         """GPUs direct loads queued copies on: synchronized before the run returns or fails."""
-        # one batch per publication: a rank's draft is reached through its own handle
-        self._batches: dict[tuple[str, int, str], WriteBatch] = {}
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
         self._failed = FailedTargets()
         self.result = RunResult()
-        self.late: list[Future[None]] = []
-        """Writes given up on after the timeout that have not returned yet."""
+        self.late = LateWrites()
+        """Writes given up on (late, or unsettled in the transport), with their buffers."""
 
     def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
+        self._raise_if_cancelled()
         self._stop_if_every_rank_failed()
         staged = []
         for tw in group.targets:
-            key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
+            key = _runner(tw.target)
             if self._failed.get(key[:2]) is not None:
                 continue  # this rank already failed; the others carry on
             try:
@@ -299,16 +357,23 @@ class _Run:
                 self._failed.record(key[:2], exc)
                 continue
             if views is None:
-                staged.append(tw)
+                staged.append(key)
                 continue
             if self._direct_bytes[key] + group.block_bytes > self._buffers.current.capacity_bytes:
                 self._flush()  # bounds a load's size (and its replay check's scratch)
-            direct = self._direct.setdefault((group.key, key), _DirectLoad(tw.target))
+            direct = self._direct.setdefault((group.key, key), _DirectLoad(tw))
+            direct.groups.append(group)
             direct.inputs.extend(inputs)
             direct.views.update(views)
             self._direct_bytes[key] += group.block_bytes
         if staged:
-            self._stage(group, inputs, staged)
+            self._stage(group, inputs, frozenset(staged))
+        if self._hooks.progress is not None:
+            self._hooks.progress(group.block_bytes * len(group.targets))
+
+    def _raise_if_cancelled(self) -> None:
+        if self._hooks.cancel is not None and self._hooks.cancel.is_set():
+            raise TransferError("the update was cancelled by abort() from another thread")
 
     def _stop_if_every_rank_failed(self) -> None:
         """Every engine rank this trainer rank writes has failed: fail the update now
@@ -339,7 +404,7 @@ class _Run:
         return views
 
     def _stage(
-        self, group: GroupPlan, inputs: Sequence[HfInput], targets: Sequence[TargetWrites]
+        self, group: GroupPlan, inputs: Sequence[HfInput], targets: frozenset[tuple[str, int, str]]
     ) -> None:
         buffer = self._buffers.current
         if buffer.capacity_bytes - buffer.used_bytes < group.block_bytes:
@@ -348,46 +413,95 @@ class _Run:
         assert base is not None  # the plan sized the buffers for its largest block
         staged_inputs, views = self._staged.setdefault(group.key, ([], {}))
         staged_inputs.extend(inputs)
-        start = buffer.address + base
         for slot in group.slots:
             views[slot.param] = buffer.view(base + slot.offset, slot.num_bytes)
-        for tw in targets:
-            key = (tw.target.engine_url, tw.target.engine_rank, tw.target.role)
-            batch = self._batches.get(key)
-            if batch is None:
-                batch = self._batches[key] = WriteBatch(tw.target)
-            for w in tw.writes:
-                slot = group.slots[w.slot]
-                batch.add(
-                    Write(start + slot.offset, w.dst_address, slot.num_bytes, w.dst_device),
-                    slot.param,
-                )
+        self._placed.append(_Placed(group, base, targets))
 
-    def _flush(self) -> StagingBuffer:
-        """Load and send the current buffer; return the other one once its writes returned."""
+    def _flush(self, refill: bool = True) -> StagingBuffer:
+        """Load and send the current buffer; return the other one once its writes returned
+        (and, to be ``refill``ed, once no write given up on may still read it)."""
+        self._raise_if_cancelled()
         started = time.perf_counter()
-        with _one_intra_op_thread(not self._buffers.current.tensor.is_cuda):
+        buffer = self._buffers.current
+        with contextlib.ExitStack() as scope:
+            if not buffer.tensor.is_cuda:
+                scope.enter_context(one_intra_op_thread())
             for key, (inputs, views) in self._staged.items():
-                self._load(key, inputs, views)
+                self._loaders[key].load_into(inputs, views)
         self._staged = {}
-        if self._buffers.current.tensor.is_cuda:
+        if buffer.tensor.is_cuda:
             # Loaders copy asynchronously on the GPU; writers must read finished bytes.
-            torch.cuda.current_stream(self._buffers.current.tensor.device).synchronize()
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
         self.result.load_s += time.perf_counter() - started
+        self._open()  # the first write, or load into an engine's memory, comes next
         index = self._buffers.current_index
-        for batch in self._batches.values():
+        for batch in self._batches(buffer):
             if self._failed.get(batch.key) is not None:
                 continue  # this rank already failed; the others carry on
             future = self._writers[batch.key].submit(batch, self._failed)
             self._pending[index].append((future, batch))
             self.result.bytes_by_target[batch.key] += batch.num_bytes
-        self._batches = {}
         self._load_direct()  # while the writers send the staged bytes
         self.result.num_flushes += 1
         buffer = self._buffers.swap()
-        self._wait(self._pending[1 - index])
+        self._wait(1 - index)
+        if refill:
+            self._settle(buffer)  # never refilled while a write given up on may still read it
         buffer.used_bytes = 0
         return buffer
+
+    def _settle(self, buffer: StagingBuffer) -> None:
+        """Every write given up on that reads ``buffer`` must settle within
+        ``transfer_timeout_s`` before it is refilled, or the update fails (``buffer`` is
+        then left as it is, and the next run settles first)."""
+        unsettled = self.late.settle(self._timeout_s, buffer)
+        if unsettled:
+            raise still_in_flight(unsettled, self._timeout_s, "refilling their staging buffer")
+
+    def _open(self) -> None:
+        """Once per run, before anything reaches an engine: ``before_writes``. A new
+        plan it returns holds new addresses for the same groups."""
+        if self._opened:
+            return
+        self._opened = True
+        assert self._hooks.before_writes is not None
+        plan = self._hooks.before_writes()
+        if plan is None or plan is self._plan:
+            return
+        self._plan = plan
+        for direct in self._direct.values():
+            direct.views = {}
+            for old in direct.groups:
+                group = plan.group(old.key, old.index)
+                runner = _runner(direct.target.target)
+                tw = next(t for t in group.targets if _runner(t.target) == runner)
+                views = self._direct_views(group, tw)
+                if views is None:
+                    raise TransferError(f"{tw.target.where}: its memory is no longer mapped")
+                direct.views.update(views)
+
+    def _batches(self, buffer: StagingBuffer) -> list[WriteBatch]:
+        """The writes of the groups placed in ``buffer``, one batch per runner, to where the
+        current plan says (a runner's draft is reached through its own handle)."""
+        batches: dict[tuple[str, int, str], WriteBatch] = {}
+        for placed in self._placed:
+            group = self._plan.group(placed.group.key, placed.group.index)
+            start = buffer.address + placed.base
+            for tw in group.targets:
+                key = _runner(tw.target)
+                if key not in placed.targets:
+                    continue
+                batch = batches.get(key)
+                if batch is None:
+                    batch = batches[key] = WriteBatch(tw.target)
+                for w in tw.writes:
+                    slot = group.slots[w.slot]
+                    batch.add(
+                        Write(start + slot.offset, w.dst_address, slot.num_bytes, w.dst_device),
+                        slot.param,
+                    )
+        self._placed = []
+        return list(batches.values())
 
     def _load_direct(self) -> None:
         """Load the direct groups into the engines' memory, and wait for the copies: an
@@ -397,7 +511,7 @@ class _Run:
             if self._failed.get(target[:2]) is not None:
                 continue
             self._direct_devices.update(v.device for v in direct.views.values() if v.is_cuda)
-            self._load(key, direct.inputs, direct.views)
+            self._loaders[key].load_into(direct.inputs, direct.views)
             num_bytes = sum(v.numel() for v in direct.views.values())
             self.result.bytes_by_target[target[:2]] += num_bytes
         self._direct = {}
@@ -411,37 +525,40 @@ class _Run:
         self._direct_devices.clear()
 
     def finish(self) -> RunResult:
-        if self._batches or self._staged or self._direct:
-            self._flush()
+        if self._placed or self._staged or self._direct:
+            self._flush(refill=False)  # the last: its writes are waited for below
+        self._open()  # a run that wrote nothing still opens, once
         for index in (0, 1):
-            self._wait(self._pending[index])
+            self._wait(index)
         self._buffers.current.used_bytes = 0
         self.result.failures = self._failed.errors()
         return self.result
 
-    def abort(self) -> list[Future[None]]:
-        """Cancel queued writes; return those already running (they still read the buffers).
-        Copies a direct load queued are waited for: the engine's memory may be closed next."""
+    def abort(self) -> None:
+        """Cancel queued writes; keep the others in ``late`` (running ones still read the
+        buffers; finished ones may have given up unsettled). Copies a direct load queued
+        are waited for: the engine's memory may be closed next."""
         with contextlib.suppress(Exception):  # the run failed already; report that error
             self._sync_direct()
-        running = []
-        for pending in self._pending.values():
-            for future, _ in pending:
-                if not future.cancel() and not future.done():
-                    running.append(future)
+        for index, pending in self._pending.items():
+            for future, batch in pending:
+                if not future.cancel():
+                    self.late.add(future, batch, self._buffers.buffers[index])
             pending.clear()
-        return running
 
-    def _wait(self, pending: list[tuple[Future[None], WriteBatch]]) -> None:
-        """Wait for one buffer's writes; failures are recorded per engine rank, not raised."""
+    def _wait(self, index: int) -> None:
+        """Wait for the writes reading buffer ``index``; failures are recorded per engine
+        rank, not raised, and writes given up on are kept in ``late`` with the buffer."""
+        pending = self._pending[index]
         if not pending:
             return
+        buffer = self._buffers.buffers[index]
         started = time.perf_counter()
         _, not_done = wait([future for future, _ in pending], timeout=self._timeout_s)
         self.result.wait_s += time.perf_counter() - started
         for future, batch in pending:
             if future in not_done:
-                self.late.append(future)
+                self.late.add(future, batch, buffer)
                 self._failed.record(
                     batch.key,
                     TransferError(
@@ -450,5 +567,7 @@ class _Run:
                     ),
                 )
             elif future.exception() is not None:
+                if isinstance(future.exception(), UnsettledWrite):
+                    self.late.add(future, batch, buffer)  # it may still read the buffer
                 self._failed.record(batch.key, future.exception())  # type: ignore[arg-type]
         pending.clear()
