@@ -173,3 +173,44 @@ def test_deriving_a_checkpoint_leaves_the_collector_on(
     expected._derive({}, tmp_path / "config.json", [], "")
     assert seen == [(True, ("returned", True))]
     assert gc.isenabled()
+
+
+# -- verification builds its reference model in a context of its own -------------------------
+
+
+# ~15 s: sglang's model registry, then a real CPU model of one rank
+@pytest.mark.integration
+def test_verification_leaves_the_process_sglang_config_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("sglang")
+    from sglang.srt import runtime_context
+
+    from p2pweights import verify
+    from p2pweights.replica.ranks import RankSpec
+    from p2pweights.replica.sglang import env as sglang_env
+    from p2pweights.replica.sglang import facade
+    from p2pweights.testing import synthetic_weights, write_model_dir
+
+    folder = write_model_dir("qwen3-tiny", tmp_path / "qwen3-tiny")
+    info = {"model_path": str(folder), "tp_size": 2, "dtype": "bfloat16"}
+
+    def weights() -> Any:
+        return synthetic_weights("qwen3-tiny", seed=1, dtype=torch.bfloat16)
+
+    saved = runtime_context.snapshot_context()
+    runtime_context.reset_context()  # nothing published, as in a trainer
+    monkeypatch.setattr(sglang_env, "_published_key", None)
+    try:
+        expected = verify.expected_checksums(info, 1, weights, model_path=str(folder))
+        with pytest.raises(ValueError, match="not set"):
+            runtime_context.get_server_args()
+        # the same checksums as the reference an engine process publishes for
+        spec = RankSpec.from_server_info(info, 1)
+        model = facade.load_real_rank_model(folder, spec, weights(), "bfloat16", info)
+        checker = facade.weight_checker(lambda: model, spec)
+        with facade.rank_scope(spec):
+            published = checker.handle("checksum", role="target")["checksums"]
+    finally:
+        runtime_context.restore_context(saved)
+    assert expected == published

@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 # sglang's own loading of an engine rank, and its parallel context (no sglang imported here)
 from p2pweights.replica.sglang.env import rank_scope
-from p2pweights.replica.sglang.reference import begin_update, end_update, load_real_rank_model
+from p2pweights.replica.sglang.reference import (
+    begin_update,
+    end_update,
+    load_real_rank_model,
+    reference_checksums,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +35,7 @@ __all__ = [
     "rank_scope",
     "resolved_server_args",
     "load_real_rank_model",
+    "reference_checksums",
     "begin_update",
     "end_update",
     "register_hook",

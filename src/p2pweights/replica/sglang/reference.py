@@ -18,7 +18,9 @@ from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang.env import (
     build_role_model,
     ensure_server_args,
+    in_context,
     rank_scope,
+    replica_context,
     role_scope,
     server_args_for,
 )
@@ -26,7 +28,7 @@ from p2pweights.replica.sglang.env import (
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["load_real_rank_model", "begin_update", "end_update"]
+__all__ = ["load_real_rank_model", "reference_checksums", "begin_update", "end_update"]
 
 
 def load_real_rank_model(
@@ -45,14 +47,53 @@ def load_real_rank_model(
     (``model.load_weights`` then each quant method's ``process_weights_after_loading``),
     exactly what the engine's loader runs at start-up.
     """
-    from sglang.srt.model_loader.loader import DefaultModelLoader
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-
     from p2pweights.replica.sglang.compat import check_sglang
 
     check_sglang()
     # an engine's own model: published process-wide, as the engine's process does
     ensure_server_args(server_args_for(model_path, dtype, server_args_fields))
+    return _build_and_load(spec, hf_tensors, device, role)
+
+
+def reference_checksums(
+    model_path: str | os.PathLike[str],
+    spec: RankSpec,
+    hf_tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: str | torch.dtype = "auto",
+    server_args_fields: Mapping[str, Any] | None = None,
+    device: torch.device | str = "cpu",
+    role: str = "target",
+) -> dict[str, Any] | None:
+    """sglang's ``WeightChecker`` checksum answer for the model ``load_real_rank_model``
+    would give, built, loaded and hashed in a runtime context of its own: unlike
+    there, the calling process's sglang configuration (a trainer's, a colocated
+    engine's) is left as it was."""
+    from sglang.srt.utils.weight_checker import WeightChecker
+
+    from p2pweights.replica.sglang.compat import check_sglang
+
+    check_sglang()
+    context = replica_context(server_args_for(model_path, dtype, server_args_fields))
+    with in_context(context):
+        model = _build_and_load(spec, hf_tensors, device, role)
+        with rank_scope(spec):
+            answer: dict[str, Any] | None = WeightChecker(get_model=lambda: model).handle(
+                "checksum", role=role
+            )
+    return answer
+
+
+def _build_and_load(
+    spec: RankSpec,
+    hf_tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device | str,
+    role: str,
+) -> nn.Module:
+    """Build ``role``'s model of ``spec``'s rank for the active server args and load it
+    with sglang's ``load_weights_and_postprocess``."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
     model_config, model = build_role_model(spec, device, role)
     with rank_scope(spec), role_scope(role), set_default_torch_dtype(model_config.dtype):
         DefaultModelLoader.load_weights_and_postprocess(
