@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import at_once
 from p2pweights.errors import EngineError, EngineStateError, EngineUnreachable
+from p2pweights.replica.sglang.messages import ALREADY_OPEN, NOT_OPEN
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ __all__ = ["UPDATING_PREFIX", "Phase", "EngineUpdate", "AbortReport", "updating_
 UPDATING_PREFIX = "p2pweights-updating:"
 """An engine's weight version while an update to it has not completed."""
 
-_ALREADY_OPEN = "already open"  # sglang's refusal of a second begin_weight_update
-_NOT_OPEN = "no weight-update session is open"  # its refusal of end without begin
+_ALREADY_OPEN = ALREADY_OPEN.text  # sglang's refusal of a second begin_weight_update
+_NOT_OPEN = NOT_OPEN.text  # its refusal of end without begin
 
 
 def updating_version(version: str) -> str:
