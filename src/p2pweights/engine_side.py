@@ -1,0 +1,93 @@
+"""What an engine rank does around its update session, in one place for every engine kind.
+
+The p2pweights sglang plugin (hooks on sglang's ``WeightUpdater`` in every TP rank) and
+the local engine (its begin / end handlers) both keep one ``RankSide`` per model
+runner and call:
+
+- ``after_begin()`` once ``begin_weight_update`` ran: returns the record to publish
+  for this update session before any byte is written (no digests yet), so a record of
+  an earlier session is never read as this one's.
+- ``before_end(params)`` after the writes, right before ``end_weight_update``
+  re-processes the weights (sglang's postprocess may repack or move them): runs
+  ``BEFORE_END_STEPS`` in order on the rank's published parameters (name -> the tensor
+  the writers wrote) and returns the record to publish.
+
+A step takes the ``BeforeEnd`` context and may change the parameters' bytes (a step
+that applies a delta must come before the digest step) or add to ``record``. The
+record is JSON: ``{"update": n, "role": ..., "digests": {param: hex} | None,
+"error": str | None, ...}``, ``update`` counting this runner's sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BEFORE_END_STEPS", "BeforeEnd", "RankSide", "record_digests"]
+
+
+@dataclass
+class BeforeEnd:
+    """What the before-end steps of one engine rank's runner see, and what they publish."""
+
+    engine_rank: int
+    role: str
+    """The model runner: "target", or "draft"."""
+    params: Mapping[str, torch.Tensor]
+    """Published parameter name -> its tensor, where the writers wrote it."""
+    update: int
+    """This runner's update-session number (1 for the first ``begin``)."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """What the rank publishes once the steps ran (JSON-serializable)."""
+
+
+def record_digests(context: BeforeEnd) -> None:
+    """The digest of every published parameter, as the writes left it."""
+    from p2pweights.integrity.digest import digests
+
+    with torch.no_grad():
+        context.record["digests"] = digests(context.params)
+
+
+BEFORE_END_STEPS: list[Callable[[BeforeEnd], None]] = [record_digests]
+"""Run in order by ``RankSide.before_end``; the digest comes last (it sees the final bytes)."""
+
+
+class RankSide:
+    """One engine rank's model runner: its update-session count and before-end steps."""
+
+    def __init__(self, engine_rank: int, role: str = "target") -> None:
+        self.engine_rank = engine_rank
+        self.role = role
+        self.update = 0
+
+    def after_begin(self) -> dict[str, Any]:
+        """A new update session opened: the record that replaces the last one's."""
+        self.update += 1
+        return self._record(digests=None, error=None)
+
+    def before_end(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Run every before-end step; the record to publish. A step that raises is
+        recorded (``error``; no digests) and not raised: the caller is an engine whose
+        end must still run, and a writer that reads the record fails the update."""
+        context = BeforeEnd(self.engine_rank, self.role, params, self.update, self._record())
+        try:
+            for step in BEFORE_END_STEPS:
+                step(context)
+        except Exception as exc:
+            logger.exception(
+                "p2pweights: engine rank %d (%s): a before-end step failed",
+                self.engine_rank,
+                self.role,
+            )
+            context.record.update(digests=None, error=f"{type(exc).__name__}: {exc}")
+        return context.record
+
+    def _record(self, **fields: Any) -> dict[str, Any]:
+        return {"update": self.update, "role": self.role, "digests": None, "error": None, **fields}

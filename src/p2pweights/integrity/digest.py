@@ -1,0 +1,112 @@
+"""The digest of a region of bytes, computed alike by a sender and an engine rank, CPU or GPU.
+
+A region's bytes are read as little-endian int64 words (a tail of fewer than 8 bytes
+zero-padded into one more word) and summed into ``LANES`` lanes, word ``i`` into lane
+``i % LANES``, with int64 wrap-around. Integer sums are exact and do not depend on the
+order of the additions, so a CPU and a GPU, or a sum over one tensor and a sum over
+a batch of them, agree bit for bit. The lanes and the region's length are then hashed
+(BLAKE2b, 16 bytes) into the hex string both sides compare.
+
+It is one read of the bytes, and it changes when a write is missing (stale bytes),
+partial, lands at another offset (unless the bytes it replaced repeat with the
+shift's period, in each lane), or carries any changed word (a single word, or two
+words changed in different lanes, cannot cancel). It is not a cryptographic hash of
+the bytes: two regions made to collide would pass, which a transit check need not
+prevent. ``torch.hash_tensor`` is not used: it is an xor (equal words cancel in
+pairs) and newer than some torch releases p2pweights supports.
+
+Many small regions cost one kernel launch each when digested one by one; below
+``SMALL_BYTES`` they are concatenated (zero-padded to whole rows of ``LANES`` words)
+and summed per region from one cumulative sum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["LANES", "SMALL_BYTES", "digest", "digests", "lanes_hex"]
+
+LANES = 16
+"""Word ``i`` of a region is summed into lane ``i % LANES``."""
+_ROW_BYTES = LANES * 8
+SMALL_BYTES = 256 * 1024
+"""Regions below this are digested together (one launch per batch, not per region)."""
+
+
+def digest(region: torch.Tensor) -> str:
+    """The digest of ``region``'s bytes (any dtype, contiguous)."""
+    return digests({"": region})[""]
+
+
+def digests(regions: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Name -> digest of each region's bytes; one copy to the host for all of them."""
+    flat = {name: _as_bytes(t) for name, t in regions.items()}
+    lanes: dict[str, torch.Tensor] = {}
+    small: dict[torch.device, dict[str, torch.Tensor]] = {}
+    for name, data in flat.items():
+        if data.numel() < SMALL_BYTES:
+            small.setdefault(data.device, {})[name] = data
+        else:
+            lanes[name] = _lanes(data)
+    for batch in small.values():
+        lanes.update(_batched_lanes(batch))
+    if not lanes:
+        return {}
+    names = list(lanes)
+    on_host = torch.stack([lanes[n].to("cpu") for n in names])
+    return {name: lanes_hex(on_host[i], flat[name].numel()) for i, name in enumerate(names)}
+
+
+def lanes_hex(lanes: torch.Tensor, num_bytes: int) -> str:
+    """The hex digest of one region's ``LANES`` int64 sums and its length."""
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(lanes.contiguous().numpy().astype("<i8").tobytes())
+    hasher.update(num_bytes.to_bytes(8, "little"))
+    return hasher.hexdigest()
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a view where possible)."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _words(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``data`` (uint8) as int64 words: the whole rows of ``LANES`` words, and the rest
+    (zero-padded to one row). Views where the bytes are 8-aligned, else a copy."""
+    num_full = data.numel() // _ROW_BYTES * _ROW_BYTES
+    head = data[:num_full]
+    if head.numel() and head.data_ptr() % 8:
+        head = head.clone()
+    rest = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=data.device)
+    rest[: data.numel() - num_full] = data[num_full:]
+    return head.view(torch.int64).view(-1, LANES), rest.view(torch.int64)
+
+
+def _lanes(data: torch.Tensor) -> torch.Tensor:
+    rows, rest = _words(data)
+    return rows.sum(dim=0, dtype=torch.int64) + rest if rows.numel() else rest
+
+
+def _batched_lanes(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Lanes of many small regions of one device from one concatenation and cumsum."""
+    device = next(iter(batch.values())).device
+    zeros = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=device)
+    pieces, ends, end = [], [], 0
+    for data in batch.values():
+        pad = -data.numel() % _ROW_BYTES
+        pieces.append(data)
+        if pad:
+            pieces.append(zeros[:pad])
+        end += (data.numel() + pad) // _ROW_BYTES
+        ends.append(end)
+    rows = torch.cat(pieces).view(torch.int64).view(-1, LANES)
+    sums = torch.cat([torch.zeros(1, LANES, dtype=torch.int64, device=device), rows.cumsum(0)])
+    bounds = torch.tensor([0, *ends], device=device)
+    per_region = sums[bounds[1:]] - sums[bounds[:-1]]  # exact mod 2**64, like the sums
+    return {name: per_region[i] for i, name in enumerate(batch)}

@@ -1,0 +1,92 @@
+"""The write digest: equal bytes give equal digests (CPU, GPU, batched or not), and
+any changed, missing or shifted word changes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pweights.integrity.digest import LANES, SMALL_BYTES, digest, digests
+
+
+def _bytes(num_bytes: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=generator)
+
+
+SIZES = [1, 7, 8, 9, 127, 128, 129, 1000, SMALL_BYTES - 1, SMALL_BYTES, SMALL_BYTES + 13]
+
+
+@pytest.mark.parametrize("num_bytes", SIZES)
+def test_equal_bytes_equal_digests_whatever_the_dtype(num_bytes):
+    data = _bytes(num_bytes)
+    assert digest(data) == digest(data.clone())
+    if num_bytes % 2 == 0:
+        assert digest(data.view(torch.bfloat16)) == digest(data)
+
+
+@pytest.mark.parametrize("num_bytes", SIZES)
+def test_any_changed_word_changes_it(num_bytes):
+    data = _bytes(num_bytes)
+    before = digest(data)
+    for where in {0, num_bytes // 2, num_bytes - 1}:
+        changed = data.clone()
+        changed[where] ^= 0x40
+        assert digest(changed) != before, where
+
+
+def test_a_missing_write_changes_it():
+    data = _bytes(4096)
+    stale = data.clone()
+    stale[1024:2048] = 0  # those bytes never arrived
+    assert digest(stale) != digest(data)
+
+
+@pytest.mark.parametrize("shift", [1, 8, 8 * LANES, 256])
+def test_a_shifted_write_changes_it(shift):
+    data = _bytes(8192)
+    shifted = torch.zeros_like(data)
+    shifted[shift:] = data[:-shift]
+    assert digest(shifted) != digest(data)
+
+
+def test_a_partial_write_changes_it():
+    new, old = _bytes(100_000, seed=1), _bytes(100_000, seed=2)
+    partial = old.clone()
+    partial[:65536] = new[:65536]
+    assert digest(partial) != digest(new)
+
+
+def test_two_words_cannot_cancel_across_lanes():
+    data = torch.zeros(LANES * 8 * 4, dtype=torch.uint8)
+    words = data.view(torch.int64)
+    moved = data.clone()
+    moved.view(torch.int64)[0] += 5  # +5 in lane 0, -5 in lane 1: the sum of all is unchanged
+    moved.view(torch.int64)[1] -= 5
+    assert digest(moved) != digest(data)
+    assert words.sum() == moved.view(torch.int64).sum()
+
+
+def test_same_words_at_another_length_differ():
+    assert digest(torch.zeros(8, dtype=torch.uint8)) != digest(torch.zeros(16, dtype=torch.uint8))
+
+
+def test_batched_and_one_by_one_agree_and_unaligned_views_work():
+    base = _bytes(3 * SMALL_BYTES + 7)
+    regions = {
+        "small": base[:1000],
+        "odd": base[1001:1014],  # not 8-aligned
+        "large": base[5 : 5 + SMALL_BYTES + 77],  # large and not 8-aligned
+        "floats": torch.arange(33, dtype=torch.float32),
+    }
+    together = digests(regions)
+    assert together == {name: digest(t) for name, t in regions.items()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("num_bytes", SIZES)
+def test_cpu_and_gpu_agree(num_bytes):
+    data = _bytes(num_bytes)
+    assert digest(data.cuda()) == digest(data)
+    regions = {"a": data, "b": data[: num_bytes // 2 + 1]}
+    assert digests({n: t.cuda() for n, t in regions.items()}) == digests(regions)

@@ -1,0 +1,39 @@
+"""An engine rank's before-end steps: run in order on the written parameters, their
+record tied to the update session, a failing step recorded instead of raised."""
+
+from __future__ import annotations
+
+import torch
+
+from p2pweights import engine_side
+from p2pweights.engine_side import BeforeEnd, RankSide
+from p2pweights.integrity.digest import digest
+
+
+def test_each_session_gets_a_new_number_and_begin_clears_the_digests():
+    side = RankSide(3, "draft")
+    assert side.after_begin() == {"update": 1, "role": "draft", "digests": None, "error": None}
+    params = {"w": torch.arange(10, dtype=torch.float32)}
+    record = side.before_end(params)
+    assert record["update"] == 1 and record["digests"] == {"w": digest(params["w"])}
+    assert side.after_begin()["update"] == 2
+
+
+def test_a_step_that_changes_bytes_runs_before_the_digest(monkeypatch):
+    def add_one(context: BeforeEnd) -> None:
+        for tensor in context.params.values():
+            tensor.add_(1)
+
+    monkeypatch.setattr(engine_side, "BEFORE_END_STEPS", [add_one, engine_side.record_digests])
+    params = {"w": torch.zeros(4)}
+    record = RankSide(0).before_end(params)
+    assert record["digests"] == {"w": digest(torch.ones(4))}
+
+
+def test_a_failing_step_is_recorded_not_raised(monkeypatch):
+    def broken(context: BeforeEnd) -> None:
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(engine_side, "BEFORE_END_STEPS", [broken])
+    record = RankSide(0).before_end({"w": torch.zeros(1)})
+    assert record["digests"] is None and record["error"] == "RuntimeError: no memory"
