@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from p2pweights.engines import client as client_module
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import at_once
 from p2pweights.errors import EngineUnreachable
@@ -73,7 +74,7 @@ def test_a_call_without_an_answer_is_recorded_too():
 class _Counting(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
     connections = 0
-    together: threading.Barrier | None = None
+    answered: threading.Event
 
     def setup(self) -> None:
         type(self).connections += 1
@@ -82,14 +83,14 @@ class _Counting(BaseHTTPRequestHandler):
     def _answer(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         self.rfile.read(length)
-        if self.path == "/model_info" and self.together is not None:
-            self.together.wait(5)  # two checks in flight at once: two connections
         body = json.dumps({"success": True, "status": "ok", "weight_version": "1"}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        self.wfile.flush()
+        self.answered.set()
 
     do_GET = do_POST = _answer
 
@@ -99,7 +100,7 @@ class _Counting(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[type[_Counting]]:
-    handler = type("Handler", (_Counting,), {"connections": 0})
+    handler = type("Handler", (_Counting,), {"connections": 0, "answered": threading.Event()})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -109,10 +110,22 @@ def server() -> Iterator[type[_Counting]]:
     httpd.server_close()
 
 
-def test_the_reachability_check_readies_two_connections_the_update_reuses(server):
-    server.together = threading.Barrier(2)
+def test_the_reachability_check_readies_two_connections_the_update_reuses(server, monkeypatch):
+    def staggered(first, *others):
+        """The second check is sent only once the first was answered and had time to
+        return: it would take the first's connection unless the first holds it."""
+        worker = threading.Thread(target=first)
+        worker.start()
+        assert server.answered.wait(5)
+        worker.join(1.0)  # a first that holds its connection is still waiting here
+        for other in others:
+            other()
+        worker.join()
+
+    monkeypatch.setattr(client_module, "at_once", staggered)
     client = EngineClient(server.url, timeout_s=5.0)  # type: ignore[attr-defined]
     client.check_reachable(connections=2)
+    monkeypatch.undo()
     assert server.connections == 2
     client.pause_generation("abort")
     at_once(lambda: client.update_weight_version("p2pweights-updating:2"), client.flush_cache)
@@ -136,3 +149,10 @@ def test_one_connection_serves_calls_made_one_after_another(server):
     client.close()
     assert server.connections == 1
     assert sum(c.new_connection for c in client.calls.calls()) == 1
+
+
+def test_a_reachability_check_on_two_connections_fails_as_one_would():
+    client = EngineClient("http://127.0.0.1:9", timeout_s=5.0)
+    with pytest.raises(EngineUnreachable, match=r"127\.0\.0\.1:9: GET /model_info failed"):
+        client.check_reachable(connections=2)
+    assert [c.route for c in client.calls.calls()] == ["GET /model_info"] * 2

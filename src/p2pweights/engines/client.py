@@ -17,7 +17,9 @@ when it had to open one).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +32,9 @@ from p2pweights.engines.published import RankPublication, parse_publication
 from p2pweights.errors import EngineError, EngineUnreachable
 
 _FLUSH_RETRY_S = 0.2
+
+DIGESTS_ROLE = "p2pweights-digests"
+"""The ``role`` an engine rank's write-digest record is asked for and answered under."""
 
 
 class EngineClient:
@@ -71,12 +76,31 @@ class EngineClient:
         which the HTTP server answers itself: sglang's ``/health`` may run a generation,
         which a paused engine never finishes.
 
-        ``connections`` > 1 asks that many times at once, so as many kept-alive
-        connections are ready for calls made at once right after (best effort: a check
-        answered before the next is sent leaves its connection to that one)."""
+        ``connections`` > 1 asks that many times at once, each holding its answer (and so
+        its connection) until every ask has one: that many distinct kept-alive
+        connections are then ready for calls made at once right after."""
+        if connections <= 1:
+            self._json("GET", "/model_info", control=True)
+            return
+        together = threading.Barrier(connections)
 
         def ask() -> None:
-            self._json("GET", "/model_info", control=True)
+            try:
+                response = self._send("GET", "/model_info", control=True, stream=True)
+            except BaseException:
+                together.abort()  # the others go on; this one raises
+                raise
+            try:
+                if response.status_code != 200:
+                    together.abort()
+                    response.read()
+                    raise self._error("/model_info", response)
+                # broken: another ask failed (it raises) or came late; this one passed
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    together.wait(self._control_timeout_s)
+                response.read()  # read to its end, the connection is kept alive, not closed
+            finally:
+                response.close()
 
         at_once(*[ask] * connections)
 
@@ -116,6 +140,35 @@ class EngineClient:
                 f"p2pweights cannot write this engine's {role}"
             )
         return dataclasses.replace(parse_publication(self.url, rank, body), role=role)
+
+    def write_digests(
+        self, rank: int, runner: str = "target", bootstrap_port: int | None = None
+    ) -> dict[str, Any]:
+        """The record engine rank ``rank``'s ``runner`` took before its last
+        ``end_weight_update`` (``p2pweights.engine_side``: ``update``, ``digests``, ...).
+
+        Asked as ``?rank=R&role=p2pweights-digests`` (and ``&runner=draft`` for a draft).
+        sglang's own route forwards only the rank, so its answer is then the rank's
+        publication: with ``bootstrap_port`` the record is read from the engine's info
+        bootstrap server (where the p2pweights plugin PUTs it) on the engine's host.
+        """
+        params: dict[str, Any] = {"rank": rank, "role": DIGESTS_ROLE}
+        if runner != "target":
+            params["runner"] = runner
+        body = self._json("GET", "/remote_instance_transfer_engine_info", params=params)
+        if body.get("role") != DIGESTS_ROLE and bootstrap_port is not None:
+            host = httpx.URL(self.url).host
+            host = f"[{host}]" if ":" in host else host
+            url = f"http://{host}:{bootstrap_port}/get_transfer_engine_info"
+            body = self._json("GET", url, params=params)
+        record = body.get("remote_instance_transfer_engine_info")
+        if body.get("role") != DIGESTS_ROLE or not isinstance(record, dict):
+            raise EngineError(
+                f"engine {self.url} rank {rank}: serves no write digests (it answered no "
+                f"{DIGESTS_ROLE!r} record); run the engine with the p2pweights plugin, or "
+                f"SyncConfig(verify_writes='auto') to skip engines that do not serve them"
+            )
+        return record
 
     # -- the update session --------------------------------------------------------------------
 
@@ -158,8 +211,10 @@ class EngineClient:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _send(
-        self, method: str, route: str, *, control: bool = False, **kwargs: Any
+        self, method: str, route: str, *, control: bool = False, stream: bool = False, **kwargs: Any
     ) -> httpx.Response:
+        """One request; ``stream``: return once the headers came, the body unread and the
+        connection held until the caller closes the response."""
         timeout = self._control_timeout_s if control else self._timeout_s
         opened: list[bool] = []
 
@@ -169,9 +224,10 @@ class EngineClient:
 
         started = self._clock()
         try:
-            return self._http.request(
+            request = self._http.build_request(
                 method, route, timeout=timeout, extensions={"trace": trace}, **kwargs
             )
+            return self._http.send(request, stream=stream)
         except httpx.TimeoutException as exc:
             raise EngineUnreachable(
                 f"engine {self.url}: {method} {route} got no answer within {timeout:g} s "
