@@ -137,6 +137,15 @@ class SyncConfig(_Config):
     first whatever this says). False pauses them before the inputs are read."""
     check_weight_update_equal: bool = False
     """Ask each engine's weight checker to compare the first update with its own weights."""
+    verify_writes: Literal["auto", "always", "off"] = "auto"
+    """After ``end_weight_update``, compare each engine rank's digest of every parameter
+    this trainer rank wrote (taken by the rank right before its end re-processes the
+    weights) with the digest of the bytes staged for it; a mismatch fails the update and
+    leaves that engine paused, torn, until an update passes. "auto": every engine that
+    serves digests (the local engine, sglang with the p2pweights plugin); the others
+    (released sglang's own Mooncake publication) are skipped with one log line each.
+    "always": such an engine is refused at ``connect``. "off": no digests. See
+    docs/reliability.md ("Verified writes") for what it costs."""
     check_finite: bool = False
     """Refuse, before it is staged, any tensor holding NaN or Inf (reads every byte once
     more, on the tensor's own device; off by default)."""

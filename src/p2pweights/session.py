@@ -12,6 +12,8 @@ One update, as sglang expects it, each step acting only on engines that need it
             -> update_weight_version("p2pweights-updating:<v>")
     write:  every engine rank's bytes
     close:  end_weight_update
+    verify: each rank's digests of its staged writes against the engine ranks' own
+            (``SyncConfig.verify_writes``; ``p2pweights.integrity``)
     check:  weights_checker compare (first update, when asked)
     finish: update_weight_version("<v>") -> continue_generation
 
@@ -49,8 +51,9 @@ from p2pweights.config import SyncConfig
 from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet
-from p2pweights.engines.update_session import AbortReport, EngineUpdate
+from p2pweights.engines.update_session import AbortReport, EngineUpdate, updating_version
 from p2pweights.errors import ConfigError, TransferError
+from p2pweights.integrity.check import Mismatch, WriteCheck
 from p2pweights.plan.byte_plan import BytePlan
 from p2pweights.plan.prepare import (
     Prepared,
@@ -122,6 +125,8 @@ class WeightSyncSession:
         self._staging_device = staging_device_for(self.config.transport, staging_device)
         self._executor: TransferExecutor | None = None
         self._fleet = Fleet([])
+        self._write_check = WriteCheck()
+        """The engines whose writes are verified after each update's end."""
         self._replicas: dict[Hashable, ReplicaHandle] = {}
         self._targets: Targets = {}
         self._expected: list[tuple[ExpectedCheckpoint, torch.dtype | None]] = []
@@ -229,6 +234,7 @@ class WeightSyncSession:
                 self._executor.disconnect()
             raise
         try:
+            write_check = WriteCheck.connect(fleet.engines, config.verify_writes)
             if self._executor is None:
                 transport = create_transport(config.transport)
                 self._executor = TransferExecutor(
@@ -252,7 +258,7 @@ class WeightSyncSession:
             if before is not None:
                 engine.update.take_over(before)
                 before.client.close()
-        self._fleet, self._targets = fleet, targets
+        self._fleet, self._targets, self._write_check = fleet, targets, write_check
         self._expected = engine_checkpoints(fleet.engines)
         self._next_version = max(self._next_version, fleet.next_numeric_version())
         logger.info(
@@ -349,6 +355,11 @@ class WeightSyncSession:
             self._fleet.writes_landed(lambda url: True)  # every rank's writes landed
         with _timed(stages, "control_plane"):
             self._collective.step("close", self._close)
+        if self._write_check:
+            with _timed(stages, "verify_writes"):
+                self._verify_writes(version, result)
+            stages["digest"] = result.digest_s
+            stages["engine_digest"] = self._write_check.engine_digest_s
         if self.config.check_weight_update_equal and not self._checked:
             with _timed(stages, "verify"):
                 self._collective.step("check", self._check)
@@ -484,7 +495,12 @@ class WeightSyncSession:
                 prepared.plan,
                 prepared.source.ready(tensors, prepared.plan, checked=checked),
                 self._replicas,
-                RunHooks(progress=advance, before_writes=before_writes, cancel=self._cancel),
+                RunHooks(
+                    progress=advance,
+                    before_writes=before_writes,
+                    cancel=self._cancel,
+                    digest_staged=bool(self._write_check),
+                ),
             )
         self._last_run = result
         result.raise_if_failed()
@@ -520,6 +536,26 @@ class WeightSyncSession:
     def _close(self) -> None:
         if self._leader:
             self._fleet.close()
+
+    def _verify_writes(self, version: str, result: RunResult) -> None:
+        """Every rank compares the digests its engine ranks took before their end with
+        those of the bytes it staged for them, and all agree. An engine found wrong stays
+        torn (``incomplete``, ``check_failed``); where another rank failed, every
+        checked engine does (rank 0 cannot know which it found wrong)."""
+        found: list[Mismatch] = []
+
+        def check() -> None:
+            found.extend(self._write_check.check(result.digests, updating_version(version)))
+            WriteCheck.raise_if_wrong(found)
+
+        try:
+            self._collective.step("verify_writes", check)
+        except BaseException:
+            if self._leader:
+                alone = self.config.num_senders == 1 and bool(found)
+                wrong = {m.runner[0] for m in found} if alone else set(self._write_check.engines)
+                self._fleet.writes_wrong(wrong)
+            raise
 
     def _check(self) -> None:
         if self._leader:
@@ -588,7 +624,7 @@ class WeightSyncSession:
         """Forget the engines and the plan. The executor keeps its buffers and, until the
         next ``connect`` replaces them (or ``close`` drops them), its connections."""
         self._fleet.close_clients()
-        self._targets, self._prepared = {}, None
+        self._targets, self._prepared, self._write_check = {}, None, WriteCheck()
         # the weight check stays done: it compares the session's first update with the
         # engines' start weights; a reconnect's next update sends trained weights
 

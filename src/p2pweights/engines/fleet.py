@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,6 +251,12 @@ class Fleet:
     def compare(self) -> None:
         """The engines' own weight check of this update against their snapshot."""
         self.each(lambda e: e.update.compare())
+
+    def writes_wrong(self, urls: Collection[str]) -> None:
+        """These engines' write check failed: they stay torn (``EngineUpdate.writes_wrong``)."""
+        for engine in self.engines:
+            if engine.url in urls:
+                engine.update.writes_wrong()
 
     def finish(self, version: str) -> None:
         """Give every engine the new version and resume it."""

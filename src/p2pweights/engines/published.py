@@ -20,6 +20,10 @@ processing replaced a parameter's storage (sglang's CPU AMX weight packing does,
 every load). Writers re-read a live publication once its engine's update session is
 open, before any write (``WeightSyncSession``). sglang's own Mooncake publication is
 taken once at start-up and never says ``live``.
+
+A dict publication saying ``"write_digests": true`` comes from an engine rank that
+records, before every ``end_weight_update``, a digest of each published parameter
+(``p2pweights.engine_side``), read with ``EngineClient.write_digests``.
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ class RankPublication:
     """The publisher publishes afresh when the engine moves a parameter (see above)."""
     epoch: int = 0
     """How many times a live publisher has published afresh."""
+    write_digests: bool = False
+    """The rank records write digests before each ``end_weight_update`` (see above)."""
 
     @property
     def where(self) -> str:
@@ -118,6 +124,7 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
         backend = info.get("backend", "mooncake")
         table = info["weights_info_dict"]
         live, epoch = bool(info.get("live", False)), int(info.get("epoch", 0))
+        digests = bool(info.get("write_digests", False))
         if backend == "mooncake":
             return RankPublication(
                 engine_url,
@@ -127,6 +134,7 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
                 session_id=str(info["session_id"]),
                 live=live,
                 epoch=epoch,
+                write_digests=digests,
             )
         if backend == "nixl":
             return RankPublication(
@@ -139,6 +147,7 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
                 mem_type=info.get("mem_type"),
                 live=live,
                 epoch=epoch,
+                write_digests=digests,
             )
         if backend == "cuda_ipc":
             return RankPublication(
@@ -151,6 +160,7 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
                 segments=tuple(_segment(s) for s in info["segments"]),
                 live=live,
                 epoch=epoch,
+                write_digests=digests,
             )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EngineError(

@@ -201,6 +201,11 @@ class EngineUpdate:
             raise
         self.check_failed = False
 
+    def writes_wrong(self) -> None:
+        """The engine's digests of this update's writes disagreed with what was staged
+        (or could not be read): torn, and not resumed on its own until an update passes."""
+        self.incomplete = self.check_failed = True
+
     def finish(self, version: str) -> None:
         """Show the new version and resume generation (the weights are whole).
 

@@ -42,6 +42,7 @@ import torch
 
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError, UnsettledWrite
+from p2pweights.integrity.staged import file_digests
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
 from p2pweights.transfer.intra_op import one_intra_op_thread
@@ -76,6 +77,8 @@ class RunHooks:
     writes nothing); a plan it returns replaces the run's plan for every later write."""
     cancel: threading.Event | None = None
     """Once set, the run raises ``TransferError`` at its next group or flush."""
+    digest_staged: bool = False
+    """Digest every staged slot (``RunResult.digests``) for the engines' write check."""
 
 
 _MAX_FAILURES_NAMED = 4
@@ -90,6 +93,10 @@ class RunResult:
     wait_s: float = 0.0
     num_flushes: int = 0
     failures: dict[TargetKey, BaseException] = field(default_factory=dict)
+    digests: dict[tuple[str, int, str], dict[str, str]] = field(default_factory=dict)
+    """With ``RunHooks.digest_staged``: runner -> parameter -> digest of the bytes staged
+    for it (direct loads stage nothing, and are not listed)."""
+    digest_s: float = 0.0
 
     @property
     def bytes_written(self) -> int:
@@ -435,12 +442,15 @@ class _Run:
         self.result.load_s += time.perf_counter() - started
         self._open()  # the first write, or load into an engine's memory, comes next
         index = self._buffers.current_index
+        placed = self._placed
         for batch in self._batches(buffer):
             if self._failed.get(batch.key) is not None:
                 continue  # this rank already failed; the others carry on
             future = self._writers[batch.key].submit(batch, self._failed)
             self._pending[index].append((future, batch))
             self.result.bytes_by_target[batch.key] += batch.num_bytes
+        if self._hooks.digest_staged:  # while the writers send the same bytes
+            self._digest(buffer, placed)
         self._load_direct()  # while the writers send the staged bytes
         self.result.num_flushes += 1
         buffer = self._buffers.swap()
@@ -449,6 +459,19 @@ class _Run:
             self._settle(buffer)  # never refilled while a write given up on may still read it
         buffer.used_bytes = 0
         return buffer
+
+    def _digest(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> None:
+        """Each staged slot's digest, filed under every runner it is written to."""
+        started = time.perf_counter()
+        file_digests(
+            (
+                (slot.param, buffer.view(p.base + slot.offset, slot.num_bytes), p.targets)
+                for p in placed
+                for slot in p.group.slots
+            ),
+            self.result.digests,
+        )
+        self.result.digest_s += time.perf_counter() - started
 
     def _settle(self, buffer: StagingBuffer) -> None:
         """Every write given up on that reads ``buffer`` must settle within

@@ -1,0 +1,151 @@
+"""Verified writes against fake engines that record digests as the local engine and the
+plugin do (``p2pweights.engine_side``): a byte changed after the writes fails the update
+and leaves that engine torn and paused, abort keeps it so, the next update converges.
+
+The fakes are test_session_sequence's (sglang's update rules, a fake transport that
+copies bytes); only the engine's digest record is added here."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from test_session_sequence import (  # the fake engines, client, replica and transport
+    FakeClient,
+    FakeEngine,
+    FakeHandle,
+    FakeTransport,
+    _holds,
+    _tensors,
+)
+
+from p2pweights import SyncConfig, TransferError, WeightSyncSession
+from p2pweights import session as session_module
+from p2pweights.engine_side import RankSide
+from p2pweights.engines import fleet as fleet_module
+from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.errors import EngineError
+from p2pweights.plan import prepare as prepare_module
+
+
+@dataclass
+class DigestEngine(FakeEngine):
+    """A fake engine whose rank records digests around its update session."""
+
+    side: RankSide | None = None
+    corrupt_at_end: str | None = None
+    """A parameter one byte of which changes after the writes, before the digest (one-shot)."""
+    record: dict | None = None
+
+    def begin(self) -> None:
+        super().begin()
+        self.side = self.side or RankSide(0)
+        self.record = self.side.after_begin() | {"weight_version": self.version}
+
+    def end(self) -> None:
+        if self.open and self.corrupt_at_end is not None:
+            self.memory[self.corrupt_at_end][100] ^= 1
+            self.corrupt_at_end = None
+        if self.open:
+            assert self.side is not None
+            self.record = self.side.before_end(self.memory) | {"weight_version": self.version}
+        super().end()
+
+
+class DigestClient(FakeClient):
+    def server_info(self):
+        return {**super().server_info(), "p2pweights_write_digests": True}
+
+    def write_digests(self, rank, runner="target", bootstrap_port=None):
+        return self.engine.call("digests", lambda: dict(self.engine.record or {}))
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    engines: dict[str, FakeEngine] = {}
+
+    def client_for(url, **kwargs):
+        engine = engines.setdefault(url, DigestEngine(url))
+        return (DigestClient if isinstance(engine, DigestEngine) else FakeClient)(engine)
+
+    monkeypatch.setattr(fleet_module, "EngineClient", client_for)
+    monkeypatch.setattr(session_module, "replica_for", lambda *a: FakeHandle())
+    monkeypatch.setattr(session_module, "create_transport", lambda config: FakeTransport(engines))
+    monkeypatch.setattr(session_module, "check_against_checkpoints", lambda specs, expected: None)
+    monkeypatch.setattr(prepare_module, "config_path", lambda info, path: Path("/x/config.json"))
+    monkeypatch.setattr(prepare_module, "expected_checkpoint", lambda folder: None)
+    monkeypatch.setattr(fleet_module, "check_sglang_version", lambda *a: None)
+    return engines
+
+
+CONFIG = SyncConfig(buffer_bytes="1MiB")
+
+
+def test_verified_by_default_and_the_report_says_what_it_cost(engines):
+    assert SyncConfig().verify_writes == "auto"
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        report = session.update(_tensors(5))
+    engine = engines["http://e0"]
+    assert engine.events.count("digests") == 1 and _holds(engine, 5) and engine.running
+    assert {"digest", "verify_writes", "engine_digest"} <= report.stage_seconds.keys()
+
+
+def test_a_byte_changed_after_the_writes_fails_the_update_and_leaves_that_engine_torn(engines):
+    bad = engines.setdefault("http://bad", DigestEngine("http://bad", corrupt_at_end="o"))
+    good = engines.setdefault("http://good", DigestEngine("http://good"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://bad", "http://good"])
+        with pytest.raises(TransferError, match=r"engine http://bad rank 0: 1 of 2 .*'o'"):
+            session.update(_tensors(3))
+        assert bad.paused and bad.version == f"{UPDATING_PREFIX}1" and not bad.open
+        report = session.abort()
+        assert report.left_paused == ["http://bad"]
+        assert bad.paused and bad.version == f"{UPDATING_PREFIX}1"
+        assert good.running and good.version == "1" and _holds(good, 3)
+        session.update(_tensors(4))  # the retry rewrites it whole, verifies and resumes it
+    assert bad.running and _holds(bad, 4) and bad.version == good.version
+    assert bad.violations == [] and good.violations == []
+
+
+def test_digests_of_an_earlier_end_are_never_compared(engines):
+    engine = engines.setdefault("http://e0", DigestEngine("http://e0"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+        # the next end records nothing (its before-end step did not run): the record the
+        # session reads is the one begin cleared, whatever the bytes hold
+        original_end = engine.end
+        engine.end = lambda: FakeEngine.end(engine)  # type: ignore[method-assign]
+        with pytest.raises(TransferError, match="no write digests for this update"):
+            session.update(_tensors(1))
+        engine.end = original_end  # type: ignore[method-assign]
+        session.update(_tensors(2))
+    assert engine.running and _holds(engine, 2)
+
+
+def test_engines_without_digests_are_skipped_on_auto_and_refused_on_always(engines, caplog):
+    caplog.set_level(logging.INFO, logger="p2pweights.integrity.check")
+    plain = engines.setdefault("http://plain", FakeEngine("http://plain"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://plain"])
+        report = session.update(_tensors(2))
+    assert _holds(plain, 2) and "digest" not in report.stage_seconds
+    assert "records no write digests" in caplog.text
+    always = SyncConfig(buffer_bytes="1MiB", verify_writes="always")
+    with (
+        WeightSyncSession(always) as session,
+        pytest.raises(EngineError, match="http://plain records no write digests"),
+    ):
+        session.connect(["http://plain"])
+    assert plain.running
+
+
+def test_off_reads_no_digests(engines):
+    engine = engines.setdefault("http://e0", DigestEngine("http://e0", corrupt_at_end="qkv"))
+    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB", verify_writes="off")) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(2))  # the changed byte goes unnoticed
+    assert "digests" not in engine.events and engine.running
