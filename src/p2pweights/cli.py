@@ -100,6 +100,7 @@ def _plan(args: argparse.Namespace) -> int:
                 num_stages=args.stages,
                 links=links,
                 pipeline=pipeline,
+                delta_fraction=args.delta_fraction,
             )
     except (ConfigError, ValueError) as exc:
         print(f"p2pweights plan: {exc}", file=sys.stderr)
@@ -157,6 +158,13 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         help="engine-side work in end_weight_update (e.g. 0.884 for Kimi-K2 fp8, the seed's)",
+    )
+    plan.add_argument(
+        "--delta-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="also cost the update as a delta with this fraction of values changed (0.02)",
     )
     plan.add_argument("--json", action="store_true", help="the plan as JSON")
     plan.set_defaults(run=_plan)

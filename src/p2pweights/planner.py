@@ -130,8 +130,10 @@ def build_cluster_plan(
     num_stages: int = 1,
     links: LinkModel | None = None,
     pipeline: PipelineModel | None = None,
+    delta_fraction: float | None = None,
 ) -> ClusterPlan:
-    """The plan of one update of ``model`` into engines of ``specs`` (replicas on meta)."""
+    """The plan of one update of ``model`` into engines of ``specs`` (replicas on meta);
+    with ``delta_fraction``, also as a delta update at that fraction of values changed."""
     import json
 
     from p2pweights.source.expected import expected_checkpoint
@@ -159,6 +161,7 @@ def build_cluster_plan(
         broadcast_bytes_by_stage=_checkpoint_bytes(checkpoint, num_layers, num_stages),
         links=links,
         pipeline=pipeline,
+        delta_fraction=delta_fraction,
     )
 
 
@@ -219,9 +222,14 @@ class _RankLoads:
             )
             spec = RankSpec.from_server_info(server_info, rank)
             inputs = self._inputs(spec)
+            by_itemsize: list[dict[int, int]] = [{} for _ in range(self._num_stages)]
+            for layout, stage in zip(written.values(), stages, strict=True):
+                size = layout.dtype.itemsize
+                by_itemsize[stage][size] = by_itemsize[stage].get(size, 0) + layout.num_bytes
             load = self._done[handle.key] = RankLoad(
                 layout_key=handle.key,
                 bytes_by_stage=tuple(per_stage),
+                bytes_by_itemsize_by_stage=tuple(by_itemsize),
                 loader_inputs_by_stage=inputs.loader_calls,
                 quantized_by_stage=inputs.quantized,
             )

@@ -15,6 +15,7 @@ from p2pweights.plan.cost import (
     ReceiverLoad,
     SenderLoad,
     broadcast_lower_bound,
+    delta_bytes,
     p2p_lower_bound,
     predict,
 )
@@ -200,3 +201,68 @@ def test_engine_specs(text, layout, server_args, count):
 def test_bad_engine_specs(text, match):
     with pytest.raises(ConfigError, match=match):
         parse_engine_spec(text)
+
+
+def test_delta_bytes_per_changed_element_capped_at_full():
+    # bf16: an int32 index and a 2-byte value per changed element
+    assert delta_bytes({2: 100 * 10**9}, 0.02) == 6 * 10**9
+    # fp8 weights with fp32 scales: 5 and 8 bytes per changed element
+    assert delta_bytes({1: 10**9, 4: 4 * 10**6}, 0.1) == 5 * 10**8 + 8 * 10**5
+    # past a third of bf16 values changed, the full bytes are smaller
+    assert delta_bytes({2: 10**9}, 0.5) == 10**9
+    assert delta_bytes({2: 10**9}, 0.0) == 0
+
+
+def test_delta_plan_beside_the_full_one():
+    engines = [
+        EngineLoad(
+            layout={"tp": 2},
+            ranks=tuple(
+                RankLoad(
+                    layout_key=("a", r),
+                    bytes_by_stage=(4 * 10**9,),
+                    bytes_by_itemsize_by_stage=({2: 4 * 10**9},),
+                )
+                for r in range(2)
+            ),
+        )
+    ]
+    full = plan_cluster(engines, num_senders=2, broadcast_bytes_by_stage=[8 * 10**9])
+    assert full.delta is None and "delta" not in full.to_json()
+    plan = plan_cluster(
+        engines, num_senders=2, broadcast_bytes_by_stage=[8 * 10**9], delta_fraction=0.1
+    )
+    delta = plan.delta
+    assert delta is not None and delta.fraction == 0.1
+    assert delta.p2p_bytes == 2 * int(0.1 * 2 * 10**9) * 6  # 10 % of 2e9 elements, 6 B each
+    # host staging still stages every byte: its host link, not the NIC, is the bound
+    assert delta.p2p_bound.link == "sender 0 host link (staging)"
+    assert delta.p2p_bound.seconds == pytest.approx(4 / 55)
+    on_gpu = plan_cluster(
+        engines,
+        num_senders=2,
+        broadcast_bytes_by_stage=[8 * 10**9],
+        links=LinkModel(staging="device"),
+        delta_fraction=0.1,
+    ).delta
+    assert on_gpu is not None and on_gpu.p2p_bound.seconds == pytest.approx(1.2 / 50)
+    # the sender still loads every byte, and compares it with the previous update's
+    assert delta.prediction.write_s == pytest.approx(1.2 / 50)
+    assert delta.prediction.load_s > plan.prediction.load_s
+    out = plan.to_json()["delta"]
+    assert out["fraction"] == 0.1 and out["p2p_bytes"] == delta.p2p_bytes
+    assert out["bytes_fraction"] == pytest.approx(0.3)
+    assert "delta update at 10 % changed" in plan.render()
+    with pytest.raises(ConfigError, match="delta fraction"):
+        plan_cluster(engines, num_senders=2, broadcast_bytes_by_stage=[1], delta_fraction=1.5)
+
+
+def test_delta_compare_cost_in_the_load_stage():
+    pipeline = PipelineModel(delta_host_gbps=2.0, delta_device_gbps=500.0)
+    sender = SenderLoad(rank=0, write_bytes=10**9, load_bytes=10**10, compared_bytes=10**10)
+    plain = SenderLoad(rank=0, write_bytes=10**9, load_bytes=10**10)
+    host = predict([sender], [], 1, LinkModel(), pipeline).load_s
+    assert host - predict([plain], [], 1, LinkModel(), pipeline).load_s == pytest.approx(5.0)
+    dev = LinkModel(staging="device")
+    gpu = predict([sender], [], 1, dev, pipeline).load_s
+    assert gpu - predict([plain], [], 1, dev, pipeline).load_s == pytest.approx(0.02)

@@ -113,3 +113,38 @@ def test_a_sender_quantizes_each_tensor_once_for_all_its_ranks() -> None:
     # one EP rank reads its own experts only: fewer tensors than the whole checkpoint's
     ep_rank, _ = quantized("tp=2,ep=2", senders=2)
     assert ep_rank[0] < whole[0]
+
+
+def test_delta_fraction_beside_the_full_update(tmp_path):
+    """fp8 weights send 5 bytes per changed element, their float32 scales 8, the rest
+    (bf16) 6: the delta's bytes follow each rank's replica dtypes."""
+    from p2pweights.planner import build_cluster_plan, parse_engine_spec
+
+    engines = [parse_engine_spec("tp=2")]
+    plan = build_cluster_plan("deepseek-v3-fp8-tiny", engines, num_senders=1, delta_fraction=0.02)
+    assert plan.delta is not None
+    by_size: dict[int, int] = {}
+    for engine in plan.engines:
+        for rank in engine.ranks:
+            assert rank.bytes_by_itemsize_by_stage is not None
+            assert sum(rank.bytes_by_itemsize_by_stage[0].values()) == rank.num_bytes
+            for size, num in rank.bytes_by_itemsize_by_stage[0].items():
+                by_size[size] = by_size.get(size, 0) + num
+    assert {1, 2, 4} <= set(by_size)  # fp8 weights, bf16 tensors, fp32 scales
+    expected = sum(round(0.02 * (n // s)) * (4 + s) for s, n in by_size.items())
+    assert abs(plan.delta.p2p_bytes - expected) <= 16  # rounding per rank and dtype
+    done = _plan(
+        "--model",
+        "qwen3-tiny",
+        "--engine",
+        "tp=2",
+        "--senders",
+        "1",
+        "--delta-fraction",
+        "0.1",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["delta"]["fraction"] == 0.1
+    assert out["delta"]["bytes_fraction"] == pytest.approx(0.3, rel=0.01)

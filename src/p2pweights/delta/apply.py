@@ -106,7 +106,8 @@ def _check_header(header: PayloadHeader, payload: torch.Tensor, last: int, where
 
 
 def _offsets(header: PayloadHeader, payload: torch.Tensor, where: str) -> list[int]:
-    offsets, offset = [], HEADER_BYTES
+    offsets: list[int] = []
+    offset = HEADER_BYTES
     for _ in range(header.num_entries):
         if offset + ENTRY_HEADER_BYTES > header.payload_bytes:
             raise TransferError(

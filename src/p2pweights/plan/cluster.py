@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2pweights.errors import ConfigError
@@ -28,6 +28,7 @@ from p2pweights.plan.cost import (
     ReceiverLoad,
     SenderLoad,
     broadcast_lower_bound,
+    delta_bytes,
     p2p_lower_bound,
     predict,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "EngineLoad",
     "SenderPlan",
     "ClusterPlan",
+    "DeltaPlan",
     "plan_cluster",
     "pipeline_stage_of",
 ]
@@ -80,9 +82,23 @@ class RankLoad:
     quantizes one bounding box (ranks 0 and 3 of 4: the whole, charged a half; a TP 2
     and a TP 4 layout overlap: charged more than it does)."""
 
+    bytes_by_itemsize_by_stage: tuple[Mapping[int, int], ...] | None = None
+    """The same bytes by element size (2: bf16; 1: fp8 weights; 4: their float32 scales),
+    per stage: what a delta update sends of them (None: all bf16)."""
+
     @property
     def num_bytes(self) -> int:
         return sum(self.bytes_by_stage)
+
+    def delta_bytes_all(self, fraction: float) -> int:
+        """Bytes a delta update writes to this rank, every stage."""
+        return sum(self.delta_bytes(stage, fraction) for stage in range(len(self.bytes_by_stage)))
+
+    def delta_bytes(self, stage: int, fraction: float) -> int:
+        """Bytes a delta update writes to this rank in ``stage`` at ``fraction`` changed."""
+        if self.bytes_by_itemsize_by_stage is None:
+            return delta_bytes({2: self.bytes_by_stage[stage]}, fraction)
+        return delta_bytes(self.bytes_by_itemsize_by_stage[stage], fraction)
 
     def loader_inputs(self, stage: int) -> int:
         return 0 if self.loader_inputs_by_stage is None else self.loader_inputs_by_stage[stage]
@@ -111,6 +127,41 @@ class SenderPlan:
 
 
 @dataclass(frozen=True)
+class DeltaPlan:
+    """The same update sent as a delta, at ``fraction`` of the engines' values changed:
+    the same assignment; each sender still loads every byte and compares it with the
+    previous update's, and writes only the changed elements (index and value each)."""
+
+    fraction: float
+    p2p_bytes: int
+    full_bytes: int
+    p2p_bound: Bound
+    prediction: Prediction
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fraction": self.fraction,
+            "p2p_bytes": self.p2p_bytes,
+            "bytes_fraction": self.p2p_bytes / self.full_bytes if self.full_bytes else 0.0,
+            "lower_bound_s": self.p2p_bound.seconds,
+            "busiest_link": _link_json(self.p2p_bound),
+            "predicted_s": self.prediction.as_dict(),
+        }
+
+    def render(self, full: ClusterPlan) -> list[str]:
+        share = self.p2p_bytes / self.full_bytes if self.full_bytes else 0.0
+        p = self.prediction
+        return [
+            f"delta update at {100 * self.fraction:g} % changed: p2p {_gb(self.p2p_bytes)} "
+            f"({100 * share:.1f} % of the full update's), lower bound "
+            f"{self.p2p_bound.seconds:.3g} s ({_describe(self.p2p_bound)})",
+            f"predicted delta update: {p.seconds:.3g} s (full: {full.prediction.seconds:.3g}) "
+            f"= transfer {p.transfer_s:.3g} ({p.slowest}; load and compare {p.load_s:.3g}, "
+            f"write {p.write_s:.3g}) + control {p.control_s:.3g} + engine {p.engine_s:.3g}",
+        ]
+
+
+@dataclass(frozen=True)
 class ClusterPlan:
     """The assignment, the bytes, the bounds and the prediction of one update."""
 
@@ -125,6 +176,8 @@ class ClusterPlan:
     p2p_bound: Bound
     broadcast_bound: Bound
     prediction: Prediction
+    delta: DeltaPlan | None = None
+    """The same update as a delta (``plan_cluster(delta_fraction=...)``)."""
 
     @property
     def p2p_bytes(self) -> int:
@@ -148,7 +201,7 @@ class ClusterPlan:
             writers = self.writers[key]
             return writers[0] if self.num_stages == 1 else list(writers)
 
-        return {
+        out = {
             "engines": [
                 {
                     "layout": dict(engine.layout),
@@ -183,6 +236,9 @@ class ClusterPlan:
             "link_model": self.links.as_dict(),
             "pipeline_model": self.pipeline.as_dict(),
         }
+        if self.delta is not None:
+            out["delta"] = self.delta.to_json()
+        return out
 
     def render(self) -> str:
         """The plan for a terminal: assignment, bytes, bounds, prediction."""
@@ -224,6 +280,8 @@ class ClusterPlan:
             f"staging in {self.links.staging} memory; NIC {self.links.nic_gbps:g} GB/s, host "
             f"{self.links.host_gbps:g} GB/s, NVLink {self.links.nvlink_gbps:g} GB/s per GPU",
         ]
+        if self.delta is not None:
+            lines += self.delta.render(self)
         return "\n".join(lines)
 
 
@@ -255,12 +313,16 @@ def plan_cluster(
     broadcast_bytes_by_stage: Sequence[int],
     links: LinkModel | None = None,
     pipeline: PipelineModel | None = None,
+    delta_fraction: float | None = None,
 ) -> ClusterPlan:
     """Assign every engine rank a writer per stage and cost the update.
 
     ``num_senders`` counts the sending trainer ranks of every stage (each stage has
-    ``num_senders / num_stages``, as ``SyncConfig.num_senders``).
+    ``num_senders / num_stages``, as ``SyncConfig.num_senders``). With ``delta_fraction``
+    the same update is also costed as a delta at that fraction of values changed.
     """
+    if delta_fraction is not None and not 0 <= delta_fraction <= 1:
+        raise ConfigError(f"the delta fraction must be in [0, 1], got {delta_fraction}")
     if not engines:
         raise ConfigError("plan at least one engine")
     if num_stages < 1 or num_senders < num_stages or num_senders % num_stages:
@@ -310,6 +372,11 @@ def plan_cluster(
         for (e, r), rank in ranks.items()
     ]
     sender_loads = [s.load for s in senders]
+    delta = None
+    if delta_fraction is not None:
+        delta = _delta_plan(
+            delta_fraction, ranks, senders, receivers, len(engines), links, pipeline
+        )
     return ClusterPlan(
         engines=tuple(engines),
         num_stages=num_stages,
@@ -321,4 +388,37 @@ def plan_cluster(
         p2p_bound=p2p_lower_bound(sender_loads, receivers, links),
         broadcast_bound=broadcast_lower_bound(broadcast_bytes_by_stage, len(receivers), links),
         prediction=predict(sender_loads, receivers, len(engines), links, pipeline),
+        delta=delta,
+    )
+
+
+def _delta_plan(
+    fraction: float,
+    ranks: Mapping[tuple[int, int], RankLoad],
+    senders: Sequence[SenderPlan],
+    receivers: Sequence[ReceiverLoad],
+    num_engines: int,
+    links: LinkModel,
+    pipeline: PipelineModel,
+) -> DeltaPlan:
+    """The assignment's senders writing deltas: every byte loaded and compared, only the
+    changed elements written."""
+    loads = [
+        replace(
+            s.load,
+            write_bytes=sum(ranks[key].delta_bytes(s.stage, fraction) for key in s.targets),
+            compared_bytes=s.load.load_bytes,
+        )
+        for s in senders
+    ]
+    delta_receivers = [
+        ReceiverLoad(name=r.name, num_bytes=ranks[key].delta_bytes_all(fraction))
+        for r, key in zip(receivers, ranks, strict=True)
+    ]
+    return DeltaPlan(
+        fraction=fraction,
+        p2p_bytes=sum(r.num_bytes for r in delta_receivers),
+        full_bytes=sum(r.num_bytes for r in receivers),
+        p2p_bound=p2p_lower_bound(loads, delta_receivers, links),
+        prediction=predict(loads, delta_receivers, num_engines, links, pipeline),
     )

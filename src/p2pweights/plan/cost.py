@@ -22,7 +22,7 @@ pipeline stage's source GPU sends its stage's bytes once.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ __all__ = [
     "ReceiverLoad",
     "SenderLoad",
     "broadcast_lower_bound",
+    "delta_bytes",
     "p2p_lower_bound",
     "predict",
 ]
@@ -141,6 +142,14 @@ class PipelineModel:
     control_calls: int = 7
     control_parallel: int = 16
     """Engines whose update-session calls run at once (``engines.fleet.concurrently``)."""
+    delta_host_gbps: float = 1.0
+    """Delta updates with host staging: GB/s of staged bytes compared with the previous
+    update's and copied over them (``delta.store``: ``torch.ne``, ``nonzero``, the
+    changed values gathered, the copy), on the CPU (PLACEHOLDER)."""
+    delta_device_gbps: float = 1000.0
+    """The same with device staging, on the GPU: an estimate, not measured (the compare
+    and the copy read the bytes three times and write them once; H200 HBM moves about
+    4,800 GB/s)."""
     engine_finish_s: float = 0.0
     """Engine-side work inside ``end_weight_update`` beyond one call (sglang's
     ``post_load_weights`` and ``process_weights_after_loading``); not measured here. The
@@ -174,6 +183,9 @@ class SenderLoad:
     narrow them to a rank's slice), each layout once."""
     quantized_inputs: int = 0
     """HF tensors it quantizes."""
+    compared_bytes: int = 0
+    """Staged bytes it compares with the previous update's (delta updates: every byte it
+    loads)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,6 +278,7 @@ def predict(
     """Time of one warm update (after the first: no probe, no check) through our pipeline.
 
     Per sender: ``load = staged bytes / staging rate + loader calls + quantization``
+    (+ compared bytes / compare rate, delta updates)
     (quantization: the longer of its GPU time and its launches' host time),
     ``write = written bytes / (NIC x transport efficiency)``; two buffers overlap them, so
     ``pipeline = max(load, write) + min(load, write) / flushes + flushes x overhead``
@@ -277,10 +290,12 @@ def predict(
     on_host = links.staging == "host"
     stage_rate = (links.host_gbps if on_host else pipeline.device_copy_gbps) * GB
     loader_call_s = pipeline.loader_call_s if on_host else pipeline.device_loader_call_s
+    compare_rate = (pipeline.delta_host_gbps if on_host else pipeline.delta_device_gbps) * GB
     sender = (0.0, "nothing to write", 0.0, 0.0, 0)  # (seconds, who, load, write, flushes)
     for s in senders:
         load = (
             s.load_bytes / stage_rate
+            + s.compared_bytes / compare_rate
             + s.loader_inputs * loader_call_s
             + max(
                 s.quantized_bytes / (pipeline.quantize_gbps * GB),
@@ -310,3 +325,19 @@ def predict(
         write_s=write,
         num_flushes=flushes,
     )
+
+
+INDEX_BYTES = 4
+"""A delta names each changed element by an int32 index (``p2pweights.delta.wire``)."""
+
+
+def delta_bytes(bytes_by_itemsize: Mapping[int, int], fraction: float) -> int:
+    """Bytes a delta update moves where ``fraction`` of the elements changed: for each
+    changed element its index and its new value; the full bytes of a dtype where those
+    are fewer (``delta.wire.encode`` decides per parameter: the same at one fraction).
+    The 32-byte entry headers and padding are left out (a few kB per engine rank)."""
+    total = 0
+    for itemsize, num_bytes in bytes_by_itemsize.items():
+        changed = round(fraction * (num_bytes // itemsize))
+        total += min(num_bytes, changed * (INDEX_BYTES + itemsize))
+    return total
