@@ -29,7 +29,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BEFORE_END_STEPS", "BeforeEnd", "RankSide", "record_digests"]
+__all__ = ["BEFORE_END_STEPS", "DIGESTS_ROLE", "BeforeEnd", "RankSide", "record_digests"]
+
+DIGESTS_ROLE = "p2pweights-digests"
+"""The ``role`` a rank's record is published under, next to its weight publication
+(``?rank=R&role=p2pweights-digests``: the local engine's route, the plugin's bootstrap
+server)."""
 
 
 @dataclass

@@ -9,7 +9,11 @@ sglang or the plugin loaded yet, it
    launcher hook (bootstrap server) and rank hook (register + publish), and
 3. prints one JSON line (what the loader and the registry show, the bootstrap URL,
    each parameter's sha256), then waits for a JSON line of the sha256 each
-   parameter should now have and prints which match.
+   parameter should now have and prints which match;
+4. flips one bit of the first parameter (what a write gone wrong leaves), runs the
+   plugin's BEFORE hook of ``end_weight_update`` (the write-digest record; the hook
+   after ``begin_weight_update`` ran before the writes), prints the flipped name and
+   keeps the bootstrap server serving until it reads one more line.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def main(folder: str, port: int) -> None:
         remote_instance_weight_transporter=SimpleNamespace(tp_rank=0),
     )
     plugin.publish_after_initialize(None, runner)
+    updater = SimpleNamespace(get_model_runner=lambda: runner)
+    plugin.republish_after_begin(None, updater)  # the session the writes go into opens
     params = dict(model.named_parameters())
     facts["url"] = plugin._bootstrap_server.url
     facts["params"] = {
@@ -104,6 +110,11 @@ def main(folder: str, port: int) -> None:
         ),
         flush=True,
     )
+    flipped = sorted(params)[0]
+    params[flipped].data.view(-1).view(torch.uint8)[0] ^= 0x01
+    plugin.digests_before_end(updater)
+    print(MARKER, json.dumps({"flipped": flipped}), flush=True)
+    sys.stdin.readline()
     for publisher in plugin._published.values():
         publisher.close()
     plugin._bootstrap_server.close()

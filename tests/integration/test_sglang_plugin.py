@@ -27,8 +27,10 @@ import pytest
 import torch
 
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.engines.published import parse_publication
 from p2pweights.errors import EngineError
+from p2pweights.integrity.digest import digest
 from p2pweights.local_engine import LocalEngine
 from p2pweights.local_engine.process import free_port
 from p2pweights.session import WeightSyncSession
@@ -52,7 +54,10 @@ HOOKS = {
     "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
     "begin_weight_update": [["after", "republish_after_begin", "p2pweights_nixl", "p2pweights"]],
     "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater."
-    "end_weight_update": [["after", "republish_after_end", "p2pweights_nixl", "p2pweights"]],
+    "end_weight_update": [
+        ["before", "digests_before_end", "p2pweights_nixl", "p2pweights"],
+        ["after", "republish_after_end", "p2pweights_nixl", "p2pweights"],
+    ],
 }
 
 
@@ -143,7 +148,7 @@ def test_published_weights_are_written_bit_exact(
         for name, (ptr, numel, element_size, _) in seen["params"].items()
     }
     target = parse_publication("http://engine-under-test", 0, body)
-    assert target.backend == "nixl" and target.mem_type == "DRAM"
+    assert target.backend == "nixl" and target.mem_type == "DRAM" and target.write_digests
 
     regions = sorted(target.regions.items())
     staging = torch.empty(
@@ -170,6 +175,20 @@ def test_published_weights_are_written_bit_exact(
     checked = _read_report(process)
     assert checked["differing"] == []
     assert checked["matching"] == sorted(seen["params"])
+
+    # the rank's write digests, taken before end_weight_update after one bit was flipped
+    flipped = _read_report(process)["flipped"]
+    asked = {"rank": 0, "role": DIGESTS_ROLE}
+    body = httpx.get(f"{seen['url']}/get_transfer_engine_info", params=asked).json()
+    record = body["remote_instance_transfer_engine_info"]
+    assert body["role"] == DIGESTS_ROLE and record["update"] == 1 and record["error"] is None
+    cursor, staged = 0, {}
+    for name, region in regions:
+        staged[name] = digest(staging[cursor : cursor + region.num_bytes])
+        cursor += region.num_bytes + 7
+    assert sorted(n for n in staged if record["digests"][n] != staged[n]) == [flipped]
+    process.stdin.write("done\n")
+    process.stdin.flush()
 
 
 @pytest.mark.parametrize(

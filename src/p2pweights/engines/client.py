@@ -26,15 +26,13 @@ from typing import Any
 
 import httpx
 
+from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.engines.calls import CallLog, ControlCall
 from p2pweights.engines.concurrency import at_once
 from p2pweights.engines.published import RankPublication, parse_publication
 from p2pweights.errors import EngineError, EngineUnreachable
 
 _FLUSH_RETRY_S = 0.2
-
-DIGESTS_ROLE = "p2pweights-digests"
-"""The ``role`` an engine rank's write-digest record is asked for and answered under."""
 
 
 class EngineClient:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from p2pweights.engine_side import RankSide
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import facade
@@ -139,6 +140,11 @@ class _Runner:
         }
         self.publisher: Publisher = create_publisher(transport, engine_rank=spec.tp_rank)
         self.publisher.register(self.params)
+        self.side = RankSide(spec.tp_rank, role)
+        self.digest_record: dict[str, Any] = {"update": 0, "role": role, "digests": None}
+        """What the runner recorded at its last begin or before its last end (engine_side)."""
+        self.corrupt_at_end: str | None = None
+        """Test only: a parameter one byte of which changes after the writes (one-shot)."""
 
     def publication(self) -> Any:
         return self.publisher.publication(self.params)
@@ -146,9 +152,15 @@ class _Runner:
     @torch.no_grad()
     def begin_update(self) -> None:
         facade.begin_update(self.model, self.spec, self.device)
+        self.digest_record = self.side.after_begin()
 
     @torch.no_grad()
     def end_update(self, run_post_load: bool) -> None:
+        if self.corrupt_at_end is not None:
+            self.params[self.corrupt_at_end].view(-1).view(torch.uint8)[0] ^= 0x01
+            self.corrupt_at_end = None
+        # the writes are in; sglang's postprocess below may re-lay or move the weights
+        self.digest_record = self.side.before_end(self.params)
         # Bytes that arrived by writes, not load_weights, need post_load_weights (as in sglang).
         facade.end_update(self.model, self.spec, run_post_load=run_post_load, device=self.device)
 

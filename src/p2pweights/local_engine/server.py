@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Body, FastAPI, Query
 from fastapi.responses import JSONResponse
 
+from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.replica.sglang import facade
@@ -54,6 +55,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             **server_info,
             "version": facade.version(),
             "weight_version": state["weight_version"],
+            "p2pweights_write_digests": True,  # each rank's record: see digest_record below
             # not sglang's: what state a failure left this engine in, for tests and users
             "p2pweights_engine_state": {
                 "paused": state["paused"],
@@ -82,9 +84,31 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             answer["role"] = role  # a draft is published apart from the target (see client)
         return answer
 
+    def digest_record(rank: int, runner: str) -> Any:
+        """The record a rank's runner took before its last end (``p2pweights.engine_side``)."""
+        if not 0 <= rank < len(ranks) or runner not in ranks[rank].runners:
+            return _error(400, f"rank {rank} has no {runner!r} runner")
+        record = ranks[rank].runners[runner].digest_record
+        return {"rank": rank, "role": DIGESTS_ROLE, "remote_instance_transfer_engine_info": record}
+
     @app.get("/remote_instance_transfer_engine_info")
-    def remote_info(rank: int = Query(...), role: str = Query("target")) -> Any:
+    def remote_info(
+        rank: int = Query(...), role: str = Query("target"), runner: str = Query("target")
+    ) -> Any:
+        if role == DIGESTS_ROLE:
+            return digest_record(rank, runner)
         return transfer_engine_info(rank, role)
+
+    @app.post("/p2pweights/corrupt_at_end")
+    def corrupt_at_end(body: dict[str, Any] = Body(...)) -> Any:
+        """Test only: ``{"rank", "param"}``: at the next end, after the writes and before
+        the digests, flip one bit of that parameter (what a write gone wrong leaves)."""
+        rank, param = int(body["rank"]), str(body["param"])
+        runner = ranks[rank].runners["target"]
+        if param not in runner.params:
+            return _error(400, f"rank {rank} publishes no parameter {param!r}")
+        runner.corrupt_at_end = param
+        return {"success": True}
 
     @app.get("/get_remote_instance_transfer_engine_info")
     def remote_info_old(rank: int = Query(...)) -> Any:
@@ -131,6 +155,8 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
                 }
             for rank in ranks:
                 rank.end_update(not state["loaded_in_session"], state["selector"])
+                for runner in rank.selected(state["selector"]):
+                    runner.digest_record["weight_version"] = state["weight_version"]
             state["updating"] = False
         return {"success": True, "message": "end_weight_update done"}
 

@@ -7,7 +7,7 @@ backend (default UCX). See docs/nixl-plugin.md.
 
 sglang (0.5.21 - 0.5.23) runs ``load_plugins()`` early in every process it starts
 (launcher, schedulers, detokenizer) and then applies the hooks plugins registered.
-This plugin registers five, the first three where sglang's Mooncake publishing lives:
+This plugin registers six, the first three where sglang's Mooncake publishing lives:
 
 1. REPLACE ``EngineInfoBootstrapServer`` with ``NixlAwareBootstrapServer``: the same
    server, which also stores a rank's NIXL dict and answers it at
@@ -31,7 +31,16 @@ This plugin registers five, the first three where sglang's Mooncake publishing l
    the old address then points at freed memory. The rank then publishes afresh (a new
    agent registering the new storage, the next ``epoch``) and closes the old agent, so
    no write can reach the freed memory. Publications say ``"live": true``: writers
-   re-read them once the update session is open, before writing.
+   re-read them once the update session is open, before writing. After ``begin`` the
+   rank also PUTs an empty write-digest record for the new session (see 6.).
+6. BEFORE the runner's ``end_weight_update`` (each TP rank): the writes are in and
+   sglang's postprocess (which may repack or move the weights) has not run. The rank
+   runs ``p2pweights.engine_side``'s before-end steps on its published parameters and
+   PUTs the record (a digest of every parameter, this session's number) to the
+   bootstrap server under the role ``p2pweights-digests``; writers compare it with
+   what they staged (``SyncConfig.verify_writes``). Publications say
+   ``"write_digests": true``. A failure here is logged and recorded, never raised
+   into sglang: the writer then fails the update instead.
 
 Importing this package imports neither sglang nor NIXL; ``register()`` imports
 sglang's hook registry, and the hooks import the rest when they run. Everything of
@@ -60,11 +69,14 @@ _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.Wei
 BEGIN_TARGET = f"{_UPDATER}.begin_weight_update"
 END_TARGET = f"{_UPDATER}.end_weight_update"
 HOOK_TARGETS = (BOOTSTRAP_SERVER_TARGET, LAUNCH_TARGET, RUNNER_TARGET, BEGIN_TARGET, END_TARGET)
-"""What the plugin hooks in sglang, in registration order."""
+"""What the plugin hooks in sglang, in registration order (``END_TARGET`` twice: BEFORE
+and AFTER; ``replica.sglang.compat`` checks each target and hook type)."""
 
 # Alive for the life of the process, by id of the model runner they publish: each owns
 # a NIXL agent whose registrations writers use; dropping it would deregister the weights.
 _published: dict[int, Any] = {}
+_sides: dict[int, Any] = {}
+"""``engine_side.RankSide`` of each published runner, by id of the model runner."""
 _bootstrap_server: Any = None
 
 
@@ -77,6 +89,7 @@ def register() -> None:
     facade.register_hook(LAUNCH_TARGET, start_bootstrap_server, "BEFORE")
     facade.register_hook(RUNNER_TARGET, publish_after_initialize, "AFTER")
     facade.register_hook(BEGIN_TARGET, republish_after_begin, "AFTER")
+    facade.register_hook(END_TARGET, digests_before_end, "BEFORE")
     facade.register_hook(END_TARGET, republish_after_end, "AFTER")
 
 
@@ -107,16 +120,33 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     if getattr(runner, "is_draft_worker", False):
         logger.info("p2pweights_nixl: not publishing the draft model's weights")
         return
+    from p2pweights.engine_side import RankSide
     from p2pweights.replica.sglang import facade
 
     published = LivePublication(_tp_rank(runner), NixlConfig().backend, facade.bootstrap_url())
     published.publish(runner.model)
     _published[id(runner)] = published
+    _sides[id(runner)] = RankSide(published.engine_rank)
+
+
+def digests_before_end(updater: Any, *_args: Any, **_kwargs: Any) -> None:
+    """BEFORE hook of the runner's ``end_weight_update``: record the written bytes' digests."""
+    runner = updater.get_model_runner()
+    side, published = _sides.get(id(runner)), _published.get(id(runner))
+    if side is None or published is None:  # a draft runner, or one published by sglang alone
+        return
+    params = {name: p.data for name, p in runner.model.named_parameters()}
+    published.put_record(side.before_end(params))
 
 
 def republish_after_begin(_result: Any, updater: Any, *_args: Any, **_kwargs: Any) -> None:
-    """AFTER hook of the runner's ``begin_weight_update``: a restore may move parameters."""
+    """AFTER hook of the runner's ``begin_weight_update``: a restore may move parameters;
+    the new session's digest record (none yet) replaces the last session's."""
     _republish_if_moved(updater, "begin_weight_update")
+    runner = updater.get_model_runner()
+    side, published = _sides.get(id(runner)), _published.get(id(runner))
+    if side is not None and published is not None:
+        published.put_record(side.after_begin())
 
 
 def republish_after_end(_result: Any, updater: Any, *_args: Any, **_kwargs: Any) -> None:

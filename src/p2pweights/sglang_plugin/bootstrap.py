@@ -12,6 +12,12 @@ cannot hold the dict sglang PR #35712 publishes for NIXL.
 routes and ``close``): a Mooncake PUT is stored and answered exactly as before; a
 PUT whose info says ``"backend": "nixl"`` is stored as the dict and answered as
 ``{"rank": R, "remote_instance_transfer_engine_info": {"backend": "nixl", ...}}``.
+
+It also keeps each rank's write-digest record (``p2pweights.engine_side``): a PUT with
+``"role": "p2pweights-digests"`` is stored apart from the rank's publication and
+answered at ``GET /get_transfer_engine_info?rank=R&role=p2pweights-digests`` as
+``{"rank": R, "role": "p2pweights-digests", "remote_instance_transfer_engine_info":
+record}`` (sglang's HTTP route forwards only the rank, so writers read it here).
 This module imports no sglang; the plugin installs the class in sglang's place.
 """
 
@@ -25,6 +31,8 @@ from typing import Any
 import uvicorn
 from fastapi import Body, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
+
+from p2pweights.engine_side import DIGESTS_ROLE
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,8 @@ class NixlAwareBootstrapServer:
         self.port = port
         # {tp_rank: (session_id, weights_info_dict)} for Mooncake, {tp_rank: info} for NIXL
         self.transfer_engine_info: dict[int, tuple[Any, Any] | dict[str, Any]] = {}
+        self.digest_records: dict[int, dict[str, Any]] = {}
+        """{tp_rank: its last write-digest record}"""
         self.lock = threading.Lock()
         self._server = uvicorn.Server(
             uvicorn.Config(self._app(), host=host, port=port, log_level="warning")
@@ -75,6 +85,11 @@ class NixlAwareBootstrapServer:
         def register_transfer_engine_info(data: dict[str, Any] = Body(...)) -> PlainTextResponse:
             try:
                 tp_rank = int(data["tp_rank"])
+                if data.get("role") == DIGESTS_ROLE:
+                    record = dict(data["transfer_engine_info"])
+                    with self.lock:
+                        self.digest_records[tp_rank] = record
+                    return PlainTextResponse("OK")
                 entry = _entry(data["transfer_engine_info"])
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 logger.error("refused a transfer engine info registration: %r", exc)
@@ -86,9 +101,15 @@ class NixlAwareBootstrapServer:
             return PlainTextResponse("OK")
 
         @app.get("/get_transfer_engine_info")
-        def get_transfer_engine_info(rank: int) -> dict[str, Any]:
+        def get_transfer_engine_info(rank: int, role: str = "target") -> dict[str, Any]:
             if rank < 0:
                 raise HTTPException(status_code=400, detail="Invalid rank parameter")
+            if role == DIGESTS_ROLE:
+                with self.lock:
+                    record = self.digest_records.get(rank)
+                if record is None:
+                    raise HTTPException(status_code=404, detail=f"No digest record for rank {rank}")
+                return {"rank": rank, "role": role, "remote_instance_transfer_engine_info": record}
             info = self.get_transfer_engine_info(rank)
             if info is None:
                 raise HTTPException(

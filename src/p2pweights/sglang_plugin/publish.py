@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError, EngineError
 from p2pweights.transfer.transports.nixl import NixlPublisher
 
@@ -84,7 +85,7 @@ class LivePublication:
 
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
         publisher, info = publish_model(model, self.engine_rank, self.backend)
-        info.update(live=True, epoch=self.epoch + 1)
+        info.update(live=True, epoch=self.epoch + 1, write_digests=True)
         if moved is not None:
             info["moved"] = moved
         try:
@@ -143,6 +144,19 @@ class LivePublication:
             )
         return moved
 
+    def put_record(self, record: dict[str, Any]) -> None:
+        """PUT this rank's write-digest record (``engine_side``) to the bootstrap server.
+
+        Not raised: an exception here would take the engine's scheduler down; a writer
+        that finds no record for its update fails that update instead."""
+        try:
+            put_publication(self.bootstrap_url, self.engine_rank, record, role=DIGESTS_ROLE)
+        except Exception:
+            logger.exception(
+                "p2pweights_nixl: tp rank %d could not PUT its write-digest record",
+                self.engine_rank,
+            )
+
     def close(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
@@ -150,7 +164,11 @@ class LivePublication:
 
 
 def put_publication(
-    bootstrap_url: str, engine_rank: int, info: dict[str, Any], timeout_s: float = 60.0
+    bootstrap_url: str,
+    engine_rank: int,
+    info: dict[str, Any],
+    timeout_s: float = 60.0,
+    role: str | None = None,
 ) -> None:
     """PUT one rank's info to the bootstrap server, retrying until it answers.
 
@@ -159,7 +177,9 @@ def put_publication(
     A refusal (4xx / 5xx) is not retried.
     """
     url = f"{bootstrap_url}/register_transfer_engine_info"
-    payload = {"tp_rank": engine_rank, "transfer_engine_info": info}
+    payload: dict[str, Any] = {"tp_rank": engine_rank, "transfer_engine_info": info}
+    if role is not None:  # a record kept apart from the publication (bootstrap.DIGESTS_ROLE)
+        payload["role"] = role
     deadline = time.monotonic() + timeout_s
     while True:
         try:

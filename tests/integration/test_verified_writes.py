@@ -1,0 +1,49 @@
+"""Verified writes between real processes: a local engine over real Mooncake and NIXL,
+sglang's own model code. A bit flipped in one parameter after the writes (the engine's
+test-only ``/p2pweights/corrupt_at_end``) fails the update naming the engine URL, rank
+and parameter, leaves that engine paused and torn through ``abort()``, and the next
+update converges bit-exact."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from _bit_exact import assert_bit_exact, seed_weights
+
+from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
+from p2pweights.engines.client import EngineClient
+from p2pweights.engines.update_session import UPDATING_PREFIX
+
+pytestmark = pytest.mark.integration
+
+TRANSPORTS = {
+    "mooncake": MooncakeConfig(protocol="tcp", local_hostname="127.0.0.1"),
+    "nixl": NixlConfig(backend="UCX"),
+}
+PARAM = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("kind", list(TRANSPORTS))
+def test_a_parameter_changed_after_the_writes_fails_the_update(kind, model_dir, start_engines):
+    folder = model_dir("qwen3-tiny")
+    engine, other = start_engines(folder, [2, 1], transport=kind, seed=0)
+    config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url, other.url])
+        session.update(seed_weights(folder, 1))  # verified, and passes
+        answer = httpx.post(
+            f"{engine.url}/p2pweights/corrupt_at_end", json={"rank": 1, "param": PARAM}
+        )
+        assert answer.status_code == 200
+        with pytest.raises(TransferError) as failed:
+            session.update(seed_weights(folder, 2))
+        assert f"engine {engine.url} rank 1" in str(failed.value) and PARAM in str(failed.value)
+        assert f"engine {engine.url} rank 0" not in str(failed.value)
+        report = session.abort()
+        assert report.left_paused == [engine.url]
+        client = EngineClient(engine.url)
+        assert client.weight_version() == f"{UPDATING_PREFIX}2"
+        assert client.engine_state() == {"paused": True, "update_open": False}
+        client.close()
+        session.update(seed_weights(folder, 3))  # rewritten whole, verified, resumed
+    assert_bit_exact([engine, other], folder, 3)
