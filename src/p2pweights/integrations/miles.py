@@ -38,7 +38,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
@@ -69,7 +69,7 @@ METRIC_PREFIX = "perf/update_weights_p2pweights"
 def _miles_base() -> type:
     """miles' ``DistBucketedWeightUpdateMixin``; p2pweights' stand-in without miles."""
     try:
-        return importlib.import_module(_MIXIN).DistBucketedWeightUpdateMixin  # type: ignore[no-any-return]
+        return importlib.import_module(_MIXIN).DistBucketedWeightUpdateMixin
     except ModuleNotFoundError as exc:
         if exc.name != "miles":
             raise  # miles is there but does not import: say why, do not hide it
@@ -229,14 +229,18 @@ def config_from_args(
     args: Any, config: SyncConfig | None, pipeline_stage: int, num_pipeline_stages: int
 ) -> SyncConfig:
     """The session's config: miles' flags (``--update-weight-buffer-size``,
-    ``--p2p-transfer-timeout``, ``--pause-generation-mode``, ``--check-weight-update-equal``),
-    then every field ``config`` sets explicitly, then this rank's pipeline stage. The
-    transport defaults to Mooncake over RDMA at this node's address (Ray's)."""
-    fields: dict[str, object] = {
+    ``--p2p-transfer-timeout``, ``--pause-generation-mode``), then every field ``config``
+    sets explicitly, then this rank's pipeline stage. The transport defaults to Mooncake
+    over RDMA at this node's address (Ray's).
+
+    ``--check-weight-update-equal`` stays miles' own: miles snapshots and resets the
+    engines' weights before training and compares after the first update itself; the
+    session's check (a snapshot when it opens the engines) would snapshot the reset ones.
+    """
+    fields: dict[str, Any] = {
         "buffer_bytes": args.update_weight_buffer_size,
         "transfer_timeout_s": args.p2p_transfer_timeout,
         "pause_mode": args.pause_generation_mode,
-        "check_weight_update_equal": bool(args.check_weight_update_equal),
     }
     if config is None or "transport" not in config.model_fields_set:
         fields["transport"] = MooncakeConfig(protocol="rdma", local_hostname=_node_address())
@@ -266,10 +270,13 @@ def install(args: Any = None, *, config: SyncConfig | None = None) -> type[P2PWe
             f"p2pweights replaces miles' p2p updater, but --update-weight-transfer-mode is "
             f"{args.update_weight_transfer_mode!r}; add --update-weight-transfer-mode p2p"
         )
-    actor = importlib.import_module(_ACTOR)
+    actor: Any = importlib.import_module(_ACTOR)
     cls = P2PWeightsUpdater
     if config is not None:
-        cls = type("P2PWeightsUpdater", (P2PWeightsUpdater,), {"sync_config": config})
+        cls = cast(
+            "type[P2PWeightsUpdater]",
+            type("P2PWeightsUpdater", (P2PWeightsUpdater,), {"sync_config": config}),
+        )
     actor.UpdateWeightP2P = cls
     logger.info("miles' p2p weight transfer now writes with p2pweights (%s)", cls.__qualname__)
     return cls
