@@ -237,6 +237,7 @@ def p2pweights_updates(
     direct_modes: tuple[str, ...] = ("on",),
     batch_modes: tuple[str, ...] = ("on",),
     stage_modes: tuple[str, ...] = ("on",),
+    verify_modes: tuple[str, ...] = ("on",),
 ) -> dict[str, Any]:
     """Updates into a fresh local engine on ``engine_gpu``, one session per combination
     of staging and the switches: replay (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``:
@@ -246,7 +247,9 @@ def p2pweights_updates(
     torch's math, not the one-pass kernel; only fp8 engines quantize),
     ``CudaIpcConfig.direct`` (off: an engine on the trainer's GPU is staged like any
     other), fp8 quantization in batches (off: one kernel launch per weight) and
-    ``SyncConfig.stage_before_pause`` (off: the engine pauses before the inputs are read)."""
+    ``SyncConfig.stage_before_pause`` (off: the engine pauses before the inputs are read)
+    and ``SyncConfig.verify_writes`` (on: "always", every staged write's digest compared
+    with the engine rank's; off: "off"; stages "digest", "engine_digest", "verify_writes")."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
     from p2pweights.local_engine import LocalEngine
     from p2pweights.replica.sglang.replay import Replay
@@ -276,15 +279,16 @@ def p2pweights_updates(
         out["engine_start_s"] = round(time.perf_counter() - started, 1)
         client = EngineClient(engine.url, timeout_s=600)
         runs = [
-            (s, r, f, d, b, p)
+            (s, r, f, d, b, p, v)
             for s in stagings
             for r in replay_modes
             for f in fused_modes
             for d in direct_modes
             for b in batch_modes
             for p in stage_modes
+            for v in verify_modes
         ]
-        for index, (staging, mode, fused, direct, batch, staged) in enumerate(runs):
+        for index, (staging, mode, fused, direct, batch, staged, verify) in enumerate(runs):
             os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "0" if mode == "off" else "1"
             os.environ["P2PWEIGHTS_COPY_KERNEL"] = "0" if mode == "foreach" else "1"
             Replay._run_on_one_gpu = (  # type: ignore[method-assign]
@@ -297,6 +301,7 @@ def p2pweights_updates(
                 buffer_bytes=buffer_bytes,
                 http_timeout_s=600,
                 stage_before_pause=staged == "on",
+                verify_writes="always" if verify == "on" else "off",
             )
             session = WeightSyncSession(config_, staging_device=staging)
             session.connect([engine.url])
@@ -323,7 +328,8 @@ def p2pweights_updates(
                 rows.append(row)
                 print(
                     f"  {model} {staging} replay {mode} fused {fused} direct {direct} "
-                    f"batch {batch} staged-before-pause {staged} update {k}: {report.summary()} "
+                    f"batch {batch} staged-before-pause {staged} verify {verify} update {k}: "
+                    f"{report.summary()} "
                     f"(engine paused {row['paused_s'] * 1e3:.1f} ms)"
                 )
             session.close()
@@ -346,6 +352,7 @@ def p2pweights_updates(
             key += "/no-fused" if fused == "off" else ""
             key += "/no-direct" if direct == "off" else ""
             key += "/pause-first" if staged == "off" else ""
+            key += "/no-verify" if verify == "off" else ""
             out[key + ("/no-batch" if batch == "off" else "")] = {
                 "median_update_s": median_s,
                 "median_paused_s": statistics.median(r["paused_s"] for r in timed),
@@ -524,6 +531,7 @@ def main() -> None:
         ("direct", "CudaIpcConfig(direct=False): a colocated engine is staged"),
         ("batch", "one fp8 kernel launch per weight"),
         ("stage-before-pause", "engines pause before the inputs are read"),
+        ("verify", "SyncConfig(verify_writes='off'); on: 'always'"),
     ):
         parser.add_argument(
             f"--{switch}",
@@ -578,6 +586,7 @@ def main() -> None:
                     tuple(args.direct),
                     tuple(args.batch),
                     tuple(args.stage_before_pause),
+                    tuple(args.verify),
                 ),
             )
         if engine_gpu and "baseline" in args.parts:
@@ -596,6 +605,7 @@ def main() -> None:
                     args.buffer_mib * 2**20,
                     direct_modes=tuple(args.direct),
                     stage_modes=tuple(args.stage_before_pause),
+                    verify_modes=tuple(args.verify),
                 ),
             )
         if "floor" in args.parts:

@@ -1,0 +1,121 @@
+"""How fast the write digest reads bytes, on the CPU and on a GPU, for one rank's weights.
+
+The parameters of a Qwen3-8B-shaped TP-1 rank (bf16, about 16.4 GB; ``--layers`` fewer
+on the CPU), digested the way the two sides do it: all at once (the engine rank before
+``end_weight_update``) and in staging-buffer-sized batches (the sender, once per flush).
+Printed: seconds, GB/s, and a device-to-device copy of the same bytes for scale. Loads
+``p2pweights/integrity/digest.py`` alone (it needs only torch), so it runs where the
+rest of p2pweights is not installed:
+
+    python3 benchmarks/digest_throughput.py --device cuda --out $OUT/digest.json
+    .venv/bin/python benchmarks/digest_throughput.py --device cpu --layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SPEC = importlib.util.spec_from_file_location(
+    "digest", HERE.parent / "src" / "p2pweights" / "integrity" / "digest.py"
+)
+assert SPEC is not None and SPEC.loader is not None
+digest_module = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(digest_module)
+
+
+def rank_params(layers: int, device: str) -> dict[str, torch.Tensor]:
+    hidden, inter, heads, kv, head_dim, vocab = 4096, 12288, 32, 8, 128, 151936
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes[p + "qkv_proj.weight"] = ((heads + 2 * kv) * head_dim, hidden)
+        shapes[p + "o_proj.weight"] = (hidden, heads * head_dim)
+        shapes[p + "gate_up_proj.weight"] = (2 * inter, hidden)
+        shapes[p + "down_proj.weight"] = (hidden, inter)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes[p + norm + ".weight"] = (hidden,)
+        shapes[p + "q_norm.weight"] = (head_dim,)
+        shapes[p + "k_norm.weight"] = (head_dim,)
+    shapes["norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return {n: torch.randn(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+
+
+def batches(params: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, tensor in params.items():
+        if used and used + tensor.nbytes > limit:
+            out.append({})
+            used = 0
+        out[-1][name] = tensor
+        used += tensor.nbytes
+    return out
+
+
+def timed(run, device: str, repeats: int) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--buffer-mib", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    params = rank_params(args.layers, args.device)
+    num_bytes = sum(t.nbytes for t in params.values())
+    flushes = batches(params, args.buffer_mib * 2**20)
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+        "torch": torch.__version__,
+        "num_params": len(params),
+        "bytes": num_bytes,
+        "num_flushes": len(flushes),
+    }
+    digests = digest_module.digests
+    whole_s = timed(lambda: digests(params), args.device, args.repeats)
+    flush_s = timed(lambda: [digests(f) for f in flushes], args.device, args.repeats)
+    flat = torch.empty(num_bytes, dtype=torch.uint8, device=args.device)
+    copy_s = timed(
+        lambda: flat.copy_(torch.cat([t.view(-1).view(torch.uint8) for t in params.values()])),
+        args.device,
+        2,
+    )
+    if args.device != "cpu":
+        host = {n: t.cpu() for n, t in list(params.items())[:40]}
+        result["cpu_equals_gpu_first_40"] = digests(host) == digests({n: params[n] for n in host})
+    result.update(
+        whole_s=whole_s,
+        whole_gb_s=num_bytes / whole_s / 1e9,
+        per_flush_s=flush_s,
+        per_flush_gb_s=num_bytes / flush_s / 1e9,
+        cat_copy_s_for_scale=copy_s,
+    )
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
