@@ -21,6 +21,7 @@ record is JSON: ``{"update": n, "role": ..., "digests": {param: hex} | None,
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,8 +57,10 @@ def record_digests(context: BeforeEnd) -> None:
     """The digest of every published parameter, as the writes left it."""
     from p2pweights.integrity.digest import digests
 
+    started = time.perf_counter()
     with torch.no_grad():
         context.record["digests"] = digests(context.params)
+    context.record["digest_s"] = time.perf_counter() - started
 
 
 BEFORE_END_STEPS: list[Callable[[BeforeEnd], None]] = [record_digests]

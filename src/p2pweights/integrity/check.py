@@ -70,7 +70,8 @@ class WriteCheck:
         refuses an engine that serves no digests (``EngineError``, before anything)."""
         if mode == "off":
             return cls()
-        serving, others = [], []
+        serving: list[ConnectedEngine] = []
+        others: list[ConnectedEngine] = []
         for engine in engines:
             (serving if serves_digests(engine) else others).append(engine)
         for engine in others:
