@@ -87,7 +87,7 @@ def _trainer(rank, world, num_stages, port, urls, folder, seeds, victim, out, go
                 for name, tensor in synthetic_weights(folder, seed=seed, dtype=torch.bfloat16)
                 if _stage_of(name, num_stages) == stage
             ]
-            if victim is not None and index == len(seeds) - 1:
+            if victim is not None and index == len(seeds) - 1 and rank == 0:
                 args.on_bucket = _kill_at(victim, KILL_AT_BUCKET)
             info = _miles_double.EnginesAndLock(engines, None, index == 0, [], [])
             try:
@@ -177,29 +177,33 @@ def test_two_pipeline_stages_each_its_own_sender_group_bit_exact(model_dir, star
     _run(folder, engines, world=2, num_stages=2, seeds=seeds, check=check)
 
 
-def test_a_failed_engine_surfaces_from_the_miles_call_running(model_dir, start_engines):
-    """One trainer rank; the engine is killed before bucket 8 of the second update is
-    handed over: the update's error names the engine and is raised by that hand-over, a
-    later one or the finalize, and no miles call follows it."""
+@pytest.mark.parametrize("world", [1, 2], ids=["one-rank", "two-ranks"])
+def test_a_failed_engine_surfaces_from_the_miles_call_running(world, model_dir, start_engines):
+    """The engine is killed before bucket 8 of the second update is handed over: the
+    update's error names the engine and is raised by that hand-over, a later one or the
+    finalize, and no miles call follows it. With two ranks (one sender group) both read
+    the update to its end and raise the same error from the finalize."""
     folder = model_dir("qwen3-tiny")
-    (victim,) = start_engines(folder, [1], seed=0)
+    (victim,) = start_engines(folder, [world], seed=0)
     seeds = [51, 52]
 
     def check(index, results):
-        ((_, _, result, calls, _, _, _),) = results
         if index == 0:
             _assert_updated(results, [victim], folder, seeds[0], 1)
             return
-        kind, message = result
-        # a write to it failed, or (had the engine died before the pause) the pause's
-        # reachability check; both raised before any miles call returned after it
-        assert kind in ("TransferError", "EngineUnreachable"), (message, calls)
-        assert victim.url in message
-        # the last call logged is the one that raised (it never logged its return)
-        last = calls[-1]
-        assert last == "finalize" or (
-            last.startswith("send ") and int(last[5:]) >= KILL_AT_BUCKET
-        ), calls
-        assert f"send {KILL_AT_BUCKET}" in calls
+        for _, _, (kind, message), calls, _, _, _ in results:
+            # a write to it failed, or (had the engine died before the pause) the pause's
+            # reachability check; both raised before any miles call returned after it
+            assert kind in ("TransferError", "EngineUnreachable"), (message, calls)
+            assert victim.url in message
+            # the last call logged is the one that raised (it never logged its return)
+            last = calls[-1]
+            assert last == "finalize" or (
+                last.startswith("send ") and int(last[5:]) >= KILL_AT_BUCKET
+            ), calls
+            assert f"send {KILL_AT_BUCKET}" in calls
+        if world > 1:
+            assert len({r[2] for r in results}) == 1  # the same error on every rank
+            assert all(r[3][-1] == "finalize" for r in results)
 
-    _run(folder, [victim], world=1, num_stages=1, seeds=seeds, victim=victim.pid, check=check)
+    _run(folder, [victim], world=world, num_stages=1, seeds=seeds, victim=victim.pid, check=check)
