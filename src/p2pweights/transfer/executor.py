@@ -463,14 +463,17 @@ class _Run:
     def _digest(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> None:
         """Each staged slot's digest, filed under every runner it is written to."""
         started = time.perf_counter()
-        file_digests(
-            (
-                (slot.param, buffer.view(p.base + slot.offset, slot.num_bytes), p.targets)
-                for p in placed
-                for slot in p.group.slots
-            ),
-            self.result.digests,
-        )
+        with contextlib.ExitStack() as scope:
+            if not buffer.tensor.is_cuda:  # beside the writer threads: see intra_op
+                scope.enter_context(one_intra_op_thread())
+            file_digests(
+                (
+                    (slot.param, buffer.view(p.base + slot.offset, slot.num_bytes), p.targets)
+                    for p in placed
+                    for slot in p.group.slots
+                ),
+                self.result.digests,
+            )
         self.result.digest_s += time.perf_counter() - started
 
     def _settle(self, buffer: StagingBuffer) -> None:
