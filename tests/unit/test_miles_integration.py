@@ -177,12 +177,18 @@ def test_a_bucket_hand_over_returns_only_once_the_update_took_it():
     seen: list[tuple[str, int]] = []
     session.on_read = lambda name: seen.append((name, returned[0]))
     stream = StreamedUpdate(session, version="7")
-    for bucket in BUCKETS:
+    buckets = [_pairs("a", "b", "c"), _pairs("d", "e", "f")]
+    taken_when_returned = []
+    for bucket in buckets:
         stream.send(bucket)
+        taken_when_returned.append(len(session.read))
         returned[0] += 1
     stream.finish()
     # every pair but a bucket's last is read while its send still waits
-    assert [(n, r) for n, r in seen if n in "ace"] == [("a", 0), ("c", 1), ("e", 2)]
+    assert [(n, r) for n, r in seen if n in "abde"] == [("a", 0), ("b", 0), ("d", 1), ("e", 1)]
+    # once a send returned, the update had taken the whole bucket (its last pair may
+    # still be on its way into the session's own records)
+    assert taken_when_returned[0] >= 2 and taken_when_returned[1] >= 5
 
 
 @pytest.mark.parametrize(
