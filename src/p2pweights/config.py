@@ -108,6 +108,35 @@ TransportConfig = Annotated[
 ]
 
 
+class DeltaConfig(_Config):
+    """Delta updates: after a first full update, each engine rank that received the
+    previous update whole gets only the elements that changed (index and new value),
+    written into the scratch region it publishes and applied there before its
+    ``end_weight_update``. A parameter whose delta would not be smaller, or would not fit
+    the rank's scratch region, is written in full, as is every parameter of a rank that
+    did not get the previous update whole (and everything after a failed update).
+
+    The sender keeps a copy of every byte it staged, once per shard layout: as much
+    memory as one update loads (``UpdateReport`` and the log say how much)."""
+
+    model_config = _FROZEN
+
+    store: Literal["staging", "host"] = "staging"
+    """Where the copy of the previous update's bytes lives: beside the staging buffers
+    (on their GPU with ``staging_device="cuda:N"``), or in host memory (compared there
+    after a copy to the staging device)."""
+    max_fraction: float = 0.3
+    """A parameter with more than this share of its elements changed is written in full
+    (bf16 deltas take 6 bytes per changed element: at a third they are no smaller)."""
+
+    @field_validator("max_fraction")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError(f"max_fraction must be in (0, 1], got {value}")
+        return value
+
+
 class SyncConfig(_Config):
     """Everything a ``WeightSyncSession`` needs besides the engines and the tensors."""
 
@@ -146,6 +175,9 @@ class SyncConfig(_Config):
     (released sglang's own Mooncake publication) are skipped with one log line each.
     "always": such an engine is refused at ``connect``. "off": no digests. See
     docs/reliability.md ("Verified writes") for what it costs."""
+    delta: DeltaConfig | None = None
+    """Send only what changed since the previous update (``DeltaConfig(...)``); None
+    (the default) writes every byte every update."""
     check_finite: bool = False
     """Refuse, before it is staged, any tensor holding NaN or Inf (reads every byte once
     more, on the tensor's own device; off by default)."""
@@ -197,6 +229,11 @@ class SyncConfig(_Config):
         if not 0 <= self.pipeline_stage < self.num_pipeline_stages:
             raise ConfigError(
                 f"pipeline_stage {self.pipeline_stage} is outside 0..{self.num_pipeline_stages - 1}"
+            )
+        if self.delta is not None and self.num_pipeline_stages > 1:
+            raise ConfigError(
+                "delta updates write one payload per engine rank, but pipeline stages each "
+                "write every engine rank; use delta=None with num_pipeline_stages > 1"
             )
 
     @property

@@ -63,7 +63,15 @@ def record_digests(context: BeforeEnd) -> None:
     context.record["digest_s"] = time.perf_counter() - started
 
 
-BEFORE_END_STEPS: list[Callable[[BeforeEnd], None]] = [record_digests]
+def apply_delta(context: BeforeEnd) -> None:
+    """A delta payload the sender wrote into the rank's scratch region, applied to the
+    parameters (``p2pweights.delta.engine``); later steps see them without the region."""
+    from p2pweights.delta.engine import apply_delta as apply_payload
+
+    apply_payload(context)
+
+
+BEFORE_END_STEPS: list[Callable[[BeforeEnd], None]] = [apply_delta, record_digests]
 """Run in order by ``RankSide.before_end``; the digest comes last (it sees the final bytes)."""
 
 

@@ -21,6 +21,10 @@
                                          ``torch._foreach_copy_`` instead of one Triton
                                          launch per step
                                          (``replica/sglang/gathered_copies.py``; A/B runs).
+``P2PWEIGHTS_DELTA_SCRATCH``             Bytes of each engine rank's delta scratch region
+                                         (``512MiB``; ``0``: none, delta updates write it
+                                         in full); default 1/8 of the rank's weights, at
+                                         most 1 GiB (``p2pweights.delta.engine``).
 ``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
                                          (demo, doctor) when unset: NIXL logs INFO lines to
                                          stdout otherwise. Read, never overridden.
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "nixl_backend",
+    "delta_scratch",
     "sglang_cpu_engine",
     "keep_ucx_efa_module_out",
     "progress_allowed",
@@ -51,6 +56,10 @@ __all__ = [
 
 def nixl_backend() -> str:
     return os.environ.get("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "UCX")
+
+
+def delta_scratch() -> str | None:
+    return os.environ.get("P2PWEIGHTS_DELTA_SCRATCH")
 
 
 def sglang_cpu_engine() -> bool:

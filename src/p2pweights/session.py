@@ -238,7 +238,7 @@ class WeightSyncSession:
             if self._executor is None:
                 transport = create_transport(config.transport)
                 self._executor = TransferExecutor(
-                    transport, self._staging_device, config.transfer_timeout_s
+                    transport, self._staging_device, config.transfer_timeout_s, config.delta
                 )
             targets = assign(
                 fleet.engines, config.num_trainer_ranks, config.trainer_rank, self._replica
@@ -301,6 +301,10 @@ class WeightSyncSession:
         self._updating_thread = threading.get_ident()
         try:
             return self._update(named_tensors, version)
+        except BaseException:
+            if self._executor is not None:
+                self._executor.forget_deltas()  # failed after its writes too: next is full
+            raise
         finally:
             self._updating_thread = None
             self._cancel.clear()

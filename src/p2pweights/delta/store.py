@@ -22,8 +22,8 @@ from p2pweights.delta.wire import DeltaEntry, encode
 
 __all__ = ["PreviousBytes", "TargetKey"]
 
-TargetKey = tuple[str, int]
-"""(engine URL, engine rank)."""
+TargetKey = Hashable
+"""An engine rank's runner, as the caller names it: (engine URL, engine rank, role)."""
 
 
 class PreviousBytes:

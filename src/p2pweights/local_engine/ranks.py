@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from p2pweights.delta.engine import SCRATCH_NAME, new_scratch
 from p2pweights.engine_side import RankSide
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
@@ -138,6 +139,9 @@ class _Runner:
         self.params = {
             name: p.data for name, p in model.named_parameters() if id(p) not in shared_ids
         }
+        scratch = new_scratch(self.params, device)  # published beside the weights
+        if scratch is not None:
+            self.params[SCRATCH_NAME] = scratch
         self.publisher: Publisher = create_publisher(transport, engine_rank=spec.tp_rank)
         self.publisher.register(self.params)
         self.side = RankSide(spec.tp_rank, role)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, LayoutMismatchError
 from p2pweights.replica.base import ParamLayout, Replica
@@ -146,7 +147,7 @@ class ReplicaHandle:
                     f"the trainer's sglang build, model config or server args differ from the "
                     f"engine's"
                 )
-        extra = sorted(set(pub.regions) - set(layouts))
+        extra = sorted(set(pub.regions) - set(layouts) - {SCRATCH_NAME})
         if extra:
             raise LayoutMismatchError(
                 f"{where} published parameters the replica does not have: {', '.join(extra[:8])}"

@@ -40,6 +40,10 @@ from typing import Protocol
 
 import torch
 
+from p2pweights.config import DeltaConfig
+from p2pweights.delta.engine import SCRATCH_NAME
+from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary
+from p2pweights.delta.wire import HEADER_BYTES, pack_header
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError, UnsettledWrite
 from p2pweights.integrity.staged import file_digests
@@ -97,6 +101,9 @@ class RunResult:
     """With ``RunHooks.digest_staged``: runner -> parameter -> digest of the bytes staged
     for it (direct loads stage nothing, and are not listed)."""
     digest_s: float = 0.0
+    delta: DeltaSummary | None = None
+    """With ``SyncConfig.delta``: the bytes a full update would have written, those
+    written instead, and the memory the previous update's copy takes."""
 
     @property
     def bytes_written(self) -> int:
@@ -121,7 +128,13 @@ class RunResult:
 class TransferExecutor:
     """Staging buffers, writers and in-flight writes of one session."""
 
-    def __init__(self, transport: Transport, staging_device: torch.device, timeout_s: float):
+    def __init__(
+        self,
+        transport: Transport,
+        staging_device: torch.device,
+        timeout_s: float,
+        delta: DeltaConfig | None = None,
+    ):
         self._transport = transport
         self._device = staging_device
         self._timeout_s = timeout_s
@@ -130,6 +143,8 @@ class TransferExecutor:
         self._connected: dict[tuple[str, int, str], RankPublication] = {}
         self._late = LateWrites()
         """Writes of failed updates not seen settled: their buffers are not handed out again."""
+        self._delta = DeltaSender(delta) if delta is not None else None
+        """Delta updates: the previous update's bytes and the engine ranks holding them."""
 
     @property
     def transport(self) -> Transport:
@@ -200,6 +215,11 @@ class TransferExecutor:
         for gone in [k for k in self._writers if k not in keep]:
             self._writers.pop(gone).close()  # waits for a running write; queued ones cancelled
         self._forget(stale)
+        if self._delta is not None:
+            for key, old in stale.items():  # restarted, or its weights moved: full writes
+                new = wanted.get(key)
+                if new is None or new.regions != old.regions or _peer(new) != _peer(old):
+                    self._delta.forget_target(key)
         for key, pub in wanted.items():
             self._transport.connect(pub)
             self._connected[key] = pub
@@ -244,6 +264,7 @@ class TransferExecutor:
                 f"staging buffers of {self.buffer_bytes} bytes cannot hold the plan's largest "
                 f"group ({plan.buffer_bytes} bytes); reserve() them first"
             )
+        delta = self._delta.begin(self._connected) if self._delta is not None else None
         update = _Run(
             plan,
             self._buffers,
@@ -252,6 +273,7 @@ class TransferExecutor:
             loaders,
             self._transport,
             hooks or RunHooks(),
+            delta,
         )
         try:
             for group, inputs in ready:
@@ -259,10 +281,20 @@ class TransferExecutor:
             result = update.finish()
         except BaseException:
             update.abort()
+            self.forget_deltas()
             raise
         finally:
             self._late.extend(update.late)  # they may still read the buffers
+        if self._delta is not None and delta is not None:
+            self._delta.finish(delta, result.failures)
+            result.delta = delta.summary
         return result
+
+    def forget_deltas(self) -> None:
+        """An update failed (here, or in a later step such as the engines' end): the
+        next one is written in full (``SyncConfig.delta``)."""
+        if self._delta is not None:
+            self._delta.forget()
 
     @property
     def unsettled_targets(self) -> frozenset[TargetKey]:
@@ -327,6 +359,7 @@ class _Run:
         loaders: Mapping[Hashable, Loader],
         transport: Transport,
         hooks: RunHooks,
+        delta: DeltaRun | None = None,
     ):
         self._plan = plan
         self._buffers = buffers
@@ -335,6 +368,9 @@ class _Run:
         self._loaders = loaders
         self._transport = transport
         self._hooks = hooks
+        self._delta = delta
+        self._header_at: int | None = None
+        """Where the last flush's buffer holds the delta headers (reserved by ``finish``)."""
         self._opened = hooks.before_writes is None
         buffers.reset()
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
@@ -440,16 +476,22 @@ class _Run:
             # Loaders copy asynchronously on the GPU; writers must read finished bytes.
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
         self.result.load_s += time.perf_counter() - started
-        self._open()  # the first write, or load into an engine's memory, comes next
-        index = self._buffers.current_index
         placed = self._placed
+        self._open()  # the first write, or load into an engine's memory, comes next
+        digested = False
+        if self._delta is not None:  # against the publications current after the open
+            if self._hooks.digest_staged:  # of the slots' bytes, before entries replace them
+                self._digest(buffer, placed)
+                digested = True
+            self._encode_deltas(buffer)
+        index = self._buffers.current_index
         for batch in self._batches(buffer):
             if self._failed.get(batch.key) is not None:
                 continue  # this rank already failed; the others carry on
             future = self._writers[batch.key].submit(batch, self._failed)
             self._pending[index].append((future, batch))
             self.result.bytes_by_target[batch.key] += batch.num_bytes
-        if self._hooks.digest_staged:  # while the writers send the same bytes
+        if self._hooks.digest_staged and not digested:  # while the writers send the same bytes
             self._digest(buffer, placed)
         self._load_direct()  # while the writers send the staged bytes
         self.result.num_flushes += 1
@@ -475,6 +517,33 @@ class _Run:
                 self.result.digests,
             )
         self.result.digest_s += time.perf_counter() - started
+
+    def _encode_deltas(self, buffer: StagingBuffer) -> None:
+        """Delta entries of the slots just loaded, packed over their bytes where sent."""
+        assert self._delta is not None
+        started = time.perf_counter()
+        self._delta.encode(
+            (
+                (
+                    p.group.key,
+                    id(p),
+                    [(s.param, p.base + s.offset, s.num_bytes) for s in p.group.slots],
+                    p.targets,
+                )
+                for p in self._placed
+            ),
+            buffer.view,
+            self._elem_size,
+        )
+        if buffer.tensor.is_cuda:
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
+        self.result.load_s += time.perf_counter() - started
+
+    def _elem_size(self, key: Hashable, param: str) -> int:
+        """Bytes per element of ``param`` as the replica lays it out (1 if unknown)."""
+        layouts = getattr(self._loaders[key], "layouts", None)
+        layout = None if layouts is None else layouts.get(param)
+        return 1 if layout is None else int(layout.dtype.itemsize)
 
     def _settle(self, buffer: StagingBuffer) -> None:
         """Every write given up on that reads ``buffer`` must settle within
@@ -522,12 +591,40 @@ class _Run:
                     batch = batches[key] = WriteBatch(tw.target)
                 for w in tw.writes:
                     slot = group.slots[w.slot]
+                    instead = None if self._delta is None else self._delta.slot(id(placed), w.slot)
+                    if instead is not None:  # a delta entry, or unchanged: nothing to write
+                        if instead.num_bytes:
+                            address, gpu_id = instead.dst[key]
+                            write = Write(start + slot.offset, address, instead.num_bytes, gpu_id)
+                            batch.add(write, f"{slot.param} (delta)")
+                        continue
                     batch.add(
                         Write(start + slot.offset, w.dst_address, slot.num_bytes, w.dst_device),
                         slot.param,
                     )
         self._placed = []
-        return list(batches.values())
+        if self._header_at is not None:
+            self._add_headers(buffer, batches)
+        return [batch for batch in batches.values() if batch.writes]
+
+    def _add_headers(
+        self, buffer: StagingBuffer, batches: dict[tuple[str, int, str], WriteBatch]
+    ) -> None:
+        """Each scratch-publishing runner's delta header, written by the last flush."""
+        assert self._delta is not None and self._header_at is not None
+        for i, (runner, header) in enumerate(self._delta.headers().items()):
+            offset = self._header_at + i * HEADER_BYTES
+            pack_header(header, buffer.view(offset, HEADER_BYTES))
+            pub = self._delta.scratch[runner]
+            scratch = pub.regions[SCRATCH_NAME]
+            batch = batches.get(runner)
+            if batch is None:
+                batch = batches[runner] = WriteBatch(pub)
+            batch.add(
+                Write(buffer.address + offset, scratch.address, HEADER_BYTES, scratch.gpu_id),
+                "delta header",
+            )
+        self._header_at = None
 
     def _load_direct(self) -> None:
         """Load the direct groups into the engines' memory, and wait for the copies: an
@@ -551,7 +648,14 @@ class _Run:
         self._direct_devices.clear()
 
     def finish(self) -> RunResult:
-        if self._placed or self._staged or self._direct:
+        if self._delta is not None:
+            # every scratch-publishing rank gets this update's header in the last flush
+            need = HEADER_BYTES * self._delta.max_headers
+            buffer = self._buffers.current
+            if buffer.capacity_bytes - buffer.used_bytes < need:
+                buffer = self._flush()
+            self._header_at = buffer.reserve(need)
+        if self._placed or self._staged or self._direct or self._header_at is not None:
             self._flush(refill=False)  # the last: its writes are waited for below
         self._open()  # a run that wrote nothing still opens, once
         for index in (0, 1):

@@ -1,0 +1,88 @@
+"""Engine side of delta updates: the scratch region a rank publishes, and applying it.
+
+Each engine rank (the local engine's, or an sglang TP rank with the p2pweights plugin)
+publishes, beside its weights and registered with the same transport publisher, a
+scratch region under the reserved name ``SCRATCH_NAME``. A sender writing a delta puts
+the rank's payload there (``delta.wire``); ``apply_delta`` is a before-end step
+(``engine_side.BEFORE_END_STEPS``, ahead of the digest) that applies it to the rank's
+parameters right before ``end_weight_update`` re-processes them, so the write check
+digests the applied bytes. The scratch region is never a parameter: it is taken out of
+what the later steps see.
+
+Its size: ``$P2PWEIGHTS_DELTA_SCRATCH`` (``512MiB``, ``0`` for none), else 1/8 of the
+rank's weight bytes, at most 1 GiB. What does not fit is written in full.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from p2pweights import environment
+from p2pweights.config import parse_bytes
+from p2pweights.delta.apply import DeltaReceiver
+from p2pweights.errors import ConfigError
+
+if TYPE_CHECKING:
+    from p2pweights.engine_side import BeforeEnd
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SCRATCH_NAME", "apply_delta", "new_scratch", "scratch_bytes"]
+
+SCRATCH_NAME = "__p2pweights_delta_scratch__"
+"""The name the scratch region is published under (never a parameter's)."""
+
+_DEFAULT_SHARE = 8
+_DEFAULT_CAP_BYTES = 2**30
+
+_receivers: dict[tuple[int, str, int], DeltaReceiver] = {}
+"""(engine rank, runner, scratch address) -> that runner's delta state."""
+
+
+def scratch_bytes(weight_bytes: int) -> int:
+    """The scratch region's size for a rank holding ``weight_bytes`` of weights."""
+    given = environment.delta_scratch()
+    if given is None:
+        return min(weight_bytes // _DEFAULT_SHARE, _DEFAULT_CAP_BYTES) // 16 * 16
+    try:
+        return parse_bytes(given) // 16 * 16
+    except ValueError as exc:
+        raise ConfigError(f"P2PWEIGHTS_DELTA_SCRATCH: {exc}") from exc
+
+
+def new_scratch(params: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """A zeroed scratch region for a rank publishing ``params`` (None: size 0)."""
+    num_bytes = scratch_bytes(sum(t.numel() * t.element_size() for t in params.values()))
+    if num_bytes == 0:
+        return None
+    return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+
+
+def apply_delta(context: BeforeEnd) -> None:
+    """Before-end step: apply the payload in the rank's scratch region, if any; the
+    steps after this one see the parameters without the scratch region."""
+    params = context.params
+    scratch = params.get(SCRATCH_NAME)
+    if scratch is None:
+        return
+    weights = {name: t for name, t in params.items() if name != SCRATCH_NAME}
+    context.params = weights
+    rank, role = context.engine_rank, context.role
+    key = (rank, role, scratch.data_ptr())
+    receiver = _receivers.get(key)
+    if receiver is None:
+        receiver = _receivers[key] = DeltaReceiver(f"engine rank {rank} ({role})")
+    with torch.no_grad():
+        applied = receiver.take(scratch, weights)
+    if applied is not None:
+        context.record["delta"] = {
+            "sequence": applied.sequence,
+            "entries": applied.num_entries,
+            "elements": applied.num_elements,
+            "bytes": applied.payload_bytes,
+        }
+        logger.debug("engine rank %d (%s): delta applied %s", rank, role, applied)

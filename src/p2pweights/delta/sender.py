@@ -1,0 +1,216 @@
+"""Sender side of delta updates: which staged slots go as deltas, to where, and the headers.
+
+``DeltaSender`` lives as long as the executor: the previous update's bytes
+(``PreviousBytes``) and the engine ranks holding them. ``DeltaRun`` is one update:
+after a staging buffer was loaded and before its writes are built, ``encode`` compares
+each staged slot with the stored bytes. Where every engine rank the slot goes to holds
+the previous update and has room left in its scratch region, the slot's delta entry
+is packed over the slot's own bytes in the staging buffer (an entry is always smaller
+than the slot) and written to each rank's scratch region at that rank's next offset;
+otherwise the slot is written in full. A slot whose bytes did not change is not
+written at all. The last flush carries each rank's header (``headers``): the update's
+sequence, the update its entries change, their number and size. A rank whose
+publication has no scratch region gets full writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pweights.config import DeltaConfig
+from p2pweights.delta.engine import SCRATCH_NAME
+from p2pweights.delta.store import PreviousBytes
+from p2pweights.delta.wire import HEADER_BYTES, PayloadHeader
+from p2pweights.engines.published import RankPublication
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeltaRun", "DeltaSender", "DeltaSummary", "Runner"]
+
+Runner = tuple[str, int, str]
+"""(engine URL, engine rank, role)."""
+
+
+@dataclass
+class DeltaSummary:
+    """What one update's deltas saved."""
+
+    full_bytes: int = 0
+    """Bytes a full update would have written (every staged slot to each of its ranks)."""
+    sent_bytes: int = 0
+    """Bytes written instead: full slots, delta entries and headers."""
+    num_delta_slots: int = 0
+    num_full_slots: int = 0
+    num_unchanged_slots: int = 0
+    store_bytes: int = 0
+    """Memory the copy of the previous update's bytes takes."""
+
+    @property
+    def fraction(self) -> float:
+        return self.sent_bytes / self.full_bytes if self.full_bytes else 1.0
+
+
+@dataclass(frozen=True)
+class SlotWrites:
+    """Where one staged slot goes instead of its parameter: ``num_bytes`` (its entry,
+    0: unchanged) to each rank's scratch (address, GPU)."""
+
+    num_bytes: int
+    dst: Mapping[Runner, tuple[int, int | None]]
+
+
+class DeltaSender:
+    """The previous update's bytes and the ranks that hold them, for a session."""
+
+    def __init__(self, config: DeltaConfig) -> None:
+        self.config = config
+        self.store = PreviousBytes(torch.device("cpu") if config.store == "host" else None)
+
+    def begin(self, connected: Mapping[Runner, RankPublication]) -> DeltaRun:
+        return DeltaRun(self, connected)
+
+    def finish(self, run: DeltaRun, failed: Iterable[tuple[str, int]]) -> None:
+        """The run ended: ranks that failed get full writes next time; with any failure
+        the update failed, and everything is forgotten."""
+        if any(True for _ in failed):
+            self.forget()
+            return
+        self.store.finish(run.sequence, run.scratch)
+        run.summary.store_bytes = self.store.num_bytes
+
+    def forget(self) -> None:
+        """An update failed: the next one is written in full."""
+        if self.store.sequence or self.store.num_bytes:
+            logger.info("p2pweights: delta state forgotten; the next update is written in full")
+        self.store.forget()
+
+    def forget_target(self, runner: Runner) -> None:
+        self.store.forget_target(runner)
+
+
+@dataclass
+class DeltaRun:
+    """One update's delta decisions."""
+
+    sender: DeltaSender
+    connected: Mapping[Runner, RankPublication]
+    sequence: int = 0
+    base: int = 0
+    scratch: dict[Runner, RankPublication] = field(default_factory=dict)
+    """Runners publishing a scratch region: they get a header every update."""
+    summary: DeltaSummary = field(default_factory=DeltaSummary)
+    _holders: set[Runner] = field(default_factory=set)
+    _offsets: dict[Runner, int] = field(default_factory=dict)
+    _entries: dict[Runner, int] = field(default_factory=dict)
+    _names: dict[Runner, dict[str, int]] = field(default_factory=dict)
+    _slots: dict[tuple[int, int], SlotWrites] = field(default_factory=dict)
+
+    _started: bool = False
+
+    def __post_init__(self) -> None:
+        store = self.sender.store
+        self.sequence, self.base = store.next_sequence(), store.sequence
+
+    @property
+    def max_headers(self) -> int:
+        """Headers this run may write (one per runner connected)."""
+        return len(self.connected)
+
+    def _start(self) -> None:
+        """The ranks as connected once the engines opened (``connected`` is the executor's
+        live map: a rank that published afresh then was forgotten by the store)."""
+        if self._started:
+            return
+        self._started = True
+        store = self.sender.store
+        self.scratch = {r: p for r, p in self.connected.items() if SCRATCH_NAME in p.regions}
+        self._holders = {r for r in self.scratch if store.holds(r)}
+        self._offsets = dict.fromkeys(self.scratch, HEADER_BYTES)
+
+    def encode(
+        self,
+        placed: Iterable[tuple[Hashable, int, Iterable[tuple[str, int, int]], frozenset[Runner]]],
+        view: Callable[[int, int], torch.Tensor],
+        elem_size: Callable[[Hashable, str], int],
+    ) -> None:
+        """Decide every slot of the groups just loaded: ``placed`` gives, per group, its
+        replica key, an id, its slots (parameter, offset in the buffer, bytes) and its
+        runners; ``view(offset, num_bytes)`` is the staging buffer's bytes. The decisions
+        hold until the next call (``slot``)."""
+        self._start()
+        self._slots = {}  # one flush's: ids of its groups may be reused by the next
+        store, config = self.sender.store, self.sender.config
+        for key, placed_id, slots, runners in placed:
+            for index, (param, offset, num_bytes) in enumerate(slots):
+                new = view(offset, num_bytes)
+                self.summary.full_bytes += num_bytes * len(runners)
+                entry = None
+                param_index = self._param_index(runners, param)
+                if param_index is not None:
+                    entry = store.delta(
+                        key,
+                        param,
+                        new,
+                        elem_size(key, param),
+                        param_index=param_index,
+                        max_fraction=config.max_fraction,
+                    )
+                store.remember(key, param, new)
+                if entry is not None and entry.count == 0:
+                    self._slots[(placed_id, index)] = SlotWrites(0, {})
+                    self.summary.num_unchanged_slots += 1
+                    continue
+                if entry is None or not self._fits(runners, entry.num_bytes):
+                    self.summary.sent_bytes += num_bytes * len(runners)
+                    self.summary.num_full_slots += 1
+                    continue
+                dst = {}
+                for runner in runners:
+                    region = self.scratch[runner].regions[SCRATCH_NAME]
+                    dst[runner] = (region.address + self._offsets[runner], region.gpu_id)
+                    self._offsets[runner] += entry.num_bytes
+                    self._entries[runner] = self._entries.get(runner, 0) + 1
+                entry.pack_into(new)  # over the slot's own bytes, already stored
+                self._slots[(placed_id, index)] = SlotWrites(entry.num_bytes, dst)
+                self.summary.sent_bytes += entry.num_bytes * len(runners)
+                self.summary.num_delta_slots += 1
+
+    def slot(self, placed_id: int, index: int) -> SlotWrites | None:
+        """Where a slot ``encode`` decided goes instead (None: written in full)."""
+        return self._slots.get((placed_id, index))
+
+    def headers(self) -> dict[Runner, PayloadHeader]:
+        """Each scratch-publishing runner's header, once every slot was encoded."""
+        self._start()
+        self.summary.sent_bytes += HEADER_BYTES * len(self.scratch)
+        out = {}
+        for runner in self.scratch:
+            count = self._entries.get(runner, 0)
+            base = self.base if count else 0
+            out[runner] = PayloadHeader(self.sequence, base, count, self._offsets[runner])
+        return out
+
+    def _param_index(self, runners: frozenset[Runner], param: str) -> int | None:
+        """The parameter's index in every runner's sorted published names, where every
+        runner holds the previous update and all agree; else None (a full write)."""
+        if not runners or not runners <= self._holders:
+            return None
+        indices = set()
+        for runner in runners:
+            names = self._names.get(runner)
+            if names is None:
+                published = sorted(n for n in self.scratch[runner].regions if n != SCRATCH_NAME)
+                names = self._names[runner] = {n: i for i, n in enumerate(published)}
+            indices.add(names.get(param))
+        (index,) = indices if len(indices) == 1 else (None,)
+        return index
+
+    def _fits(self, runners: frozenset[Runner], num_bytes: int) -> bool:
+        return all(
+            self._offsets[r] + num_bytes <= self.scratch[r].regions[SCRATCH_NAME].num_bytes
+            for r in runners
+        )

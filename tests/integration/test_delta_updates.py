@@ -1,0 +1,124 @@
+"""Delta updates between real processes: local engines over real Mooncake and NIXL,
+sglang's own model code, every update checked bit-exact against sglang's own
+``load_weights`` of the same tensors (and by the engines' write digests).
+
+The trainer's tensors change as an optimizer step changes them: fp32 master weights
+moved a little, cast to bf16, so a few percent of the bf16 values differ per update.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from _bit_exact import seed_weights
+
+from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
+from p2pweights.config import DeltaConfig
+from p2pweights.engines.client import EngineClient
+from p2pweights.local_engine import LocalEngine
+from p2pweights.verify import verify_engine
+
+pytestmark = pytest.mark.integration
+
+TRANSPORTS = {
+    "mooncake": MooncakeConfig(protocol="tcp", local_hostname="127.0.0.1"),
+    "nixl": NixlConfig(backend="UCX"),
+}
+
+
+class _Trainer:
+    """fp32 master weights; each ``step`` moves them as a small optimizer step does and
+    returns the bf16 tensors a trainer sends."""
+
+    def __init__(self, folder: Path, seed: int = 1) -> None:
+        self.master = {name: t.float() for name, t in seed_weights(folder, seed)}
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t.to(torch.bfloat16)) for name, t in self.master.items()]
+
+    def step(self, lr: float = 1e-6) -> list[tuple[str, torch.Tensor]]:
+        for t in self.master.values():  # Adam's first steps move each weight by about lr
+            noise = torch.randn(t.shape, generator=self.generator)
+            t.add_(torch.sign(noise), alpha=-lr)
+        return self.tensors()
+
+
+def _bit_exact(engines: list[LocalEngine], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    for engine in engines:
+        client = EngineClient(engine.url)
+        try:
+            assert verify_engine(client, lambda: tensors) == {r: [] for r in range(engine.tp)}
+        finally:
+            client.close()
+
+
+def _sent(report, engine: LocalEngine) -> int:
+    return sum(n for (url, _), n in report.bytes_by_target.items() if url == engine.url)
+
+
+@pytest.mark.parametrize("kind", list(TRANSPORTS))
+def test_deltas_over_several_updates_are_bit_exact(kind, model_dir, start_engines):
+    folder = model_dir("qwen3-tiny")
+    (engine,) = start_engines(folder, [2], transport=kind, seed=0)
+    config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB", delta=DeltaConfig())
+    trainer = _Trainer(folder)
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        full = _sent(session.update(trainer.tensors()), engine)  # nothing to compare with
+        _bit_exact([engine], trainer.tensors())
+        for _ in range(3):
+            tensors = trainer.step()
+            report = session.update(tensors)
+            assert 0 < _sent(report, engine) < full / 4, (_sent(report, engine), full)
+            _bit_exact([engine], tensors)
+
+
+def test_a_failed_update_is_followed_by_a_full_one(model_dir, start_engines):
+    """A byte changed in the engine after the writes fails the update (write digests);
+    the next update must not send a delta against bytes the engine does not hold."""
+    folder = model_dir("qwen3-tiny")
+    (engine,) = start_engines(folder, [1], transport="mooncake", seed=0)
+    config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", delta=DeltaConfig())
+    trainer = _Trainer(folder)
+    param = "model.layers.1.mlp.down_proj.weight"
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        full = _sent(session.update(trainer.tensors()), engine)
+        assert _sent(session.update(trainer.step()), engine) < full / 4
+        answer = httpx.post(
+            f"{engine.url}/p2pweights/corrupt_at_end", json={"rank": 0, "param": param}
+        )
+        assert answer.status_code == 200
+        with pytest.raises(TransferError, match=param):
+            session.update(trainer.step())
+        tensors = trainer.step()
+        report = session.update(tensors)
+        assert _sent(report, engine) >= full  # written whole (and its header)
+        _bit_exact([engine], tensors)
+        assert _sent(session.update(trainer.step()), engine) < full / 4  # deltas again
+
+
+def test_an_engine_restarted_between_updates_gets_full_writes(model_dir, start_engines):
+    folder = model_dir("qwen3-tiny")
+    kept, restarted = start_engines(folder, [1, 1], transport="nixl", seed=0)
+    config = SyncConfig(transport=TRANSPORTS["nixl"], buffer_bytes="1MiB", delta=DeltaConfig())
+    trainer = _Trainer(folder)
+    with WeightSyncSession(config) as session:
+        session.connect([kept.url, restarted.url])
+        full = _sent(session.update(trainer.tensors()), kept)
+        session.update(trainer.step())
+        restarted.stop()
+        again = LocalEngine(folder, tp=1, transport="nixl", seed=0, port=restarted.port)
+        start_engines.started.append(again)
+        again.start().wait_ready()
+        assert again.url == restarted.url
+        session.connect([kept.url, again.url])
+        tensors = trainer.step()
+        report = session.update(tensors)
+        assert _sent(report, kept) < full / 4
+        assert _sent(report, again) >= full  # seed weights there: a delta would be wrong
+        _bit_exact([kept, again], tensors)

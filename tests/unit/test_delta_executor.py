@@ -1,0 +1,155 @@
+"""Delta updates through the executor with the in-process copying transport (unit level):
+the engine side applies each rank's payload from its scratch region, bit-exact."""
+
+from __future__ import annotations
+
+import torch
+from test_executor import CopyingTransport, _engine
+
+from p2pweights.config import DeltaConfig
+from p2pweights.delta.apply import DeltaReceiver
+from p2pweights.delta.engine import SCRATCH_NAME
+from p2pweights.plan.byte_plan import aligned, build_byte_plan
+from p2pweights.testing.loaders import FnLoader
+from p2pweights.transfer.executor import TransferExecutor
+
+
+def _source(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"p{i}": torch.randn(2000 + 17 * i, generator=g).to(torch.bfloat16) for i in range(8)}
+
+
+def _step(source: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in source.items():
+        new = t.clone()
+        mask = torch.rand(t.shape, generator=g) < fraction
+        new[mask] = (new[mask].float() * 1.05 + 0.01).to(torch.bfloat16)
+        out[name] = new
+    return out
+
+
+class _Engine:
+    def __init__(self, url: str, source: dict[str, torch.Tensor], scratch_bytes: int) -> None:
+        self.params = {n: torch.zeros_like(t) for n, t in source.items()}
+        self.scratch = torch.zeros(scratch_bytes, dtype=torch.uint8)
+        self.receiver = DeltaReceiver(url)
+        self.pub = _engine(url, 0, {**self.params, SCRATCH_NAME: self.scratch})
+
+    def end(self) -> None:
+        self.receiver.take(self.scratch, self.params)
+
+    def holds(self, source: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(self.params[n], t) for n, t in source.items())
+
+
+def _update(executor, source, targets, shared=True):
+    """One group per parameter; one replica for every target (``shared``) or one each."""
+    keys = {"r": targets} if shared else {f"r{i}": [t] for i, t in enumerate(targets)}
+    plan = build_byte_plan(
+        {k: [(frozenset({n}), (n,)) for n in source] for k in keys},
+        {k: {n: t.numel() * 2 for n, t in source.items()} for k in keys},
+        keys,
+        3 * aligned(4200),  # a few parameters per buffer: several flushes
+    )
+    executor.reserve(plan.buffer_bytes)
+
+    def load(key, inputs, views):
+        for name, value in inputs:
+            views[name].copy_(value.view(torch.uint8))
+
+    ready = ((plan.group(k, i), [(n, source[n])]) for k in keys for i, n in enumerate(source))
+    return executor.run(plan, ready, {k: FnLoader(k, load) for k in keys})
+
+
+def test_deltas_land_bit_exact_over_several_updates_and_send_less():
+    source = _source()
+    engines = [_Engine("http://a", source, 1 << 16), _Engine("http://b", source, 1 << 16)]
+    executor = TransferExecutor(
+        CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig(max_fraction=0.3)
+    )
+    executor.connect([e.pub for e in engines])
+    full = _update(executor, source, [e.pub for e in engines])
+    for e in engines:
+        e.end()
+        assert e.holds(source)
+    assert full.delta is not None and full.delta.num_delta_slots == 0
+    assert full.delta.store_bytes == sum(t.numel() * 2 for t in source.values())
+    for step in range(1, 4):
+        source = _step(source, 0.02, step)
+        result = _update(executor, source, [e.pub for e in engines])
+        for e in engines:
+            e.end()
+            assert e.holds(source), step
+        assert result.delta is not None and result.delta.num_delta_slots == 8
+        assert result.delta.fraction < 0.15
+        assert result.bytes_written == result.delta.sent_bytes
+    executor.close()
+
+
+def test_ranks_sharing_a_layout_get_a_slot_in_full_where_one_has_no_room():
+    """A slot goes as a delta only where every rank sharing its staged bytes takes it
+    (the entry replaces those bytes in the staging buffer)."""
+    source = _source(1)
+    engines = [_Engine("http://a", source, 1 << 16), _Engine("http://b", source, 256)]
+    executor = TransferExecutor(CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig())
+    targets = [e.pub for e in engines]
+    executor.connect(targets)
+    _update(executor, source, targets)
+    for e in engines:
+        e.end()
+    source = _step(source, 0.02, 7)
+    result = _update(executor, source, targets)
+    for e in engines:
+        e.end()
+        assert e.holds(source)
+    assert result.delta is not None and result.delta.num_delta_slots == 0
+    assert result.bytes_by_target[("http://a", 0)] == result.bytes_by_target[("http://b", 0)]
+
+
+def test_a_flush_decides_its_own_slots_only():
+    """The decisions of a flush are keyed by its groups' ids, which Python reuses for the
+    next flush's groups: a decision must never outlive its flush."""
+    from p2pweights.delta.sender import DeltaSender
+
+    source = _source(2)
+    engine = _Engine("http://a", source, 1 << 16)
+    sender = DeltaSender(DeltaConfig())
+    runner = ("http://a", 0, "target")
+    buffer = source["p0"].view(torch.uint8).clone()
+    sender.store.remember("r", "p0", buffer)
+    sender.store.finish(1, [runner])
+    run = sender.begin({runner: engine.pub})
+    slots = [("p0", 0, buffer.numel())]
+    run.encode(
+        [("r", 7, slots, frozenset({runner}))], lambda o, n: buffer[o : o + n], lambda k, p: 2
+    )
+    assert run.slot(7, 0) is not None and run.slot(7, 0).num_bytes == 0  # unchanged
+    run.encode([], lambda o, n: buffer[o : o + n], lambda k, p: 2)  # the next flush
+    assert run.slot(7, 0) is None
+
+
+def test_a_reconnect_forgets_only_ranks_whose_weights_moved():
+    """Connecting again re-reads publications: a rank whose regions and peer are the same
+    (its transport metadata may differ) keeps deltas; a restarted one gets full writes."""
+    import dataclasses
+
+    source = _source(3)
+    engines = [_Engine("http://a", source, 1 << 16), _Engine("http://b", source, 1 << 16)]
+    executor = TransferExecutor(CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig())
+    targets = [e.pub for e in engines]
+    executor.connect(targets)
+    _update(executor, source, targets, shared=False)
+    for e in engines:
+        e.end()
+    restarted = _Engine("http://b", source, 1 << 16)  # new memory, seed weights
+    targets = [dataclasses.replace(engines[0].pub, agent_metadata=b"re-read"), restarted.pub]
+    executor.connect(targets)
+    source = _step(source, 0.02, 9)
+    result = _update(executor, source, targets, shared=False)
+    engines[0].end()
+    restarted.end()
+    assert engines[0].holds(source) and restarted.holds(source)
+    sent = result.bytes_by_target
+    assert sent[("http://a", 0)] * 4 < sent[("http://b", 0)]
