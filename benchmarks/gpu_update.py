@@ -218,6 +218,23 @@ def refill(tensors: list[tuple[str, torch.Tensor]], seed: int) -> None:
         tensor.normal_(1.0 if "norm" in name else 0.0, 0.02, generator=generator)
 
 
+def train_like(
+    tensors: list[tuple[str, torch.Tensor]], masters: list[torch.Tensor], lr: float, seed: int
+) -> list[torch.Tensor]:
+    """A training-like update in place: fp32 master weights (drawn once, by ``refill``)
+    each moved by ``lr`` in a random direction (what Adam's first steps do to every
+    weight), then cast to the bf16 tensors. Returns the masters for the next call."""
+    if not masters:
+        refill(tensors, seed=seed)
+        return [t.float() for _, t in tensors]
+    generator = torch.Generator(device=tensors[0][1].device).manual_seed(seed)
+    for (_, tensor), master in zip(tensors, masters, strict=True):
+        step = torch.randn(master.shape, generator=generator, device=master.device).sign_()
+        master.add_(step, alpha=-lr)
+        tensor.copy_(master)
+    return masters
+
+
 def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
@@ -238,6 +255,8 @@ def p2pweights_updates(
     batch_modes: tuple[str, ...] = ("on",),
     stage_modes: tuple[str, ...] = ("on",),
     verify_modes: tuple[str, ...] = ("on",),
+    delta_modes: tuple[str, ...] = ("off",),
+    delta_lr: float = 1e-6,
 ) -> dict[str, Any]:
     """Updates into a fresh local engine on ``engine_gpu``, one session per combination
     of staging and the switches: replay (``"off"`` sets ``P2PWEIGHTS_LOADER_REPLAY=0``:
@@ -249,8 +268,13 @@ def p2pweights_updates(
     other), fp8 quantization in batches (off: one kernel launch per weight) and
     ``SyncConfig.stage_before_pause`` (off: the engine pauses before the inputs are read)
     and ``SyncConfig.verify_writes`` (on: "always", every staged write's digest compared
-    with the engine rank's; off: "off"; stages "digest", "engine_digest", "verify_writes")."""
+    with the engine rank's; off: "off"; stages "digest", "engine_digest", "verify_writes")
+    and ``SyncConfig.delta`` (on: ``DeltaConfig()``). Where a delta run is asked for, every
+    run's tensors change as training steps change them (``train_like``: fp32 masters
+    moved by about ``delta_lr`` each, then cast) instead of being drawn afresh, so the
+    full and the delta runs send the same updates."""
     from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
+    from p2pweights.config import DeltaConfig
     from p2pweights.local_engine import LocalEngine
     from p2pweights.replica.sglang.replay import Replay
     from p2pweights.source import collect
@@ -279,7 +303,7 @@ def p2pweights_updates(
         out["engine_start_s"] = round(time.perf_counter() - started, 1)
         client = EngineClient(engine.url, timeout_s=600)
         runs = [
-            (s, r, f, d, b, p, v)
+            (s, r, f, d, b, p, v, dm)
             for s in stagings
             for r in replay_modes
             for f in fused_modes
@@ -287,8 +311,10 @@ def p2pweights_updates(
             for b in batch_modes
             for p in stage_modes
             for v in verify_modes
+            for dm in delta_modes
         ]
-        for index, (staging, mode, fused, direct, batch, staged, verify) in enumerate(runs):
+        train = "on" in delta_modes
+        for index, (staging, mode, fused, direct, batch, staged, verify, dm) in enumerate(runs):
             os.environ["P2PWEIGHTS_LOADER_REPLAY"] = "0" if mode == "off" else "1"
             os.environ["P2PWEIGHTS_COPY_KERNEL"] = "0" if mode == "foreach" else "1"
             Replay._run_on_one_gpu = (  # type: ignore[method-assign]
@@ -302,12 +328,17 @@ def p2pweights_updates(
                 http_timeout_s=600,
                 stage_before_pause=staged == "on",
                 verify_writes="always" if verify == "on" else "off",
+                delta=DeltaConfig() if dm == "on" else None,
             )
             session = WeightSyncSession(config_, staging_device=staging)
+            masters: list[torch.Tensor] = []
             session.connect([engine.url])
             rows = []
             for k in range(num_updates):
-                refill(tensors, seed=1000 * index + k)
+                if train:  # the same training-like updates for every run
+                    masters = train_like(tensors, masters, delta_lr, seed=k)
+                else:
+                    refill(tensors, seed=1000 * index + k)
                 torch.cuda.synchronize()
                 report = session.update(tensors)
                 row: dict[str, Any] = {
@@ -318,6 +349,16 @@ def p2pweights_updates(
                     "control_calls": getattr(report, "num_control_calls", 0),
                     "control_call_s": getattr(report, "control_call_seconds", 0.0),
                 }
+                delta = getattr(getattr(session, "_last_run", None), "delta", None)
+                if delta is not None:
+                    row["delta"] = {
+                        "sent_fraction": delta.fraction,
+                        "full_bytes": delta.full_bytes,
+                        "delta_slots": delta.num_delta_slots,
+                        "full_slots": delta.num_full_slots,
+                        "unchanged_slots": delta.num_unchanged_slots,
+                        "store_bytes": delta.store_bytes,
+                    }
                 if k == 0 or k == num_updates - 1 or (verify_every and k % verify_every == 0):
                     t0 = time.perf_counter()
                     mismatches = verify_engine(client, lambda: iter(tensors), device="cuda:0")
@@ -328,7 +369,8 @@ def p2pweights_updates(
                 rows.append(row)
                 print(
                     f"  {model} {staging} replay {mode} fused {fused} direct {direct} "
-                    f"batch {batch} staged-before-pause {staged} verify {verify} update {k}: "
+                    f"batch {batch} staged-before-pause {staged} verify {verify} delta {dm} "
+                    f"update {k}: "
                     f"{report.summary()} "
                     f"(engine paused {row['paused_s'] * 1e3:.1f} ms)"
                 )
@@ -353,6 +395,7 @@ def p2pweights_updates(
             key += "/no-direct" if direct == "off" else ""
             key += "/pause-first" if staged == "off" else ""
             key += "/no-verify" if verify == "off" else ""
+            key += "/delta" if dm == "on" else ""
             out[key + ("/no-batch" if batch == "off" else "")] = {
                 "median_update_s": median_s,
                 "median_paused_s": statistics.median(r["paused_s"] for r in timed),
@@ -541,6 +584,16 @@ def main() -> None:
             help=f"modes to run side by side (off: {off})",
         )
     parser.add_argument(
+        "--delta",
+        nargs="+",
+        default=["off"],
+        choices=["on", "off"],
+        help="SyncConfig(delta=DeltaConfig()) runs beside full ones (on); every run's tensors "
+        "then change as training steps change them. A colocated engine is loaded directly "
+        "(no staging, no delta): use --direct off",
+    )
+    parser.add_argument("--delta-lr", type=float, default=1e-6)
+    parser.add_argument(
         "--parts",
         nargs="+",
         default=["updates", "baseline"],
@@ -587,6 +640,8 @@ def main() -> None:
                     tuple(args.batch),
                     tuple(args.stage_before_pause),
                     tuple(args.verify),
+                    tuple(args.delta),
+                    args.delta_lr,
                 ),
             )
         if engine_gpu and "baseline" in args.parts:
@@ -606,6 +661,8 @@ def main() -> None:
                     direct_modes=tuple(args.direct),
                     stage_modes=tuple(args.stage_before_pause),
                     verify_modes=tuple(args.verify),
+                    delta_modes=tuple(args.delta),
+                    delta_lr=args.delta_lr,
                 ),
             )
         if "floor" in args.parts:

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights.delta.engine import SCRATCH_NAME, scratch_bytes
 from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.engines.published import parse_publication
 from p2pweights.errors import EngineError
@@ -143,6 +144,9 @@ def test_published_weights_are_written_bit_exact(
     info = body["remote_instance_transfer_engine_info"]
     assert body["rank"] == 0 and info["backend"] == "nixl"
     assert info["agent_name"].startswith("nixl_weight_tp0_")
+    scratch = info["weights_info_dict"].pop(SCRATCH_NAME)  # delta updates' scratch region
+    weight_bytes = sum(numel * size for _, numel, size, _ in seen["params"].values())
+    assert scratch[1] * scratch[2] == scratch_bytes(weight_bytes) > 0
     assert info["weights_info_dict"] == {
         name: [ptr, numel, element_size, 0]
         for name, (ptr, numel, element_size, _) in seen["params"].items()
@@ -150,7 +154,7 @@ def test_published_weights_are_written_bit_exact(
     target = parse_publication("http://engine-under-test", 0, body)
     assert target.backend == "nixl" and target.mem_type == "DRAM" and target.write_digests
 
-    regions = sorted(target.regions.items())
+    regions = sorted((n, r) for n, r in target.regions.items() if n != SCRATCH_NAME)
     staging = torch.empty(
         sum(r.num_bytes for _, r in regions) + 8 * len(regions), dtype=torch.uint8
     )

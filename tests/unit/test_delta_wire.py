@@ -79,6 +79,12 @@ def test_encode_counts_whole_elements_and_sizes():
     assert entry is not None
     assert entry.indices.tolist() == [3, 500, 999]
     assert entry.num_bytes == entry_bytes(3, 2) == ENTRY_HEADER_BYTES + 16 + 16
+    # a size not of whole 8-byte words is compared element by element
+    odd_old = torch.zeros(1001, dtype=torch.bfloat16)
+    odd_new = odd_old.clone()
+    odd_new[[0, 7, 1000]] = 2.0
+    odd = encode(_bytes(odd_old), _bytes(odd_new), 2)
+    assert odd is not None and odd.indices.tolist() == [0, 7, 1000]
     # nothing changed: an empty entry (nothing to send)
     same = encode(_bytes(old), _bytes(old), 2)
     assert same is not None and same.count == 0

@@ -134,12 +134,38 @@ def encode(
     if num_elements > MAX_ELEMENTS:
         return None
     old_elems, new_elems = typed(previous, elem_size), typed(new, elem_size)
-    indices = torch.ne(old_elems, new_elems).nonzero().flatten()
+    indices = _changed(previous, new, old_elems, new_elems, elem_size)
     count = int(indices.numel())
     if entry_bytes(count, elem_size) >= num_bytes or count > max_fraction * num_elements:
         return None
     values = new_elems.index_select(0, indices).view(torch.uint8)
     return DeltaEntry(param_index, elem_size, num_bytes, indices.to(torch.int32), values)
+
+
+def _changed(
+    previous: torch.Tensor,
+    new: torch.Tensor,
+    old_elems: torch.Tensor,
+    new_elems: torch.Tensor,
+    elem_size: int,
+) -> torch.Tensor:
+    """Indices (ascending, int64) of the elements that differ. Compared as 8-byte words
+    first where the bytes allow (a few percent of words differ: the element compare and
+    ``nonzero`` then run on those alone, about 3x faster on a CPU)."""
+    per_word = 8 // elem_size
+    aligned_words = (
+        per_word > 1
+        and new.numel() % 8 == 0
+        and previous.data_ptr() % 8 == 0
+        and new.data_ptr() % 8 == 0
+    )
+    if not aligned_words:
+        return torch.ne(old_elems, new_elems).nonzero().flatten()
+    words = torch.ne(previous.view(torch.int64), new.view(torch.int64)).nonzero().flatten()
+    lanes = torch.arange(per_word, device=words.device)
+    candidates = (words.unsqueeze(1) * per_word + lanes).flatten()
+    differ = torch.ne(old_elems.index_select(0, candidates), new_elems.index_select(0, candidates))
+    return candidates[differ]
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,10 @@ def digests_before_end(updater: Any, *_args: Any, **_kwargs: Any) -> None:
     if side is None or published is None:  # a draft runner, or one published by sglang alone
         return
     params = {name: p.data for name, p in runner.model.named_parameters()}
+    if published.scratch is not None:  # a delta written there is applied first
+        from p2pweights.delta.engine import SCRATCH_NAME
+
+        params[SCRATCH_NAME] = published.scratch
     published.put_record(side.before_end(params))
 
 

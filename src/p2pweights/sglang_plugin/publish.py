@@ -23,15 +23,20 @@ from p2pweights.errors import ConfigError, EngineError
 from p2pweights.transfer.transports.nixl import NixlPublisher
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 logger = logging.getLogger(__name__)
 
 
 def publish_model(
-    model: nn.Module, engine_rank: int, backend: str
+    model: nn.Module,
+    engine_rank: int,
+    backend: str,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> tuple[NixlPublisher, dict[str, Any]]:
-    """Register ``model``'s parameters with a new NIXL agent; return it and its publication.
+    """Register ``model``'s parameters (and ``extra`` regions, such as the delta scratch
+    region) with a new NIXL agent; return it and its publication.
 
     The publisher must stay alive (and unclosed) as long as writers may write: it
     owns the agent and the registrations.
@@ -39,6 +44,7 @@ def publish_model(
     params = {name: p.data for name, p in model.named_parameters()}
     if not params:
         raise ConfigError(f"tp rank {engine_rank}: the model has no parameters to publish")
+    params.update(extra or {})
     publisher = NixlPublisher(backend=backend, engine_rank=engine_rank)
     try:
         publisher.register(params)
@@ -82,9 +88,19 @@ class LivePublication:
         self.epoch = -1
         self._publisher: NixlPublisher | None = None
         self._storage: Storage = {}
+        self.scratch: torch.Tensor | None = None
+        """The delta scratch region (``p2pweights.delta.engine``), published with the
+        weights under its reserved name; allocated once, kept across publications."""
 
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
-        publisher, info = publish_model(model, self.engine_rank, self.backend)
+        from p2pweights.delta.engine import SCRATCH_NAME, new_scratch
+
+        if self.scratch is None:
+            params = {name: p.data for name, p in model.named_parameters()}
+            device = next(iter(params.values())).device if params else None
+            self.scratch = None if device is None else new_scratch(params, device)
+        extra = {} if self.scratch is None else {SCRATCH_NAME: self.scratch}
+        publisher, info = publish_model(model, self.engine_rank, self.backend, extra)
         info.update(live=True, epoch=self.epoch + 1, write_digests=True)
         if moved is not None:
             info["moved"] = moved
