@@ -8,8 +8,9 @@ The session only sequences. Connecting and each engine's update state
 One update, as sglang expects it, each step acting only on engines that need it
 (``engines.update_session`` keeps every engine's state from its own answers)::
 
-    open:   pause_generation -> flush_cache -> begin_weight_update
-            -> update_weight_version("p2pweights-updating:<v>")
+    stage:  the inputs read, checked, converted; the first staging buffer loaded
+    open:   pause_generation -> update_weight_version("p2pweights-updating:<v>") and
+            flush_cache at once -> begin_weight_update
     write:  every engine rank's bytes
     close:  end_weight_update
     verify: each rank's digests of its staged writes against the engine ranks' own
@@ -458,8 +459,11 @@ class WeightSyncSession:
                 if not opened:
                     opened = True
                     self._collective.step("open", lambda: self._open(version))
+                others_write = self.config.num_senders > 1
+                if self._leader and others_write:  # they write even if this rank's refresh fails
+                    self._fleet.mark_written()
                 replanned = self._refresh_targets()  # the sessions are open now
-            if self._leader:
+            if self._leader and not others_write:  # alone, a failed refresh left them whole
                 self._fleet.mark_written()
             return replanned
 
@@ -472,6 +476,8 @@ class WeightSyncSession:
             result = self._run(tensors, checked, before_writes)
         except BaseException as exc:
             if not opened and isinstance(exc, Exception):
+                # only where no stream is drained below (stream_first rules it out), as
+                # this step raises
                 opened = True
                 self._collective.step("open", functools.partial(_raise, exc))
             if self.config.num_senders > 1 and isinstance(tensors, Iterator):
@@ -644,6 +650,13 @@ class WeightSyncSession:
             if self._executor is not None:
                 transport = self._executor.transport
                 self._executor.close()
+                in_flight = sorted(self._executor.unsettled_targets)
+                if in_flight:  # a later session cannot know: say it here
+                    logger.warning(
+                        "p2pweights close: writes to %s may still land; they stay torn (left "
+                        "paused), and a new session must not write them before those ended",
+                        ", ".join(f"{url} rank {rank}" for url, rank in in_flight),
+                    )
                 transport.close()
                 self._executor = None
 

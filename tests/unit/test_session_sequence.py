@@ -435,6 +435,22 @@ def test_weights_republished_in_another_size_are_refused_before_any_write(engine
     assert report.ok
 
 
+def test_with_other_senders_a_failed_refresh_on_the_leader_leaves_the_engines_torn(engines):
+    """Other trainer ranks write once the open step passed, even when the leader's own
+    refresh then fails: the engines must count as torn, so abort() does not resume them."""
+    grown = engines.setdefault("http://g", FakeEngine("http://g", grows="qkv"))
+    other = engines.setdefault("http://h", FakeEngine("http://h", grows="qkv"))
+    config = SyncConfig(buffer_bytes="1MiB", trainer_rank=0, num_trainer_ranks=2)
+    with WeightSyncSession(config, agree=lambda ok: ok) as session:
+        session.connect(["http://g", "http://h"])
+        session.update(_tensors(1))
+        with pytest.raises(LayoutMismatchError):
+            session.update(_tensors(2))
+        report = session.abort()
+    assert sorted(report.left_paused) == ["http://g", "http://h"]
+    assert grown.paused and other.paused and grown.version == f"{UPDATING_PREFIX}2"
+
+
 def test_an_engine_dead_since_the_last_update_fails_the_next_before_any_engine_pauses(engines):
     with WeightSyncSession(CONFIG) as session:
         session.connect(["http://a", "http://b"])

@@ -387,6 +387,7 @@ class _Run:
         """Writes given up on (late, or unsettled in the transport), with their buffers."""
 
     def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
+        group = self._plan.group(group.key, group.index)  # the plan may have been replaced
         self._raise_if_cancelled()
         self._stop_if_every_rank_failed()
         staged = []
