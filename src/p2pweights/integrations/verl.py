@@ -121,13 +121,13 @@ class P2PWeightsCheckpointEngine(CheckpointEngine):
 
     def connect(self, urls: Sequence[str]) -> None:
         """Connect this actor rank to the replicas' sglang servers (every actor rank
-        together: the first call runs one all-gather). Connecting again to the same URLs
-        does nothing; other URLs (replicas added or removed) reconnect."""
+        together: the first call runs one all-gather). Every call connects afresh, on every
+        rank alike (the manager calls it only when the replicas changed or the last connect
+        failed): a rank that skipped it while another reconnected would prepare its next
+        update differently, and their collectives would not match."""
         urls = list(urls)
         if self._session is None:
             self._session = _new_session(self.config)
-        if urls == self._urls:
-            return
         self._urls = []  # a failed connect leaves the session unconnected
         self._session.connect(urls)
         self._urls = urls
