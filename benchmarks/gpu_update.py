@@ -348,6 +348,12 @@ def p2pweights_updates(
                     "paused_s": max(getattr(report, "paused_s", {}).values(), default=0.0),
                     "control_calls": getattr(report, "num_control_calls", 0),
                     "control_call_s": getattr(report, "control_call_seconds", 0.0),
+                    "calls_by_route_ms": {
+                        route: [count, round(seconds * 1e3, 2)]
+                        for (_, route), (count, seconds) in session._fleet.control_calls()
+                        .by_route()
+                        .items()
+                    },
                 }
                 delta = getattr(getattr(session, "_last_run", None), "delta", None)
                 if delta is not None:
