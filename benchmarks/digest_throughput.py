@@ -14,21 +14,32 @@ rest of p2pweights is not installed:
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import statistics
+import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-SPEC = importlib.util.spec_from_file_location(
-    "digest", HERE.parent / "src" / "p2pweights" / "integrity" / "digest.py"
-)
-assert SPEC is not None and SPEC.loader is not None
-digest_module = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(digest_module)
+
+
+def _digest_module() -> types.ModuleType:
+    """``p2pweights.integrity.digest`` without the package's ``__init__`` (and what it
+    imports): the two packages stand in as bare namespaces."""
+    src = HERE.parent / "src" / "p2pweights"
+    for name, path in (("p2pweights", src), ("p2pweights.integrity", src / "integrity")):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]
+            sys.modules[name] = package
+    return importlib.import_module("p2pweights.integrity.digest")
+
+
+digest_module = _digest_module()
 
 
 def rank_params(layers: int, device: str) -> dict[str, torch.Tensor]:
@@ -105,6 +116,15 @@ def main() -> None:
     if args.device != "cpu":
         host = {n: t.cpu() for n, t in list(params.items())[:40]}
         result["cpu_equals_gpu_first_40"] = digests(host) == digests({n: params[n] for n in host})
+        odd = {
+            f"{size}": torch.randint(0, 256, (size,), dtype=torch.uint8)
+            for size in (1, 7, 9, 127, 129, 1000, 262143, 262144, 262157, 5_000_011)
+        }
+        on_gpu = {n: t.to(args.device) for n, t in odd.items()}
+        result["cpu_equals_gpu_odd_sizes"] = digests(odd) == digests(on_gpu)
+        result["cpu_equals_gpu_unaligned"] = digests({n: t[1:] for n, t in odd.items()}) == (
+            digests({n: t[1:] for n, t in on_gpu.items()})
+        )
     result.update(
         whole_s=whole_s,
         whole_gb_s=num_bytes / whole_s / 1e9,

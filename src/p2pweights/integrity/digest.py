@@ -56,8 +56,14 @@ def digests(regions: Mapping[str, torch.Tensor]) -> dict[str, str]:
     if not lanes:
         return {}
     names = list(lanes)
-    on_host = torch.stack([lanes[n].to("cpu") for n in names])
-    return {name: lanes_hex(on_host[i], flat[name].numel()) for i, name in enumerate(names)}
+    by_device: dict[torch.device, list[str]] = {}
+    for name in names:
+        by_device.setdefault(lanes[name].device, []).append(name)
+    on_host: dict[str, torch.Tensor] = {}
+    for device_names in by_device.values():  # one copy to the host per device
+        stacked = torch.stack([lanes[n] for n in device_names]).cpu()
+        on_host.update(zip(device_names, stacked, strict=True))
+    return {name: lanes_hex(on_host[name], flat[name].numel()) for name in names}
 
 
 def lanes_hex(lanes: torch.Tensor, num_bytes: int) -> str:
@@ -76,21 +82,20 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _words(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``data`` (uint8) as int64 words: the whole rows of ``LANES`` words, and the rest
-    (zero-padded to one row). Views where the bytes are 8-aligned, else a copy."""
+def _lanes(data: torch.Tensor) -> torch.Tensor:
+    """The ``LANES`` sums of ``data`` (uint8, at least one row): one reduction over its
+    whole rows (a view where the bytes are 8-aligned, else a copy), plus the rest
+    zero-padded to one row where the length is not a whole number of rows."""
     num_full = data.numel() // _ROW_BYTES * _ROW_BYTES
     head = data[:num_full]
-    if head.numel() and head.data_ptr() % 8:
+    if head.data_ptr() % 8:
         head = head.clone()
+    sums = head.view(torch.int64).view(-1, LANES).sum(dim=0, dtype=torch.int64)
+    if num_full == data.numel():
+        return sums
     rest = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=data.device)
     rest[: data.numel() - num_full] = data[num_full:]
-    return head.view(torch.int64).view(-1, LANES), rest.view(torch.int64)
-
-
-def _lanes(data: torch.Tensor) -> torch.Tensor:
-    rows, rest = _words(data)
-    return rows.sum(dim=0, dtype=torch.int64) + rest if rows.numel() else rest
+    return sums + rest.view(torch.int64)
 
 
 def _batched_lanes(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
