@@ -149,3 +149,26 @@ def test_off_reads_no_digests(engines):
         session.connect(["http://e0"])
         session.update(_tensors(2))  # the changed byte goes unnoticed
     assert "digests" not in engine.events and engine.running
+
+
+def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines):
+    # rank 0 of two: its own comparisons pass, but another rank's failed (it wrote other
+    # engine ranks); rank 0 cannot know which engines those were
+    steps: list[bool] = []
+
+    def agree(ok: bool) -> bool:
+        steps.append(ok)
+        return ok and len(steps) != 5  # prepare, open, write, close, verify_writes
+
+    config = SyncConfig(buffer_bytes="1MiB", trainer_rank=0, num_trainer_ranks=2)
+    a = engines.setdefault("http://a", DigestEngine("http://a"))
+    b = engines.setdefault("http://b", DigestEngine("http://b"))
+    with WeightSyncSession(config, agree=agree) as session:
+        session.connect(["http://a", "http://b"])
+        with pytest.raises(TransferError, match="another trainer rank failed the 'verify_writes'"):
+            session.update(_tensors(6))
+        assert steps == [True] * 5
+        report = session.abort()
+        assert sorted(report.left_paused) == ["http://a", "http://b"]
+        session.update(_tensors(7))  # every rank passes: both resumed
+    assert a.running and b.running and _holds(a, 7)  # b is the other rank's to write
