@@ -122,11 +122,11 @@ def test_a_flush_decides_its_own_slots_only():
     sender.store.finish(1, [runner])
     run = sender.begin({runner: engine.pub})
     slots = [("p0", 0, buffer.numel())]
-    run.encode(
-        [("r", 7, slots, frozenset({runner}))], lambda o, n: buffer[o : o + n], lambda k, p: 2
-    )
+    view = lambda o, n: buffer[o : o + n]  # noqa: E731
+    run.compare([("r", 7, slots, frozenset({runner}))], view, lambda k, p: 2)
+    run.place(view)
     assert run.slot(7, 0) is not None and run.slot(7, 0).num_bytes == 0  # unchanged
-    run.encode([], lambda o, n: buffer[o : o + n], lambda k, p: 2)  # the next flush
+    run.place(view)  # the next flush, with nothing staged
     assert run.slot(7, 0) is None
 
 
@@ -153,3 +153,33 @@ def test_a_reconnect_forgets_only_ranks_whose_weights_moved():
     assert engines[0].holds(source) and restarted.holds(source)
     sent = result.bytes_by_target
     assert sent[("http://a", 0)] * 4 < sent[("http://b", 0)]
+
+
+def test_a_rank_that_published_afresh_when_its_session_opened_gets_full_writes():
+    """Compared before the engines pause, decided after: a rank whose weights moved at
+    the open (a live publication re-read) gets its slots in full."""
+    import dataclasses
+
+    from p2pweights.delta.sender import DeltaSender
+    from p2pweights.engines.published import WeightRegion
+
+    source = _source(4)
+    engine = _Engine("http://a", source, 1 << 16)
+    sender = DeltaSender(DeltaConfig())
+    runner = ("http://a", 0, "target")
+    buffer = source["p0"].view(torch.uint8).clone()
+    sender.store.remember("r", "p0", buffer)
+    sender.store.finish(1, [runner])
+    connected = {runner: engine.pub}
+    run = sender.begin(connected)
+    changed = buffer.clone()
+    changed.view(torch.bfloat16)[:3] = 7.0
+    view = lambda o, n: changed[o : o + n]  # noqa: E731
+    run.compare([("r", 1, [("p0", 0, changed.numel())], frozenset({runner}))], view, lambda k, p: 2)
+    moved = dict(engine.pub.regions, p0=WeightRegion(12345, changed.numel()))
+    connected[runner] = dataclasses.replace(engine.pub, regions=moved)
+    run.place(view)
+    assert run.slot(1, 0) is None  # written in full
+    assert torch.equal(
+        changed[:6].view(torch.bfloat16), torch.full((3,), 7.0, dtype=torch.bfloat16)
+    )

@@ -258,11 +258,23 @@ def test_delta_plan_beside_the_full_one():
 
 
 def test_delta_compare_cost_in_the_load_stage():
-    pipeline = PipelineModel(delta_host_gbps=2.0, delta_device_gbps=500.0)
-    sender = SenderLoad(rank=0, write_bytes=10**9, load_bytes=10**10, compared_bytes=10**10)
+    pipeline = PipelineModel(
+        delta_host_gbps=2.0,
+        delta_host_changed_s=1e-8,
+        delta_device_gbps=500.0,
+        delta_device_changed_s=1e-11,
+    )
+    sender = SenderLoad(
+        rank=0,
+        write_bytes=10**9,
+        load_bytes=10**10,
+        compared_bytes=10**10,
+        changed_elements=10**8,
+    )
     plain = SenderLoad(rank=0, write_bytes=10**9, load_bytes=10**10)
     host = predict([sender], [], 1, LinkModel(), pipeline).load_s
-    assert host - predict([plain], [], 1, LinkModel(), pipeline).load_s == pytest.approx(5.0)
+    base = predict([plain], [], 1, LinkModel(), pipeline).load_s
+    assert host - base == pytest.approx(5.0 + 1.0)
     dev = LinkModel(staging="device")
     gpu = predict([sender], [], 1, dev, pipeline).load_s
-    assert gpu - predict([plain], [], 1, dev, pipeline).load_s == pytest.approx(0.02)
+    assert gpu - predict([plain], [], 1, dev, pipeline).load_s == pytest.approx(0.02 + 0.001)

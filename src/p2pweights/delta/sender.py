@@ -2,15 +2,16 @@
 
 ``DeltaSender`` lives as long as the executor: the previous update's bytes
 (``PreviousBytes``) and the engine ranks holding them. ``DeltaRun`` is one update:
-after a staging buffer was loaded and before its writes are built, ``encode`` compares
-each staged slot with the stored bytes. Where every engine rank the slot goes to holds
-the previous update and has room left in its scratch region, the slot's delta entry
-is packed over the slot's own bytes in the staging buffer (an entry is always smaller
-than the slot) and written to each rank's scratch region at that rank's next offset;
-otherwise the slot is written in full. A slot whose bytes did not change is not
-written at all. The last flush carries each rank's header (``headers``): the update's
-sequence, the update its entries change, their number and size. A rank whose
-publication has no scratch region gets full writes.
+after a staging buffer was loaded, ``compare`` compares each staged slot with the
+stored bytes (before the engines pause); once they opened, ``place`` decides: where
+every engine rank the slot goes to holds the previous update and has room left in its
+scratch region, the slot's delta entry is packed over the slot's own bytes in the
+staging buffer (an entry is always smaller than the slot) and written to each rank's
+scratch region at that rank's next offset; otherwise the slot is written in full. A
+slot whose bytes did not change is not written at all. The last flush carries each
+rank's header (``headers``): the update's sequence, the update its entries change,
+their number and size. A rank whose publication has no scratch region gets full
+writes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.delta.store import PreviousBytes
-from p2pweights.delta.wire import HEADER_BYTES, PayloadHeader
+from p2pweights.delta.wire import HEADER_BYTES, DeltaEntry, PayloadHeader
 from p2pweights.engines.published import RankPublication
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,9 @@ class DeltaRun:
     _slots: dict[tuple[int, int], SlotWrites] = field(default_factory=dict)
 
     _started: bool = False
+    _pending: list[tuple[tuple[int, int], DeltaEntry | None, frozenset[Runner], int, int]] = field(
+        default_factory=list
+    )
 
     def __post_init__(self) -> None:
         store = self.sender.store
@@ -121,8 +125,7 @@ class DeltaRun:
         return len(self.connected)
 
     def _start(self) -> None:
-        """The ranks as connected once the engines opened (``connected`` is the executor's
-        live map: a rank that published afresh then was forgotten by the store)."""
+        """The ranks holding the previous update, as connected when the run began."""
         if self._started:
             return
         self._started = True
@@ -131,23 +134,22 @@ class DeltaRun:
         self._holders = {r for r in self.scratch if store.holds(r)}
         self._offsets = dict.fromkeys(self.scratch, HEADER_BYTES)
 
-    def encode(
+    def compare(
         self,
         placed: Iterable[tuple[Hashable, int, Iterable[tuple[str, int, int]], frozenset[Runner]]],
         view: Callable[[int, int], torch.Tensor],
         elem_size: Callable[[Hashable, str], int],
     ) -> None:
-        """Decide every slot of the groups just loaded: ``placed`` gives, per group, its
-        replica key, an id, its slots (parameter, offset in the buffer, bytes) and its
-        runners; ``view(offset, num_bytes)`` is the staging buffer's bytes. The decisions
-        hold until the next call (``slot``)."""
+        """Compare every slot of the groups just loaded with the stored bytes (and store
+        the new ones): ``placed`` gives, per group, its replica key, an id, its slots
+        (parameter, offset in the buffer, bytes) and its runners; ``view(offset,
+        num_bytes)`` is the staging buffer's bytes. Runs before the engines pause; ``place``
+        decides once they opened."""
         self._start()
-        self._slots = {}  # one flush's: ids of its groups may be reused by the next
         store, config = self.sender.store, self.sender.config
         for key, placed_id, slots, runners in placed:
             for index, (param, offset, num_bytes) in enumerate(slots):
                 new = view(offset, num_bytes)
-                self.summary.full_bytes += num_bytes * len(runners)
                 entry = None
                 param_index = self._param_index(runners, param)
                 if param_index is not None:
@@ -160,27 +162,54 @@ class DeltaRun:
                         max_fraction=config.max_fraction,
                     )
                 store.remember(key, param, new)
-                if entry is not None and entry.count == 0:
-                    self._slots[(placed_id, index)] = SlotWrites(0, {})
-                    self.summary.num_unchanged_slots += 1
-                    continue
-                if entry is None or not self._fits(runners, entry.num_bytes):
-                    self.summary.sent_bytes += num_bytes * len(runners)
-                    self.summary.num_full_slots += 1
-                    continue
-                dst = {}
-                for runner in runners:
-                    region = self.scratch[runner].regions[SCRATCH_NAME]
-                    dst[runner] = (region.address + self._offsets[runner], region.gpu_id)
-                    self._offsets[runner] += entry.num_bytes
-                    self._entries[runner] = self._entries.get(runner, 0) + 1
-                entry.pack_into(new)  # over the slot's own bytes, already stored
-                self._slots[(placed_id, index)] = SlotWrites(entry.num_bytes, dst)
-                self.summary.sent_bytes += entry.num_bytes * len(runners)
-                self.summary.num_delta_slots += 1
+                self._pending.append(((placed_id, index), entry, runners, offset, num_bytes))
+
+    def place(self, view: Callable[[int, int], torch.Tensor]) -> None:
+        """Decide the slots ``compare`` saw, against the publications current now (the
+        engines opened: a rank that published afresh takes full writes); a delta's entry
+        is packed over its slot's bytes. The decisions hold until the next call (``slot``)."""
+        self._refresh()
+        self._slots = {}  # one flush's: ids of its groups may be reused by the next
+        pending, self._pending = self._pending, []
+        for slot_id, entry, runners, offset, num_bytes in pending:
+            self.summary.full_bytes += num_bytes * len(runners)
+            if entry is not None and not runners <= self._holders:
+                entry = None
+            if entry is not None and entry.count == 0:
+                self._slots[slot_id] = SlotWrites(0, {})
+                self.summary.num_unchanged_slots += 1
+                continue
+            if entry is None or not self._fits(runners, entry.num_bytes):
+                self.summary.sent_bytes += num_bytes * len(runners)
+                self.summary.num_full_slots += 1
+                continue
+            dst = {}
+            for runner in runners:
+                region = self.scratch[runner].regions[SCRATCH_NAME]
+                dst[runner] = (region.address + self._offsets[runner], region.gpu_id)
+                self._offsets[runner] += entry.num_bytes
+                self._entries[runner] = self._entries.get(runner, 0) + 1
+            entry.pack_into(view(offset, num_bytes))  # over the slot's bytes, already stored
+            self._slots[slot_id] = SlotWrites(entry.num_bytes, dst)
+            self.summary.sent_bytes += entry.num_bytes * len(runners)
+            self.summary.num_delta_slots += 1
+
+    def _refresh(self) -> None:
+        """Holders whose publication moved since the run began (republished when their
+        update session opened) lose their deltas; headers go to the current addresses."""
+        self._start()
+        for runner, old in list(self.scratch.items()):
+            new = self.connected.get(runner)
+            if new is None or SCRATCH_NAME not in new.regions:
+                del self.scratch[runner]
+                self._holders.discard(runner)
+                continue
+            if new.regions != old.regions or _peer(new) != _peer(old):
+                self._holders.discard(runner)
+            self.scratch[runner] = new
 
     def slot(self, placed_id: int, index: int) -> SlotWrites | None:
-        """Where a slot ``encode`` decided goes instead (None: written in full)."""
+        """Where a slot ``place`` decided goes instead (None: written in full)."""
         return self._slots.get((placed_id, index))
 
     def headers(self) -> dict[Runner, PayloadHeader]:
@@ -214,3 +243,8 @@ class DeltaRun:
             self._offsets[r] + num_bytes <= self.scratch[r].regions[SCRATCH_NAME].num_bytes
             for r in runners
         )
+
+
+def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
+    """Who a publication is reached through (as the executor tells them apart)."""
+    return (pub.backend, pub.session_id, pub.agent_name)

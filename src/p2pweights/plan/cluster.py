@@ -94,6 +94,13 @@ class RankLoad:
         """Bytes a delta update writes to this rank, every stage."""
         return sum(self.delta_bytes(stage, fraction) for stage in range(len(self.bytes_by_stage)))
 
+    def changed_elements(self, stage: int, fraction: float) -> int:
+        """Elements of this rank's bytes in ``stage`` changed at ``fraction``."""
+        if self.bytes_by_itemsize_by_stage is None:
+            return round(fraction * (self.bytes_by_stage[stage] // 2))
+        sizes = self.bytes_by_itemsize_by_stage[stage]
+        return sum(round(fraction * (n // size)) for size, n in sizes.items())
+
     def delta_bytes(self, stage: int, fraction: float) -> int:
         """Bytes a delta update writes to this rank in ``stage`` at ``fraction`` changed."""
         if self.bytes_by_itemsize_by_stage is None:
@@ -408,6 +415,10 @@ def _delta_plan(
             s.load,
             write_bytes=sum(ranks[key].delta_bytes(s.stage, fraction) for key in s.targets),
             compared_bytes=s.load.load_bytes,
+            changed_elements=sum(
+                rank.changed_elements(s.stage, fraction)
+                for rank in {ranks[key].layout_key: ranks[key] for key in s.targets}.values()
+            ),
         )
         for s in senders
     ]

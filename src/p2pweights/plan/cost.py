@@ -142,14 +142,20 @@ class PipelineModel:
     control_calls: int = 7
     control_parallel: int = 16
     """Engines whose update-session calls run at once (``engines.fleet.concurrently``)."""
-    delta_host_gbps: float = 1.0
+    delta_host_gbps: float = 4.0
     """Delta updates with host staging: GB/s of staged bytes compared with the previous
-    update's and copied over them (``delta.store``: ``torch.ne``, ``nonzero``, the
-    changed values gathered, the copy), on the CPU (PLACEHOLDER)."""
-    delta_device_gbps: float = 1000.0
-    """The same with device staging, on the GPU: an estimate, not measured (the compare
-    and the copy read the bytes three times and write them once; H200 HBM moves about
-    4,800 GB/s)."""
+    update's and copied over them (``delta.store``: 8-byte words compared, the differing
+    ones' elements, the copy), plus ``delta_host_changed_s`` per changed element. Fitted
+    to the H200 host's CPU (16 cores), 256 MiB of bf16: 2.21 GB/s at 2 % changed, 0.79 at
+    10 % (``benchmarks/delta_encode_cost.py``, ``results/delta_encode_cost_h200.json``)."""
+    delta_host_changed_s: float = 20.4e-9
+    """Per changed element on the CPU (gathering its index and value), from the same fit."""
+    delta_device_gbps: float = 620.0
+    """The same on the staging GPU: an H200 compared and copied 2 GiB of bf16 at 429
+    GB/s with 2 % changed and 192 GB/s with 10 % (same benchmark); fitted as 620 GB/s
+    plus ``delta_device_changed_s`` per changed element."""
+    delta_device_changed_s: float = 72e-12
+    """Per changed element on the GPU, from the same fit."""
     engine_finish_s: float = 0.0
     """Engine-side work inside ``end_weight_update`` beyond one call (sglang's
     ``post_load_weights`` and ``process_weights_after_loading``); not measured here. The
@@ -186,6 +192,8 @@ class SenderLoad:
     compared_bytes: int = 0
     """Staged bytes it compares with the previous update's (delta updates: every byte it
     loads)."""
+    changed_elements: int = 0
+    """Elements of those that changed (each gathered into the delta)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,7 +286,7 @@ def predict(
     """Time of one warm update (after the first: no probe, no check) through our pipeline.
 
     Per sender: ``load = staged bytes / staging rate + loader calls + quantization``
-    (+ compared bytes / compare rate, delta updates)
+    (+ compared bytes / compare rate + changed elements x their cost, delta updates)
     (quantization: the longer of its GPU time and its launches' host time),
     ``write = written bytes / (NIC x transport efficiency)``; two buffers overlap them, so
     ``pipeline = max(load, write) + min(load, write) / flushes + flushes x overhead``
@@ -291,11 +299,13 @@ def predict(
     stage_rate = (links.host_gbps if on_host else pipeline.device_copy_gbps) * GB
     loader_call_s = pipeline.loader_call_s if on_host else pipeline.device_loader_call_s
     compare_rate = (pipeline.delta_host_gbps if on_host else pipeline.delta_device_gbps) * GB
+    per_changed = pipeline.delta_host_changed_s if on_host else pipeline.delta_device_changed_s
     sender = (0.0, "nothing to write", 0.0, 0.0, 0)  # (seconds, who, load, write, flushes)
     for s in senders:
         load = (
             s.load_bytes / stage_rate
             + s.compared_bytes / compare_rate
+            + s.changed_elements * per_changed
             + s.loader_inputs * loader_call_s
             + max(
                 s.quantized_bytes / (pipeline.quantize_gbps * GB),

@@ -478,13 +478,15 @@ class _Run:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
         self.result.load_s += time.perf_counter() - started
         placed = self._placed
-        self._open()  # the first write, or load into an engine's memory, comes next
         digested = False
-        if self._delta is not None:  # against the publications current after the open
+        if self._delta is not None:  # compared while the engines still generate
             if self._hooks.digest_staged:  # of the slots' bytes, before entries replace them
                 self._digest(buffer, placed)
                 digested = True
-            self._encode_deltas(buffer)
+            self._compare_deltas(buffer)
+        self._open()  # the first write, or load into an engine's memory, comes next
+        if self._delta is not None:  # decided against the publications current now
+            self._delta.place(buffer.view)
         index = self._buffers.current_index
         for batch in self._batches(buffer):
             if self._failed.get(batch.key) is not None:
@@ -519,11 +521,11 @@ class _Run:
             )
         self.result.digest_s += time.perf_counter() - started
 
-    def _encode_deltas(self, buffer: StagingBuffer) -> None:
-        """Delta entries of the slots just loaded, packed over their bytes where sent."""
+    def _compare_deltas(self, buffer: StagingBuffer) -> None:
+        """Delta entries of the slots just loaded (``DeltaRun.place`` packs them)."""
         assert self._delta is not None
         started = time.perf_counter()
-        self._delta.encode(
+        self._delta.compare(
             (
                 (
                     p.group.key,
