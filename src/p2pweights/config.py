@@ -230,6 +230,12 @@ class SyncConfig(_Config):
             raise ConfigError(
                 f"pipeline_stage {self.pipeline_stage} is outside 0..{self.num_pipeline_stages - 1}"
             )
+        if self.delta is not None and self.verify_writes == "off":
+            raise ConfigError(
+                "delta updates need verify_writes 'auto' or 'always': a payload an engine "
+                "rank refuses (an update it does not hold) is reported only through its "
+                "write digests"
+            )
         if self.delta is not None and self.num_pipeline_stages > 1:
             raise ConfigError(
                 "delta updates write one payload per engine rank, but pipeline stages each "

@@ -67,3 +67,16 @@ def test_transport_from_dict_and_env(monkeypatch):
     monkeypatch.setenv("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "LIBFABRIC")
     assert NixlConfig().backend == "LIBFABRIC"
     assert NixlConfig(backend="UCX").backend == "UCX"
+
+
+def test_delta_updates_are_off_by_default_and_refused_where_unsafe():
+    from p2pweights.config import DeltaConfig
+
+    assert SyncConfig().delta is None
+    assert SyncConfig(delta=DeltaConfig()).delta == DeltaConfig(store="staging", max_fraction=0.3)
+    with pytest.raises(ConfigError, match="verify_writes"):
+        SyncConfig(delta=DeltaConfig(), verify_writes="off")
+    with pytest.raises(ConfigError, match="pipeline stages"):
+        SyncConfig(delta=DeltaConfig(), num_pipeline_stages=2)
+    with pytest.raises(ConfigError, match="max_fraction"):
+        DeltaConfig(max_fraction=0)
