@@ -10,7 +10,9 @@ from p2pweights.engines.inspect import describe_engine, render_inspection
 URL = "http://127.0.0.1:30000"
 
 
-def _client(server_info: dict, weight_version: str, broken_rank: int | None = None) -> EngineClient:
+def _client(
+    server_info: dict, weight_version: str, broken_rank: int | None = None, scratch: bool = False
+) -> EngineClient:
     def handle(request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/server_info":
@@ -22,6 +24,8 @@ def _client(server_info: dict, weight_version: str, broken_rank: int | None = No
             if rank == broken_rank:
                 return httpx.Response(400, json={"error": {"message": f"no rank {rank}"}})
             table = {"model.embed_tokens.weight": [4096, 500, 2], "lm_head.weight": [8192, 500, 2]}
+            if scratch:  # delta updates' scratch region: published, not a weight
+                table["__p2pweights_delta_scratch__"] = [16384, 256, 1]
             return httpx.Response(
                 200,
                 json={
@@ -85,3 +89,11 @@ def test_what_connect_would_refuse_is_said_and_unreadable_ranks_are_shown():
     assert "writable by p2pweights: no: " in text
     assert "rank 1: unreadable" in text
     assert "3 (whole)" in text
+
+
+def test_the_delta_scratch_region_is_not_counted_as_weights():
+    found = describe_engine(_client(INFO, "3", scratch=True))
+    assert [(r["parameters"], r["bytes"], r["delta_scratch_bytes"]) for r in found["ranks"]] == [
+        (2, 2000, 256),
+        (2, 2000, 256),
+    ]

@@ -89,12 +89,17 @@ def _rank(client: EngineClient, rank: int, role: str) -> dict[str, Any]:
     except EngineError as exc:
         entry["error"] = str(exc)
         return entry
+    from p2pweights.delta.engine import SCRATCH_NAME
+
+    weights = {name: r for name, r in pub.regions.items() if name != SCRATCH_NAME}
     entry.update(
         backend=pub.backend,
         peer=pub.session_id if pub.backend == "mooncake" else pub.agent_name,
-        parameters=len(pub.regions),
-        bytes=sum(region.num_bytes for region in pub.regions.values()),
+        parameters=len(weights),
+        bytes=sum(region.num_bytes for region in weights.values()),
     )
+    if SCRATCH_NAME in pub.regions:  # delta updates' scratch region, not a weight
+        entry["delta_scratch_bytes"] = pub.regions[SCRATCH_NAME].num_bytes
     if pub.mem_type is not None:
         entry["mem_type"] = pub.mem_type
     return entry
