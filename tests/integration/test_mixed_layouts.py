@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
 from p2pweights.verify import verify_engine
@@ -22,7 +23,11 @@ def _published_bytes(engine) -> dict[tuple[str, int], int]:
     client = EngineClient(engine.url)
     try:
         return {
-            (engine.url, rank): sum(r.num_bytes for r in client.publication(rank).regions.values())
+            (engine.url, rank): sum(
+                r.num_bytes
+                for name, r in client.publication(rank).regions.items()
+                if name != SCRATCH_NAME  # delta updates' scratch region, not a weight
+            )
             for rank in range(engine.tp)
         }
     finally:
