@@ -93,12 +93,22 @@ class LivePublication:
         weights under its reserved name; allocated once, kept across publications."""
 
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
+        import torch
+
         from p2pweights.delta.engine import SCRATCH_NAME, new_scratch
 
-        if self.scratch is None:
+        if self.scratch is None and self.epoch < 0:  # once, at the first publication
             params = {name: p.data for name, p in model.named_parameters()}
             device = next(iter(params.values())).device if params else None
-            self.scratch = None if device is None else new_scratch(params, device)
+            try:
+                self.scratch = None if device is None else new_scratch(params, device)
+            except torch.OutOfMemoryError:  # the engine serves; deltas are written in full
+                logger.warning(
+                    "p2pweights_nixl: tp rank %d: no memory for the delta scratch region; "
+                    "delta updates of this rank are written in full (set "
+                    "P2PWEIGHTS_DELTA_SCRATCH smaller, or 0)",
+                    self.engine_rank,
+                )
         extra = {} if self.scratch is None else {SCRATCH_NAME: self.scratch}
         publisher, info = publish_model(model, self.engine_rank, self.backend, extra)
         info.update(live=True, epoch=self.epoch + 1, write_digests=True)
