@@ -287,7 +287,18 @@ class TransferExecutor:
             self._late.extend(update.late)  # they may still read the buffers
         if self._delta is not None and delta is not None:
             self._delta.finish(delta, result.failures)
-            result.delta = delta.summary
+            result.delta = summary = delta.summary
+            logger.info(
+                "p2pweights delta update: %d of %d bytes written (%.1f %%): %d parameter(s) "
+                "as deltas, %d in full, %d unchanged; the previous update's copy takes %d bytes",
+                summary.sent_bytes,
+                summary.full_bytes,
+                100 * summary.fraction,
+                summary.num_delta_slots,
+                summary.num_full_slots,
+                summary.num_unchanged_slots,
+                summary.store_bytes,
+            )
         return result
 
     def forget_deltas(self) -> None:
