@@ -298,6 +298,9 @@ def p2pweights_updates(
         seed=0,
         startup_timeout_s=900,
         log_path=Path(os.environ.get("OUT", "/tmp")) / f"engine-{model}-gpu{engine_gpu}.log",
+        # the engine digests before every end only where a run verifies (or sends deltas):
+        # the digest sits in its pause
+        env={"P2PWEIGHTS_WRITE_DIGESTS": "1" if {"on"} & {*verify_modes, *delta_modes} else "0"},
     )
     with engine:
         out["engine_start_s"] = round(time.perf_counter() - started, 1)

@@ -49,14 +49,19 @@ class BeforeEnd:
     """Published parameter name -> its tensor, where the writers wrote it."""
     update: int
     """This runner's update-session number (1 for the first ``begin``)."""
+    write_digests: bool = True
+    """The engine digests its weights for the trainers (``P2PWEIGHTS_WRITE_DIGESTS``)."""
     record: dict[str, Any] = field(default_factory=dict)
     """What the rank publishes once the steps ran (JSON-serializable)."""
 
 
 def record_digests(context: BeforeEnd) -> None:
-    """The digest of every published parameter, as the writes left it."""
+    """The digest of every published parameter, as the writes left it (where the engine
+    digests at all: it costs time inside its pause)."""
     from p2pweights.integrity.digest import digests
 
+    if not context.write_digests:
+        return
     started = time.perf_counter()
     with torch.no_grad():
         context.record["digests"] = digests(context.params)
@@ -78,9 +83,10 @@ BEFORE_END_STEPS: list[Callable[[BeforeEnd], None]] = [apply_delta, record_diges
 class RankSide:
     """One engine rank's model runner: its update-session count and before-end steps."""
 
-    def __init__(self, engine_rank: int, role: str = "target") -> None:
+    def __init__(self, engine_rank: int, role: str = "target", *, write_digests: bool) -> None:
         self.engine_rank = engine_rank
         self.role = role
+        self.write_digests = write_digests
         self.update = 0
 
     def after_begin(self) -> dict[str, Any]:
@@ -92,7 +98,9 @@ class RankSide:
         """Run every before-end step; the record to publish. A step that raises is
         recorded (``error``; no digests) and not raised: the caller is an engine whose
         end must still run, and a writer that reads the record fails the update."""
-        context = BeforeEnd(self.engine_rank, self.role, params, self.update, self._record())
+        context = BeforeEnd(
+            self.engine_rank, self.role, params, self.update, self.write_digests, self._record()
+        )
         try:
             for step in BEFORE_END_STEPS:
                 step(context)

@@ -25,6 +25,13 @@
                                          (``512MiB``; ``0``: none, delta updates write it
                                          in full); default 1/8 of the rank's weights, at
                                          most 1 GiB (``p2pweights.delta.engine``).
+``P2PWEIGHTS_WRITE_DIGESTS``             On an engine host: ``1`` makes every rank digest its
+                                         published parameters right before each
+                                         ``end_weight_update``, so trainers can verify their
+                                         writes (``SyncConfig.verify_writes``); ``0`` not.
+                                         Default: off in the sglang plugin (the digest sits
+                                         in the engine's pause: about 25 ms per 8 GB on an
+                                         H200), on in the local engine (a test stand-in).
 ``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
                                          (demo, doctor) when unset: NIXL logs INFO lines to
                                          stdout otherwise. Read, never overridden.
@@ -44,6 +51,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "nixl_backend",
     "delta_scratch",
+    "write_digests",
     "sglang_cpu_engine",
     "keep_ucx_efa_module_out",
     "progress_allowed",
@@ -56,6 +64,12 @@ __all__ = [
 
 def nixl_backend() -> str:
     return os.environ.get("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "UCX")
+
+
+def write_digests(default: bool) -> bool:
+    """Whether this engine's ranks digest their weights before each end (see the table)."""
+    value = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS")
+    return default if value in (None, "") else value == "1"
 
 
 def delta_scratch() -> str | None:

@@ -235,7 +235,9 @@ class WeightSyncSession:
                 self._executor.disconnect()
             raise
         try:
-            write_check = WriteCheck.connect(fleet.engines, config.verify_writes)
+            # a delta an engine refused is seen only through its record: checked always
+            verify = "always" if config.delta and config.verify_writes == "auto" else None
+            write_check = WriteCheck.connect(fleet.engines, verify or config.verify_writes)
             if self._executor is None:
                 transport = create_transport(config.transport)
                 self._executor = TransferExecutor(

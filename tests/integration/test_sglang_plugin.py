@@ -86,6 +86,7 @@ def engines(folder: Path) -> Iterator[dict[str, LocalEngine]]:
 def plugin_engine(folder: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     """The engine-side process, once it has published; yields it and what it reported."""
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    env["P2PWEIGHTS_WRITE_DIGESTS"] = "1"  # the plugin's ranks digest only when asked to
     process = subprocess.Popen(
         [sys.executable, str(ENGINE_SCRIPT), str(folder), str(free_port())],
         stdin=subprocess.PIPE,

@@ -11,7 +11,7 @@ from p2pweights.integrity.digest import digest
 
 
 def test_each_session_gets_a_new_number_and_begin_clears_the_digests():
-    side = RankSide(3, "draft")
+    side = RankSide(3, "draft", write_digests=True)
     assert side.after_begin() == {"update": 1, "role": "draft", "digests": None, "error": None}
     params = {"w": torch.arange(10, dtype=torch.float32)}
     record = side.before_end(params)
@@ -26,7 +26,7 @@ def test_a_step_that_changes_bytes_runs_before_the_digest(monkeypatch):
 
     monkeypatch.setattr(engine_side, "BEFORE_END_STEPS", [add_one, engine_side.record_digests])
     params = {"w": torch.zeros(4)}
-    record = RankSide(0).before_end(params)
+    record = RankSide(0, write_digests=True).before_end(params)
     assert record["digests"] == {"w": digest(torch.ones(4))}
 
 
@@ -35,5 +35,24 @@ def test_a_failing_step_is_recorded_not_raised(monkeypatch):
         raise RuntimeError("no memory")
 
     monkeypatch.setattr(engine_side, "BEFORE_END_STEPS", [broken])
-    record = RankSide(0).before_end({"w": torch.zeros(1)})
+    record = RankSide(0, write_digests=True).before_end({"w": torch.zeros(1)})
     assert record["digests"] is None and record["error"] == "RuntimeError: no memory"
+
+
+def test_an_engine_that_does_not_digest_records_no_digests():
+    """Digests sit in the engine's pause: an engine started without them (the plugin's
+    default) records none, and trainers skip its check ("auto") or refuse it ("always")."""
+    record = RankSide(0, write_digests=False).before_end({"w": torch.ones(4)})
+    assert record["digests"] is None and record["error"] is None
+
+
+def test_write_digests_default_and_override(monkeypatch):
+    from p2pweights import environment
+
+    monkeypatch.delenv("P2PWEIGHTS_WRITE_DIGESTS", raising=False)
+    assert environment.write_digests(default=False) is False
+    assert environment.write_digests(default=True) is True
+    monkeypatch.setenv("P2PWEIGHTS_WRITE_DIGESTS", "1")
+    assert environment.write_digests(default=False) is True
+    monkeypatch.setenv("P2PWEIGHTS_WRITE_DIGESTS", "0")
+    assert environment.write_digests(default=True) is False

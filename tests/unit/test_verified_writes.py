@@ -41,7 +41,7 @@ class DigestEngine(FakeEngine):
 
     def begin(self) -> None:
         super().begin()
-        self.side = self.side or RankSide(0)
+        self.side = self.side or RankSide(0, write_digests=True)
         self.record = self.side.after_begin() | {"weight_version": self.version}
 
     def end(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from p2pweights import environment
 from p2pweights.delta.engine import SCRATCH_NAME, new_scratch
 from p2pweights.engine_side import RankSide
 from p2pweights.errors import ConfigError
@@ -144,7 +145,9 @@ class _Runner:
             self.params[SCRATCH_NAME] = scratch
         self.publisher: Publisher = create_publisher(transport, engine_rank=spec.tp_rank)
         self.publisher.register(self.params)
-        self.side = RankSide(spec.tp_rank, role)
+        self.side = RankSide(
+            spec.tp_rank, role, write_digests=environment.write_digests(default=True)
+        )
         self.digest_record: dict[str, Any] = {"update": 0, "role": role, "digests": None}
         """What the runner recorded at its last begin or before its last end (engine_side)."""
         self.corrupt_at_end: str | None = None

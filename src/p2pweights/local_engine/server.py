@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Body, FastAPI, Query
 from fastapi.responses import JSONResponse
 
+from p2pweights import environment
 from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError
 from p2pweights.local_engine.ranks import EngineRank
@@ -59,7 +60,8 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             **server_info,
             "version": facade.version(),
             "weight_version": state["weight_version"],
-            "p2pweights_write_digests": True,  # each rank's record: see digest_record below
+            # each rank's record: see digest_record below
+            "p2pweights_write_digests": environment.write_digests(default=True),
             # not sglang's: what state a failure left this engine in, for tests and users
             "p2pweights_engine_state": {
                 "paused": state["paused"],

@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from p2pweights import environment
 from p2pweights.config import NixlConfig
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,9 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     published = LivePublication(_tp_rank(runner), NixlConfig().backend, facade.bootstrap_url())
     published.publish(runner.model)
     _published[id(runner)] = published
-    _sides[id(runner)] = RankSide(published.engine_rank)
+    _sides[id(runner)] = RankSide(
+        published.engine_rank, write_digests=environment.write_digests(default=False)
+    )
 
 
 def digests_before_end(updater: Any, *_args: Any, **_kwargs: Any) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from p2pweights import environment
 from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError, EngineError
 from p2pweights.transfer.transports.nixl import NixlPublisher
@@ -111,7 +112,11 @@ class LivePublication:
                 )
         extra = {} if self.scratch is None else {SCRATCH_NAME: self.scratch}
         publisher, info = publish_model(model, self.engine_rank, self.backend, extra)
-        info.update(live=True, epoch=self.epoch + 1, write_digests=True)
+        info.update(
+            live=True,
+            epoch=self.epoch + 1,
+            write_digests=environment.write_digests(default=False),
+        )
         if moved is not None:
             info["moved"] = moved
         try:
