@@ -3,8 +3,6 @@ the engine side applies each rank's payload from its scratch region, bit-exact."
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from test_executor import CopyingTransport, _engine
 
@@ -37,8 +35,7 @@ class _Engine:
         self.params = {n: torch.zeros_like(t) for n, t in source.items()}
         self.scratch = torch.zeros(scratch_bytes, dtype=torch.uint8)
         self.receiver = DeltaReceiver(url)
-        pub = _engine(url, 0, {**self.params, SCRATCH_NAME: self.scratch})
-        self.pub = dataclasses.replace(pub, write_digests=True)
+        self.pub = _engine(url, 0, {**self.params, SCRATCH_NAME: self.scratch})
 
     def end(self) -> None:
         self.receiver.take(self.scratch, self.params)
@@ -186,20 +183,3 @@ def test_a_rank_that_published_afresh_when_its_session_opened_gets_full_writes()
     assert torch.equal(
         changed[:6].view(torch.bfloat16), torch.full((3,), 7.0, dtype=torch.bfloat16)
     )
-
-
-def test_a_rank_recording_no_write_digests_gets_full_writes():
-    """A payload such a rank refuses would go unseen (no digest record to fail the
-    update): it is never sent one."""
-    source = _source(5)
-    engine = _Engine("http://a", source, 1 << 16)
-    engine.pub = dataclasses.replace(engine.pub, write_digests=False)
-    executor = TransferExecutor(CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig())
-    executor.connect([engine.pub])
-    _update(executor, source, [engine.pub])
-    engine.end()
-    source = _step(source, 0.02, 11)
-    result = _update(executor, source, [engine.pub])
-    engine.end()
-    assert engine.holds(source)
-    assert result.delta is not None and result.delta.num_delta_slots == 0

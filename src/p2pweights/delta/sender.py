@@ -3,15 +3,15 @@
 ``DeltaSender`` lives as long as the executor: the previous update's bytes
 (``PreviousBytes``) and the engine ranks holding them. ``DeltaRun`` is one update:
 after a staging buffer was loaded, ``compare`` compares each staged slot with the
-stored bytes (before the engines pause); once they opened, ``place`` decides. Where
-every engine rank the slot goes to holds the previous update, records write digests
-(so a payload it refuses fails the update) and has room left in its scratch region,
-the slot's delta entry is packed over the slot's own bytes in the staging buffer (an
-entry is always smaller than the slot) and written to each rank's scratch region at
-that rank's next offset; otherwise the slot is written in full. A slot whose bytes did
-not change is not written at all. The last flush carries each rank's header
-(``headers``): the update's sequence, the update its entries change, their number and
-size. A rank whose publication has no scratch region gets full writes.
+stored bytes (before the engines pause); once they opened, ``place`` decides: where
+every engine rank the slot goes to holds the previous update and has room left in its
+scratch region, the slot's delta entry is packed over the slot's own bytes in the
+staging buffer (an entry is always smaller than the slot) and written to each rank's
+scratch region at that rank's next offset; otherwise the slot is written in full. A
+slot whose bytes did not change is not written at all. The last flush carries each
+rank's header (``headers``): the update's sequence, the update its entries change,
+their number and size. A rank whose publication has no scratch region gets full
+writes.
 """
 
 from __future__ import annotations
@@ -131,8 +131,7 @@ class DeltaRun:
         self._started = True
         store = self.sender.store
         self.scratch = {r: p for r, p in self.connected.items() if SCRATCH_NAME in p.regions}
-        # a rank that records no write digests could refuse a payload unseen: full writes
-        self._holders = {r for r, p in self.scratch.items() if store.holds(r) and p.write_digests}
+        self._holders = {r for r in self.scratch if store.holds(r)}
         self._offsets = dict.fromkeys(self.scratch, HEADER_BYTES)
 
     def compare(
@@ -205,7 +204,7 @@ class DeltaRun:
                 del self.scratch[runner]
                 self._holders.discard(runner)
                 continue
-            if new.regions != old.regions or _peer(new) != _peer(old) or not new.write_digests:
+            if new.regions != old.regions or _peer(new) != _peer(old):
                 self._holders.discard(runner)
             self.scratch[runner] = new
 
