@@ -318,14 +318,10 @@ class WeightSyncSession:
             raise ConfigError("call connect(engines) before update()")
         started = time.perf_counter()
         stages: dict[str, float] = {}
-        tensors = _pairs(named_tensors)
-        whole = not isinstance(tensors, Iterator)
         first = self._prepared is None
-        described = described_inputs(named_tensors) if first and not whole else None
-        if (first and described is None) or whole:
-            tensors = list(tensors)  # a first update must be known whole before it is planned
-            whole = True  # checked whole in prepare, not again as it streams
+        tensors, described = _read_input(named_tensors, first)
         given = tensors if isinstance(tensors, list) else None
+        whole = given is not None  # checked whole in prepare, not again as it streams
         # every rank takes this step (an iterator is checked as it streams): ranks must
         # run the same collectives whatever each one was given
         with _timed(stages, "probe" if first else "check_inputs"):
@@ -360,6 +356,14 @@ class WeightSyncSession:
             prepared.source.forget_regions()
         if self._leader:
             self._fleet.writes_landed(lambda url: True)  # every rank's writes landed
+        self._complete(version, result, stages)
+        self._next_version = _next_version_after(version, self._next_version)
+        report = self._report(version, result, stages, time.perf_counter() - started)
+        logger.info("p2pweights update %s", report.summary())
+        return report
+
+    def _complete(self, version: str, result: RunResult, stages: dict[str, float]) -> None:
+        """The steps after the writes: close, verify the writes, check, finish."""
         with _timed(stages, "control_plane"):
             self._collective.step("close", self._close)
         if self._write_check:
@@ -375,20 +379,21 @@ class WeightSyncSession:
             self._checked = True
         with _timed(stages, "control_plane"):
             self._collective.step("finish", lambda: self._finish(version))
-        self._next_version = _next_version_after(version, self._next_version)
+
+    def _report(
+        self, version: str, result: RunResult, stages: dict[str, float], seconds: float
+    ) -> UpdateReport:
         stages["load"], stages["wait"] = result.load_s, result.wait_s
         calls = self._fleet.control_calls() if self._leader else ControlCalls()
-        report = UpdateReport(
+        return UpdateReport(
             version=version,
             bytes_by_target=dict(result.bytes_by_target),
             stage_seconds=stages,
-            seconds=time.perf_counter() - started,
+            seconds=seconds,
             paused_s=self._fleet.paused_seconds() if self._leader else {},
             num_control_calls=calls.num_calls,
             control_call_seconds=calls.wall_seconds,
         )
-        logger.info("p2pweights update %s", report.summary())
-        return report
 
     def _prepare(
         self,
@@ -669,12 +674,23 @@ class WeightSyncSession:
         self.close()
 
 
-def _pairs(named_tensors: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(named_tensors, Mapping):
-        return list(named_tensors.items())
+def _read_input(
+    named_tensors: NamedTensors, first: bool
+) -> tuple[Iterable[tuple[str, torch.Tensor]], dict[str, InputSpec] | None]:
+    """The update's pairs, as a list where they are read whole (a mapping or sequence;
+    a first update's iterator that does not say what it will yield, which must be known
+    whole before it is planned), else the iterator; and what a first update's iterator
+    says it will yield (``specs()``)."""
     if isinstance(named_tensors, torch.Tensor):
         raise ConfigError("update() takes (hf_name, tensor) pairs or a name -> tensor mapping")
-    return named_tensors
+    if isinstance(named_tensors, Mapping):
+        return list(named_tensors.items()), None
+    if not isinstance(named_tensors, Iterator):
+        return list(named_tensors), None
+    described = described_inputs(named_tensors) if first else None
+    if first and described is None:
+        return list(named_tensors), None
+    return named_tensors, described
 
 
 @contextmanager

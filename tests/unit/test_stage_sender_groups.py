@@ -137,18 +137,25 @@ def test_each_stage_writes_its_parameters_to_every_engine_rank(checked):
     assert collectives.gathers == 1  # the first update's inputs; nothing later
 
 
-def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(checked, monkeypatch):
-    original = WeightSyncSession._write
+@pytest.mark.parametrize("after_open", [False, True])
+def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(
+    checked, monkeypatch, after_open
+):
+    """A rank failing while it stages, before the engines opened (every rank then fails
+    the 'open' step: nothing was written), or after (the 'write' step)."""
+    original = WeightSyncSession._run
     failed = threading.Event()
 
-    def write(self, tensors, checked_inputs, stages):
+    def run(self, tensors, checked_inputs, before_writes):
         config = self.config
         if (config.pipeline_stage, config.trainer_rank) == (1, 1) and not failed.is_set():
             failed.set()
+            if after_open:
+                before_writes()
             raise RuntimeError("injected write failure")
-        return original(self, tensors, checked_inputs, stages)
+        return original(self, tensors, checked_inputs, before_writes)
 
-    monkeypatch.setattr(WeightSyncSession, "_write", write)
+    monkeypatch.setattr(WeightSyncSession, "_run", run)
 
     def body(session, stage, rank):
         try:
@@ -165,7 +172,8 @@ def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(checked, mon
     messages = {str(e) for e in errors.values()}
     assert len(messages) == 1, messages
     (message,) = messages
-    assert message.startswith("pipeline stage 1 trainer rank 1 failed the 'write' step")
+    step = "write" if after_open else "open"
+    assert message.startswith(f"pipeline stage 1 trainer rank 1 failed the '{step}' step")
     assert message.endswith("RuntimeError: injected write failure")
     assert {type(e) for e in errors.values()} == {P2PWeightsError}
     assert isinstance(errors[(1, 1)].__cause__, RuntimeError)  # the failing rank's traceback
