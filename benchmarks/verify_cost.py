@@ -27,8 +27,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CONFIGS, GB, hf_tensors, machine, markdown_table, median, save_json
-from _common import write_doc_section
+from _common import (
+    CONFIGS,
+    GB,
+    hf_tensors,
+    machine,
+    markdown_table,
+    median,
+    save_json,
+    write_doc_section,
+)
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.local_engine import LocalEngine
 from p2pweights.session import WeightSyncSession

@@ -24,7 +24,8 @@
 ``P2PWEIGHTS_DELTA_SCRATCH``             Bytes of each engine rank's delta scratch region
                                          (``512MiB``; ``0``: none, delta updates write it
                                          in full); default 1/8 of the rank's weights, at
-                                         most 1 GiB (``p2pweights.delta.engine``).
+                                         most 1 GiB, in the local engine, and none in the
+                                         sglang plugin (``p2pweights.delta.engine``).
 ``P2PWEIGHTS_WRITE_DIGESTS``             On an engine host: ``1`` makes every rank digest its
                                          published parameters right before each
                                          ``end_weight_update``, so trainers can verify their

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
-from p2pweights.delta.engine import SCRATCH_NAME, scratch_bytes
+from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.engines.published import parse_publication
 from p2pweights.errors import EngineError
@@ -87,6 +87,7 @@ def plugin_engine(folder: Path) -> Iterator[tuple[subprocess.Popen[str], dict[st
     """The engine-side process, once it has published; yields it and what it reported."""
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
     env["P2PWEIGHTS_WRITE_DIGESTS"] = "1"  # the plugin's ranks digest only when asked to
+    env["P2PWEIGHTS_DELTA_SCRATCH"] = "1MiB"  # and take a delta scratch region likewise
     process = subprocess.Popen(
         [sys.executable, str(ENGINE_SCRIPT), str(folder), str(free_port())],
         stdin=subprocess.PIPE,
@@ -147,7 +148,7 @@ def test_published_weights_are_written_bit_exact(
     assert info["agent_name"].startswith("nixl_weight_tp0_")
     scratch = info["weights_info_dict"].pop(SCRATCH_NAME)  # delta updates' scratch region
     weight_bytes = sum(numel * size for _, numel, size, _ in seen["params"].values())
-    assert scratch[1] * scratch[2] == scratch_bytes(weight_bytes) > 0
+    assert scratch[1] * scratch[2] == 2**20 < weight_bytes
     assert info["weights_info_dict"] == {
         name: [ptr, numel, element_size, 0]
         for name, (ptr, numel, element_size, _) in seen["params"].items()

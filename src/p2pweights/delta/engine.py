@@ -9,8 +9,9 @@ parameters right before ``end_weight_update`` re-processes them, so the write ch
 digests the applied bytes. The scratch region is never a parameter: it is taken out of
 what the later steps see.
 
-Its size: ``$P2PWEIGHTS_DELTA_SCRATCH`` (``512MiB``, ``0`` for none), else 1/8 of the
-rank's weight bytes, at most 1 GiB. What does not fit is written in full.
+Its size: ``$P2PWEIGHTS_DELTA_SCRATCH`` (``512MiB``, ``0`` for none), else, in the local
+engine, 1/8 of the rank's weight bytes, at most 1 GiB (the sglang plugin takes none
+unasked). What does not fit is written in full.
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ _receivers: dict[tuple[int, str, int], DeltaReceiver] = {}
 """(engine rank, runner, scratch address) -> that runner's delta state."""
 
 
-def scratch_bytes(weight_bytes: int) -> int:
-    """The scratch region's size for a rank holding ``weight_bytes`` of weights."""
+def scratch_bytes(weight_bytes: int, *, by_default: bool = True) -> int:
+    """The scratch region's size for a rank holding ``weight_bytes`` of weights; without
+    ``P2PWEIGHTS_DELTA_SCRATCH``, none unless ``by_default`` (the sglang plugin: its
+    engine's memory is sized before the plugin runs, so it takes none unasked)."""
     given = environment.delta_scratch()
     if given is None:
+        if not by_default:
+            return 0
         return min(weight_bytes // _DEFAULT_SHARE, _DEFAULT_CAP_BYTES) // 16 * 16
     try:
         return parse_bytes(given) // 16 * 16
@@ -54,9 +59,12 @@ def scratch_bytes(weight_bytes: int) -> int:
         raise ConfigError(f"P2PWEIGHTS_DELTA_SCRATCH: {exc}") from exc
 
 
-def new_scratch(params: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
+def new_scratch(
+    params: Mapping[str, torch.Tensor], device: torch.device, *, by_default: bool = True
+) -> torch.Tensor | None:
     """A zeroed scratch region for a rank publishing ``params`` (None: size 0)."""
-    num_bytes = scratch_bytes(sum(t.numel() * t.element_size() for t in params.values()))
+    weight_bytes = sum(t.numel() * t.element_size() for t in params.values())
+    num_bytes = scratch_bytes(weight_bytes, by_default=by_default)
     if num_bytes == 0:
         return None
     return torch.zeros(num_bytes, dtype=torch.uint8, device=device)

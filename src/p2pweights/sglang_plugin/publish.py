@@ -102,7 +102,9 @@ class LivePublication:
             params = {name: p.data for name, p in model.named_parameters()}
             device = next(iter(params.values())).device if params else None
             try:
-                self.scratch = None if device is None else new_scratch(params, device)
+                self.scratch = (
+                    None if device is None else new_scratch(params, device, by_default=False)
+                )
             except torch.OutOfMemoryError:  # the engine serves; deltas are written in full
                 logger.warning(
                     "p2pweights_nixl: tp rank %d: no memory for the delta scratch region; "
