@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.transfer.transports.regions import RegionIndex, merge_intervals, merged_regions
+from p2pweights.transfer.transports.regions import (
+    RegionIndex,
+    RegisteredRegions,
+    merge_intervals,
+    merged_regions,
+)
 
 
 @pytest.mark.parametrize(
@@ -62,3 +67,17 @@ def test_region_index_find(address: int, num_bytes: int, found: tuple[int, int] 
     assert index.find(address, num_bytes) == found
     assert index.covers(address, num_bytes) == (found is not None)
     assert index.regions == [(100, 15), (200, 10)]
+
+
+def test_a_registered_buffer_bordering_another_is_removed_alone():
+    """Two staging buffers the allocator placed side by side merge in the index; removing
+    one must still remove it (a source removed from nothing stayed registered before)."""
+    registered = RegisteredRegions()
+    registered.add(1000, 500)
+    registered.add(1500, 500)  # borders the first: one merged region
+    assert registered.index.regions == [(1000, 1000)]
+    registered.remove(1500, 500)
+    assert registered.index.regions == [(1000, 500)]
+    assert not registered.index.covers(1500, 1)
+    registered.clear()
+    assert registered.index.regions == []

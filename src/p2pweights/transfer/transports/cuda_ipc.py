@@ -48,7 +48,12 @@ from p2pweights.transfer.transports.base import (
     require_backend,
 )
 from p2pweights.transfer.transports.cuda_runtime import CudaRuntime, cuda_runtime
-from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
+from p2pweights.transfer.transports.regions import (
+    RegionIndex,
+    RegisteredRegions,
+    merged_regions,
+    weights_info,
+)
 
 _POLL_S = 20e-6
 """How long a writer sleeps between polls of its copies' completion event."""
@@ -118,7 +123,7 @@ class CudaIpcTransport(Transport):
             )
         self._cuda: CudaRuntime = cuda_runtime()
         self._host = host_id()
-        self._sources = RegionIndex([])
+        self._sources = RegisteredRegions()
         self._opened: dict[str, Opened] = {}
         self._pending: dict[str, torch.cuda.Event] = {}
         """Each engine rank's last copies: waited for before its memory or a buffer goes."""
@@ -136,13 +141,12 @@ class CudaIpcTransport(Transport):
     def register(self, buffer: torch.Tensor) -> None:
         address, num_bytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         with self._lock:
-            self._sources = RegionIndex([*self._sources.regions, (address, num_bytes)])
+            self._sources.add(address, num_bytes)
 
     def unregister(self, buffer: torch.Tensor) -> None:
         self._settle()  # the buffer is freed next: no copy may still read it
-        region = (buffer.data_ptr(), buffer.numel() * buffer.element_size())
         with self._lock:
-            self._sources = RegionIndex([r for r in self._sources.regions if r != region])
+            self._sources.remove(buffer.data_ptr(), buffer.numel() * buffer.element_size())
 
     @property
     def peers(self) -> frozenset[str]:
@@ -230,7 +234,7 @@ class CudaIpcTransport(Transport):
     def write(self, target: RankPublication, writes: Sequence[Write], timeout_s: float) -> None:
         opened = self._opened_for(target)
         with self._lock:
-            sources = self._sources
+            sources = self._sources.index
         copies = merge_adjacent([translate(target, opened, sources, w) for w in writes])
         stream = self._stream()
         # the runtime's current device is per thread
@@ -270,7 +274,7 @@ class CudaIpcTransport(Transport):
             opened, self._opened = list(self._opened.values()), {}
             self._pending = {}
             self._direct = {}
-            self._sources = RegionIndex([])
+            self._sources.clear()
         for entry in opened:
             self._close_pointers(entry.mapped)
 

@@ -81,6 +81,28 @@ class RegionIndex:
         return self.find(address, num_bytes) is not None
 
 
+class RegisteredRegions:
+    """Buffers registered as they were given, and their merged index: a buffer that
+    borders another (two staging buffers the allocator placed side by side) is still
+    removed alone, where removing it from the merged regions would find nothing."""
+
+    def __init__(self) -> None:
+        self._regions: list[tuple[int, int]] = []
+        self.index = RegionIndex([])
+
+    def add(self, address: int, num_bytes: int) -> None:
+        self._regions.append((address, num_bytes))
+        self.index = RegionIndex(self._regions)
+
+    def remove(self, address: int, num_bytes: int) -> None:
+        self._regions = [r for r in self._regions if r != (address, num_bytes)]
+        self.index = RegionIndex(self._regions)
+
+    def clear(self) -> None:
+        self._regions = []
+        self.index = RegionIndex([])
+
+
 def weights_info(
     tensors: dict[str, torch.Tensor], registered: RegionIndex, *extra: int
 ) -> dict[str, list[int]]:
