@@ -5,7 +5,7 @@ miles' flags; ``install`` rebinds miles' p2p updater class.
 
 The class derives from p2pweights' stand-in for miles' mixin here (miles is not
 installed); ``_Driven`` feeds it buckets as miles' gathers would. The integration test
-(tests/integration/test_miles_integration.py) drives it with a double of miles' own
+(tests/integration/test_miles_drop_in.py) drives it with a double of miles' own
 mixin and actor into local engines.
 """
 
