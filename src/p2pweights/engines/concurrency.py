@@ -39,7 +39,7 @@ def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
         raise errors[0]  # type: ignore[misc]
     if errors:
         kind = EngineUnreachable if all(isinstance(e, EngineUnreachable) for e in errors) else None
-        message = "; ".join(str(e) for e in errors)
+        message = "; ".join(dict.fromkeys(str(e) for e in errors))  # each failure once
         raise (kind or EngineError)(message) from errors[0]
     return [f.result() for f in everything]
 
