@@ -19,7 +19,7 @@ what to do next. Lower-level exceptions are chained with ``raise ... from``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class P2PWeightsError(Exception):
@@ -87,6 +87,14 @@ class UnsettledWrite(TransferError):
         if not self._settled and self._settle is not None:
             self._settled = self._settle(timeout_s)
         return self._settled
+
+
+def some_of(items: Sequence[object], sep: str = "; ", limit: int = 4) -> str:
+    """The first ``limit`` of ``items`` joined by ``sep``, then how many more, for error
+    messages: ``a; b; c; d (and 3 more)``."""
+    named = sep.join(str(item) for item in items[:limit])
+    more = len(items) - limit
+    return f"{named} (and {more} more)" if more > 0 else named
 
 
 def where(url: str | None = None, rank: int | None = None, param: str | None = None) -> str:

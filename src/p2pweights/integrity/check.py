@@ -23,7 +23,7 @@ from typing import Any
 
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
-from p2pweights.errors import EngineError, TransferError
+from p2pweights.errors import EngineError, TransferError, some_of
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,6 @@ __all__ = ["Mismatch", "Runner", "WriteCheck", "serves_digests"]
 
 Runner = tuple[str, int, str]
 """(engine URL, engine rank, role): one model runner of an engine rank."""
-
-_NAMED = 4
 
 
 def serves_digests(engine: ConnectedEngine) -> bool:
@@ -108,10 +106,8 @@ class WriteCheck:
     def raise_if_wrong(problems: Sequence[Mismatch]) -> None:
         if not problems:
             return
-        named = "; ".join(str(p) for p in problems[:_NAMED])
-        more = f" (and {len(problems) - _NAMED} more)" if len(problems) > _NAMED else ""
         raise TransferError(
-            f"write verification failed on {len(problems)} engine rank(s): {named}{more}. "
+            f"write verification failed on {len(problems)} engine rank(s): {some_of(problems)}. "
             f"Those engines stay paused with torn weights (p2pweights-updating:); the next "
             f"update rewrites them whole"
         )
@@ -147,10 +143,9 @@ class WriteCheck:
         self.last_update[runner] = number
         wrong = sorted(name for name, value in staged.items() if digests.get(name) != value)
         if wrong:
-            names = ", ".join(repr(n) for n in wrong[:_NAMED])
-            more = f" (and {len(wrong) - _NAMED} more)" if len(wrong) > _NAMED else ""
+            names = some_of([repr(n) for n in wrong], ", ")
             yield Mismatch(
                 runner,
                 f"{len(wrong)} of {len(staged)} written parameter(s) do not hold the bytes "
-                f"staged for them: {names}{more}",
+                f"staged for them: {names}",
             )

@@ -45,7 +45,7 @@ from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary
 from p2pweights.delta.wire import HEADER_BYTES, pack_header
 from p2pweights.engines.published import RankPublication
-from p2pweights.errors import TransferError, UnsettledWrite
+from p2pweights.errors import TransferError, UnsettledWrite, some_of
 from p2pweights.integrity.staged import file_digests
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
@@ -85,9 +85,6 @@ class RunHooks:
     """Digest every staged slot (``RunResult.digests``) for the engines' write check."""
 
 
-_MAX_FAILURES_NAMED = 4
-
-
 @dataclass
 class RunResult:
     """What one update moved, where its time went, and which engine ranks failed."""
@@ -117,11 +114,8 @@ class RunResult:
         if not self.failures:
             return
         errors = list(self.failures.values())
-        named = "; ".join(str(e) for e in errors[:_MAX_FAILURES_NAMED])
-        more = len(errors) - _MAX_FAILURES_NAMED
         raise TransferError(
-            f"{len(errors)} engine rank(s) did not receive all their bytes: {named}"
-            + (f" (and {more} more)" if more > 0 else "")
+            f"{len(errors)} engine rank(s) did not receive all their bytes: {some_of(errors)}"
         ) from errors[0]
 
 
@@ -438,10 +432,9 @@ class _Run:
         if not failed or not set(self._writers) <= failed.keys():
             return
         errors = list(failed.values())
-        named = "; ".join(str(e) for e in errors[:_MAX_FAILURES_NAMED])
         raise TransferError(
             f"every engine rank this trainer rank writes failed ({len(errors)}), so the update "
-            f"stopped before its input ended: {named}"
+            f"stopped before its input ended: {some_of(errors)}"
         ) from errors[0]
 
     def _direct_views(self, group: GroupPlan, tw: TargetWrites) -> dict[str, torch.Tensor] | None:

@@ -14,11 +14,9 @@ import time
 from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass
 
-from p2pweights.errors import TransferError, UnsettledWrite
+from p2pweights.errors import TransferError, UnsettledWrite, some_of
 from p2pweights.transfer.buffers import StagingBuffer
 from p2pweights.transfer.writers import TargetKey, WriteBatch
-
-_MAX_NAMED = 4
 
 
 @dataclass(eq=False)
@@ -84,10 +82,8 @@ class LateWrites:
 
 def still_in_flight(writes: list[LateWrite], timeout_s: float, refused: str) -> TransferError:
     """The error for writes that did not settle: which engine ranks, and what to do."""
-    named = "; ".join(w.batch.describe() for w in writes[:_MAX_NAMED])
-    more = len(writes) - _MAX_NAMED
     return TransferError(
-        f"{named}{f' (and {more} more)' if more > 0 else ''}: {len(writes)} write(s) given "
+        f"{some_of([w.batch.describe() for w in writes])}: {len(writes)} write(s) given "
         f"up on are still in flight after transfer_timeout_s={timeout_s:g} and may still "
         f"land, so those engine ranks stay torn and {refused} is refused (their staging "
         f"buffer is kept as it is). update() again once the engine is responsive, or close() "

@@ -19,10 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from p2pweights.engines.published import RankPublication
-from p2pweights.errors import TransferError, UnsettledWrite
+from p2pweights.errors import TransferError, UnsettledWrite, some_of
 from p2pweights.transfer.transports.base import Transport, Write
-
-_MAX_NAMED = 4
 
 TargetKey = tuple[str, int]
 """(engine URL, engine rank): what one writer serves."""
@@ -47,11 +45,8 @@ class WriteBatch:
         self.params.append(param)
 
     def describe(self) -> str:
-        """``engine URL rank R parameters a, b, ... (+N more)`` for error messages."""
-        names = ", ".join(self.params[:_MAX_NAMED])
-        more = len(self.params) - _MAX_NAMED
-        suffix = f" (+{more} more)" if more > 0 else ""
-        return f"{self.target.where} parameters {names}{suffix}"
+        """``engine URL rank R parameters a, b, ... (and N more)`` for error messages."""
+        return f"{self.target.where} parameters {some_of(self.params, ', ')}"
 
 
 class FailedTargets:

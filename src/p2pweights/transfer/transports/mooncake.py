@@ -33,7 +33,14 @@ import torch
 
 from p2pweights.config import MooncakeConfig
 from p2pweights.engines.published import RankPublication
-from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite, where
+from p2pweights.errors import (
+    ConfigError,
+    TransferError,
+    TransportError,
+    UnsettledWrite,
+    some_of,
+    where,
+)
 from p2pweights.transfer.transports.base import (
     InFlight,
     Publisher,
@@ -52,7 +59,6 @@ logger = logging.getLogger(__name__)
 _SUBMIT_FAILED = {0, -1, 2**64 - 1}
 # transfer_check_status results
 _DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
-_MAX_FAILURES_NAMED = 3
 
 
 def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
@@ -226,12 +232,10 @@ class MooncakeTransport(Transport):
     def _message(
         self, target: RankPublication, writes: Sequence[Write], problems: list[str]
     ) -> str:
-        named = "; ".join(problems[:_MAX_FAILURES_NAMED])
-        more = len(problems) - _MAX_FAILURES_NAMED
         return (
             f"{where(target.engine_url, target.engine_rank)} (Mooncake session "
             f"{target.session_id}): {len(problems)} of {len(writes)} writes did not complete: "
-            f"{named}{f' (and {more} more)' if more > 0 else ''}; check that the engine is "
+            f"{some_of(problems, limit=3)}; check that the engine is "
             f"alive and re-fetch its published addresses if it restarted"
         )
 
