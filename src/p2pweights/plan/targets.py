@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
-from p2pweights.engines.fleet import ConnectedEngine, concurrently
+from p2pweights.engines.concurrency import concurrently
+from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import LayoutMismatchError
 from p2pweights.plan.assignment import Target, assign_targets
