@@ -384,6 +384,8 @@ class WeightSyncSession:
         self, version: str, result: RunResult, stages: dict[str, float], seconds: float
     ) -> UpdateReport:
         stages["load"], stages["wait"] = result.load_s, result.wait_s
+        if result.delta is not None:
+            stages["delta_compare"] = result.delta_s
         calls = self._fleet.control_calls() if self._leader else ControlCalls()
         return UpdateReport(
             version=version,

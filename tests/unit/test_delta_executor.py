@@ -11,6 +11,7 @@ from p2pweights.delta.apply import DeltaReceiver
 from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.plan.byte_plan import aligned, build_byte_plan
 from p2pweights.testing.loaders import FnLoader
+from p2pweights.transfer.buffers import staged_bytes
 from p2pweights.transfer.executor import TransferExecutor
 
 
@@ -75,7 +76,9 @@ def test_deltas_land_bit_exact_over_several_updates_and_send_less():
         e.end()
         assert e.holds(source)
     assert full.delta is not None and full.delta.num_delta_slots == 0
-    assert full.delta.store_bytes == sum(t.numel() * 2 for t in source.values())
+    # one copy of the staged bytes, the alignment padding between slots included
+    staged = sum(t.numel() * 2 for t in source.values())
+    assert staged <= full.delta.store_bytes <= staged_bytes(t.numel() * 2 for t in source.values())
     for step in range(1, 4):
         source = _step(source, 0.02, step)
         result = _update(executor, source, [e.pub for e in engines])

@@ -90,3 +90,35 @@ def test_cpu_and_gpu_agree(num_bytes):
     assert digest(data.cuda()) == digest(data)
     regions = {"a": data, "b": data[: num_bytes // 2 + 1]}
     assert digests({n: t.cuda() for n, t in regions.items()}) == digests(regions)
+
+
+def _reference(data: torch.Tensor) -> str:
+    """The definition, word by word in Python integers: word ``i`` (little-endian, a short
+    tail zero-padded) into lane ``i % LANES``, sums wrapped to int64, then hashed."""
+    import numpy as np
+
+    from p2pweights.integrity.digest import lanes_hex
+
+    raw = bytes(data.numpy().tobytes())
+    raw += bytes(-len(raw) % 8)
+    words = np.frombuffer(raw, dtype="<u8").astype(object)
+    lanes = [int(sum(words[lane::LANES])) % 2**64 for lane in range(LANES)]
+    signed = [v - 2**64 if v >= 2**63 else v for v in lanes]
+    return lanes_hex(torch.tensor(signed, dtype=torch.int64), len(data))
+
+
+@pytest.mark.parametrize(
+    "num_bytes", [*SIZES, 8 * LANES * 64 * 3, 8 * LANES * 64 * 3 + 8 * 5 + 3, 3_000_017]
+)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+        ),
+    ],
+)
+def test_digests_follow_the_definition(num_bytes, device):
+    data = _bytes(num_bytes, seed=num_bytes)
+    assert digest(data.to(device)) == _reference(data)

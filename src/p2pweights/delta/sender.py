@@ -24,7 +24,8 @@ import torch
 
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.engine import SCRATCH_NAME
-from p2pweights.delta.store import PreviousBytes
+from p2pweights.delta.flush_compare import FlushSlot
+from p2pweights.delta.store import FlushLayout, PreviousBytes
 from p2pweights.delta.wire import HEADER_BYTES, DeltaEntry, PayloadHeader
 from p2pweights.engines.published import RankPublication
 
@@ -80,7 +81,7 @@ class DeltaSender:
         if any(True for _ in failed):
             self.forget()
             return
-        self.store.finish(run.sequence, run.scratch)
+        self.store.finish(run.sequence, run.scratch, run.num_flushes)
         run.summary.store_bytes = self.store.num_bytes
 
     def forget(self) -> None:
@@ -110,6 +111,8 @@ class DeltaRun:
     _names: dict[Runner, dict[str, int]] = field(default_factory=dict)
     _slots: dict[tuple[int, int], SlotWrites] = field(default_factory=dict)
 
+    num_flushes: int = 0
+    """Flushes compared so far (a flush's position in the update)."""
     _started: bool = False
     _pending: list[tuple[tuple[int, int], DeltaEntry | None, frozenset[Runner], int, int]] = field(
         default_factory=list
@@ -146,23 +149,38 @@ class DeltaRun:
         num_bytes)`` is the staging buffer's bytes. Runs before the engines pause; ``place``
         decides once they opened."""
         self._start()
-        store, config = self.sender.store, self.sender.config
-        for key, placed_id, slots, runners in placed:
-            for index, (param, offset, num_bytes) in enumerate(slots):
-                new = view(offset, num_bytes)
-                entry = None
-                param_index = self._param_index(runners, param)
-                if param_index is not None:
-                    entry = store.delta(
-                        key,
-                        param,
-                        new,
-                        elem_size(key, param),
-                        param_index=param_index,
-                        max_fraction=config.max_fraction,
-                    )
-                store.remember(key, param, new)
-                self._pending.append(((placed_id, index), entry, runners, offset, num_bytes))
+        listed = [
+            (key, param, offset, num_bytes, runners, (placed_id, index))
+            for key, placed_id, group_slots, runners in placed
+            for index, (param, offset, num_bytes) in enumerate(group_slots)
+        ]
+        if not listed:
+            return
+        listed.sort(key=lambda slot: slot[2])  # by offset in the buffer
+        start = min(offset for _, _, offset, _, _, _ in listed)
+        end = max(offset + num_bytes for _, _, offset, num_bytes, _, _ in listed)
+        layout = FlushLayout(
+            tuple((key, param, offset - start, n) for key, param, offset, n, _, _ in listed),
+            num_bytes=-(-(end - start) // 8) * 8,  # whole words: slots start 256-aligned
+        )
+        compare: list[FlushSlot | None] = []
+        for key, param, offset, num_bytes, runners, _ in listed:
+            param_index = self._param_index(runners, param)
+            compare.append(
+                None  # not every rank it goes to holds the previous update: a full write
+                if param_index is None
+                else FlushSlot(offset - start, num_bytes, elem_size(key, param), param_index)
+            )
+        entries = self.sender.store.compare_flush(
+            self.num_flushes,
+            layout,
+            view(start, layout.num_bytes),
+            compare,
+            max_fraction=self.sender.config.max_fraction,
+        )
+        self.num_flushes += 1
+        for (_, _, offset, num_bytes, runners, slot_id), entry in zip(listed, entries, strict=True):
+            self._pending.append((slot_id, entry, runners, offset, num_bytes))
 
     def place(self, view: Callable[[int, int], torch.Tensor]) -> None:
         """Decide the slots ``compare`` saw, against the publications current now (the

@@ -5,6 +5,13 @@ update, so the sender keeps a copy of every slot it staged, once per replica lay
 (engine ranks sharing a layout receive the same bytes): as much memory as the bytes it
 loads per update (``num_bytes``), in host memory or on the staging device.
 
+The copy is kept per staging flush (``compare_flush``): an image of the flushed range
+of the buffer, compared in one pass (``flush_compare``) with the same range next time,
+where the next update's flush at that position holds the same slots at the same
+offsets (a trainer sending the same model the same way: every update after the
+first). A flush laid out otherwise is compared slot by slot against the stored bytes
+of each parameter wherever they were, and its image replaces the old one.
+
 Deltas are only sent to an engine rank that holds the stored bytes: one that received
 the whole previous update. Everything is forgotten when an update failed (the next one
 is written in full); an engine rank alone is forgotten when its publication changed
@@ -14,16 +21,34 @@ is written in full); an engine rank alone is forgotten when its publication chan
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from p2pweights.delta.flush_compare import FlushSlot, encode_flush
 from p2pweights.delta.wire import DeltaEntry, encode
 
-__all__ = ["PreviousBytes", "TargetKey"]
+__all__ = ["FlushLayout", "PreviousBytes", "TargetKey"]
 
 TargetKey = Hashable
 """An engine rank's runner, as the caller names it: (engine URL, engine rank, role)."""
+
+
+@dataclass(frozen=True)
+class FlushLayout:
+    """Which parameter each slot of a flushed range holds: (layout key, parameter), the
+    slot's offset from the range's start and its bytes, in the range's order."""
+
+    slots: tuple[tuple[Hashable, str, int, int], ...]
+    num_bytes: int
+    """The range's bytes (whole 8-byte words; padding between slots included)."""
+
+
+@dataclass
+class _Image:
+    layout: FlushLayout
+    data: torch.Tensor
 
 
 class PreviousBytes:
@@ -34,14 +59,22 @@ class PreviousBytes:
         """``device``: where copies live; None keeps each on the device it was staged on."""
         self._device = device
         self._slots: dict[tuple[Hashable, str], torch.Tensor] = {}
+        """Each parameter's stored bytes (views into ``_images`` where they came by flush)."""
+        self._images: dict[int, _Image] = {}
+        """Flush position in an update -> the image of that flush's range."""
         self._holders: set[TargetKey] = set()
         self.sequence = 0
         """The update whose bytes are stored (0: none)."""
 
     @property
     def num_bytes(self) -> int:
-        """Memory the stored bytes take."""
-        return sum(t.numel() for t in self._slots.values())
+        """Memory the stored bytes take (padding between slots of an image included)."""
+        images = sum(image.data.numel() for image in self._images.values())
+        bases = {image.data.data_ptr() for image in self._images.values()}
+        alone = sum(
+            t.numel() for t in self._slots.values() if t.untyped_storage().data_ptr() not in bases
+        )
+        return images + alone
 
     def next_sequence(self) -> int:
         """A number for the next update, above the stored one's and every earlier
@@ -79,9 +112,61 @@ class PreviousBytes:
             stored = self._slots[(key, param)] = torch.empty_like(new, device=device)
         stored.copy_(new)
 
-    def finish(self, sequence: int, holders: Iterable[TargetKey]) -> None:
+    def compare_flush(
+        self,
+        position: int,
+        layout: FlushLayout,
+        new: torch.Tensor,
+        compare: Sequence[FlushSlot | None],
+        *,
+        max_fraction: float = 1.0,
+    ) -> list[DeltaEntry | None]:
+        """The entries of a flushed range (``new``: flat uint8, ``layout.num_bytes``) against
+        the stored bytes, and ``new`` stored in their place. ``compare`` holds, per slot of
+        ``layout``, how to compare it, or None where no entry is wanted (a full write);
+        ``position`` is the flush's number in its update."""
+        image = self._images.get(position)
+        if (
+            image is not None
+            and image.layout == layout
+            and image.data.device == (self._device or new.device)
+        ):
+            previous = image.data if image.data.device == new.device else image.data.to(new.device)
+            wanted = [(i, s) for i, s in enumerate(compare) if s is not None]
+            found = encode_flush(previous, new, [s for _, s in wanted], max_fraction=max_fraction)
+            entries: list[DeltaEntry | None] = [None] * len(compare)
+            for (i, _), entry in zip(wanted, found, strict=True):
+                entries[i] = entry
+            image.data.copy_(new)  # its slots' views in ``_slots`` now hold the new bytes
+            return entries
+        entries = []
+        for (key, param, offset, num_bytes), how in zip(layout.slots, compare, strict=True):
+            entry = None
+            if how is not None:
+                entry = self.delta(
+                    key,
+                    param,
+                    new[offset : offset + num_bytes],
+                    how.elem_size,
+                    param_index=how.param_index,
+                    max_fraction=max_fraction,
+                )
+            entries.append(entry)
+        data = torch.empty_like(new, device=self._device or new.device)
+        data.copy_(new)
+        self._images[position] = _Image(layout, data)
+        for key, param, offset, num_bytes in layout.slots:
+            self._slots[(key, param)] = data[offset : offset + num_bytes]
+        return entries
+
+    def finish(
+        self, sequence: int, holders: Iterable[TargetKey], num_flushes: int | None = None
+    ) -> None:
         """The update ``sequence`` succeeded: its bytes are stored, and ``holders``
-        received all of them."""
+        received all of them; images of flush positions past its ``num_flushes`` go."""
+        if num_flushes is not None:
+            for position in [p for p in self._images if p >= num_flushes]:
+                del self._images[position]
         self.sequence = sequence
         self._holders = set(holders)
 
@@ -92,5 +177,6 @@ class PreviousBytes:
     def forget(self) -> None:
         """An update failed: drop everything; the next update is written in full."""
         self._slots.clear()
+        self._images.clear()
         self._holders.clear()
         self.sequence = 0

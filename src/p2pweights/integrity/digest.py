@@ -27,11 +27,15 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["LANES", "SMALL_BYTES", "digest", "digests", "lanes_hex"]
+__all__ = ["LANES", "SMALL_BYTES", "digest", "digests", "hex_digests", "lane_sums", "lanes_hex"]
 
 LANES = 16
 """Word ``i`` of a region is summed into lane ``i % LANES``."""
 _ROW_BYTES = LANES * 8
+_WIDE_WORDS = LANES * 64
+"""On a GPU, large regions are summed as rows of this many words (64 rows of ``LANES`` at
+once), then folded to ``LANES``: a column sum with 16 outputs keeps few of its threads
+busy. On a CPU rows of ``LANES`` are faster (measured: docs/benchmarks.md)."""
 SMALL_BYTES = 256 * 1024
 """Regions below this are digested together (one launch per batch, not per region)."""
 
@@ -43,6 +47,12 @@ def digest(region: torch.Tensor) -> str:
 
 def digests(regions: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Name -> digest of each region's bytes; one copy to the host for all of them."""
+    return hex_digests(lane_sums(regions))
+
+
+def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    """Name -> (its ``LANES`` sums, on the region's device; its length in bytes). On a GPU
+    nothing waits for the device: the sums are ready once the stream reaches them."""
     flat = {name: _as_bytes(t) for name, t in regions.items()}
     lanes: dict[str, torch.Tensor] = {}
     small: dict[torch.device, dict[str, torch.Tensor]] = {}
@@ -53,17 +63,19 @@ def digests(regions: Mapping[str, torch.Tensor]) -> dict[str, str]:
             lanes[name] = _lanes(data)
     for batch in small.values():
         lanes.update(_batched_lanes(batch))
-    if not lanes:
-        return {}
-    names = list(lanes)
+    return {name: (lanes[name], flat[name].numel()) for name in flat if name in lanes}
+
+
+def hex_digests(sums: Mapping[str, tuple[torch.Tensor, int]]) -> dict[str, str]:
+    """The digests of ``lane_sums``' results: one copy to the host per device."""
     by_device: dict[torch.device, list[str]] = {}
-    for name in names:
-        by_device.setdefault(lanes[name].device, []).append(name)
+    for name, (lanes, _) in sums.items():
+        by_device.setdefault(lanes.device, []).append(name)
     on_host: dict[str, torch.Tensor] = {}
-    for device_names in by_device.values():  # one copy to the host per device
-        stacked = torch.stack([lanes[n] for n in device_names]).cpu()
-        on_host.update(zip(device_names, stacked, strict=True))
-    return {name: lanes_hex(on_host[name], flat[name].numel()) for name in names}
+    for names in by_device.values():
+        stacked = torch.stack([sums[n][0] for n in names]).cpu()
+        on_host.update(zip(names, stacked, strict=True))
+    return {name: lanes_hex(on_host[name], num_bytes) for name, (_, num_bytes) in sums.items()}
 
 
 def lanes_hex(lanes: torch.Tensor, num_bytes: int) -> str:
@@ -90,7 +102,15 @@ def _lanes(data: torch.Tensor) -> torch.Tensor:
     head = data[:num_full]
     if head.data_ptr() % 8:
         head = head.clone()
-    sums = head.view(torch.int64).view(-1, LANES).sum(dim=0, dtype=torch.int64)
+    words = head.view(torch.int64)
+    num_wide = words.numel() // _WIDE_WORDS * _WIDE_WORDS if words.is_cuda else 0
+    if num_wide:  # word i still lands in lane i % LANES: a wide row is WIDE_ROWS rows
+        wide = words[:num_wide].view(-1, _WIDE_WORDS).sum(dim=0, dtype=torch.int64)
+        sums = wide.view(-1, LANES).sum(dim=0, dtype=torch.int64)
+        if num_wide < words.numel():
+            sums += words[num_wide:].view(-1, LANES).sum(dim=0, dtype=torch.int64)
+    else:
+        sums = words.view(-1, LANES).sum(dim=0, dtype=torch.int64)
     if num_full == data.numel():
         return sums
     rest = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=data.device)

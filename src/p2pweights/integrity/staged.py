@@ -1,9 +1,11 @@
 """The sender side of verified writes: the digest of every staged slot, per runner.
 
-Called by the executor once per flushed staging buffer, after its writes were handed
-to the writers (the writers and this only read the buffer, which is not refilled
-until every write reading it returned): each slot is digested once and filed under
-every runner (engine URL, rank, role) it is written to.
+The executor calls ``StagedDigests.add`` once per flushed staging buffer, after its
+writes were handed to the writers (the writers and this only read the buffer): each
+slot is digested once and filed under every runner (engine URL, rank, role) it is
+written to. On a GPU the sums are left on the device, in the stream's order (before
+any later load refills the buffer), and copied to the host once, by ``into`` at the
+end of the update: no flush waits for the device to digest.
 """
 
 from __future__ import annotations
@@ -12,20 +14,44 @@ from collections.abc import Iterable, MutableMapping
 
 import torch
 
-from p2pweights.integrity.digest import digests
+from p2pweights.integrity.digest import hex_digests, lane_sums
 
-__all__ = ["file_digests"]
+__all__ = ["StagedDigests", "file_digests"]
 
 Runner = tuple[str, int, str]
+
+
+class StagedDigests:
+    """The slots digested so far in one update, and the runners each one went to."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self._filed: list[tuple[str, str, Iterable[Runner]]] = []
+
+    def add(self, slots: Iterable[tuple[str, torch.Tensor, Iterable[Runner]]]) -> None:
+        """``slots``: (parameter name, its staged bytes, the runners it goes to)."""
+        listed = list(slots)
+        first = len(self._filed)
+        keys = [str(first + i) for i in range(len(listed))]
+        regions = {key: view for key, (_, view, _) in zip(keys, listed, strict=True)}
+        self._sums.update(lane_sums(regions))
+        for key, (param, _, runners) in zip(keys, listed, strict=True):
+            self._filed.append((key, param, runners))
+
+    def into(self, out: MutableMapping[Runner, dict[str, str]]) -> None:
+        """Every digest so far, under each runner its slot went to (waits for the device)."""
+        found = hex_digests(self._sums)
+        for key, param, runners in self._filed:
+            for runner in runners:
+                out.setdefault(runner, {})[param] = found[key]
+        self._sums, self._filed = {}, []
 
 
 def file_digests(
     slots: Iterable[tuple[str, torch.Tensor, Iterable[Runner]]],
     into: MutableMapping[Runner, dict[str, str]],
 ) -> None:
-    """``slots``: (parameter name, its staged bytes, the runners it goes to)."""
-    listed = list(slots)
-    sums = digests({str(i): view for i, (_, view, _) in enumerate(listed)})
-    for i, (param, _, runners) in enumerate(listed):
-        for runner in runners:
-            into.setdefault(runner, {})[param] = sums[str(i)]
+    """Digest ``slots`` and file them at once (``StagedDigests`` for one slot batch)."""
+    staged = StagedDigests()
+    staged.add(slots)
+    staged.into(into)

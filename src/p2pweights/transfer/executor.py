@@ -46,7 +46,7 @@ from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary
 from p2pweights.delta.wire import HEADER_BYTES, pack_header
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
-from p2pweights.integrity.staged import file_digests
+from p2pweights.integrity.staged import StagedDigests
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
 from p2pweights.transfer.intra_op import one_intra_op_thread
@@ -98,6 +98,8 @@ class RunResult:
     """With ``RunHooks.digest_staged``: runner -> parameter -> digest of the bytes staged
     for it (direct loads stage nothing, and are not listed)."""
     digest_s: float = 0.0
+    delta_s: float = 0.0
+    """With ``SyncConfig.delta``: comparing staged slots with the previous update's."""
     delta: DeltaSummary | None = None
     """With ``SyncConfig.delta``: the bytes a full update would have written, those
     written instead, and the memory the previous update's copy takes."""
@@ -388,6 +390,7 @@ class _Run:
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
         self._failed = FailedTargets()
         self.result = RunResult()
+        self._staged_digests = StagedDigests()
         self.late = LateWrites()
         """Writes given up on (late, or unsettled in the transport), with their buffers."""
 
@@ -515,13 +518,10 @@ class _Run:
         with contextlib.ExitStack() as scope:
             if not buffer.tensor.is_cuda:  # beside the writer threads: see intra_op
                 scope.enter_context(one_intra_op_thread())
-            file_digests(
-                (
-                    (slot.param, buffer.view(p.base + slot.offset, slot.num_bytes), p.targets)
-                    for p in placed
-                    for slot in p.group.slots
-                ),
-                self.result.digests,
+            self._staged_digests.add(
+                (slot.param, buffer.view(p.base + slot.offset, slot.num_bytes), p.targets)
+                for p in placed
+                for slot in p.group.slots
             )
         self.result.digest_s += time.perf_counter() - started
 
@@ -544,7 +544,7 @@ class _Run:
         )
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
-        self.result.load_s += time.perf_counter() - started
+        self.result.delta_s += time.perf_counter() - started
 
     def _elem_size(self, key: Hashable, param: str) -> int:
         """Bytes per element of ``param`` as the replica lays it out (1 if unknown)."""
@@ -669,6 +669,10 @@ class _Run:
             self._wait(index)
         self._buffers.current.used_bytes = 0
         self.result.failures = self._failed.errors()
+        if self._hooks.digest_staged:  # on a GPU, the one wait for the staged digests
+            started = time.perf_counter()
+            self._staged_digests.into(self.result.digests)
+            self.result.digest_s += time.perf_counter() - started
         return self.result
 
     def abort(self) -> None:
