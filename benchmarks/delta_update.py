@@ -2,15 +2,24 @@
 
 A Qwen3-shaped transformers model (fp32 master weights, random init) takes AdamW steps
 on random token batches at an RL learning rate; after each step its weights are cast
-to bf16 and sent to one local engine (CPU, its own process, Mooncake over TCP) twice:
-by a session writing every byte, then by a session with ``SyncConfig(delta=...)``
-(a delta sets the changed elements to their new values, so it lands on the full
-session's bytes as on its own). Per update and mode: seconds, bytes sent, the engine's
-paused seconds and the stages; the engine is checked bit-exact against sglang's own
-``load_weights`` after the last update of each mode.
+to bf16 and sent to one local engine (its own process) by each session in turn: one
+writing every byte, one with ``SyncConfig(delta=...)`` (a delta sets the changed
+elements to their new values, so it lands on the full session's bytes as on its own),
+and with ``--verified-full`` one writing every byte with ``verify_writes="always"``
+(deltas are always verified). Per update and session: seconds, bytes sent, the
+engine's paused seconds and the stages; after every step the engine is checked
+bit-exact against sglang's own ``load_weights`` of the bytes sent (the delta session
+wrote last).
+
+On the CPU (this machine) the engine takes Mooncake over TCP; with ``--device cuda``
+the model trains on ``cuda:0`` and the engine (a local engine on the same GPU: the
+local engine stands in for sglang, whose CUDA stack does not run on the lent GPU
+machine) takes CUDA IPC writes from staging buffers on the GPU::
 
     .venv/bin/python benchmarks/delta_update.py --steps 4 --lr 1e-6 \\
         --out benchmarks/results/delta_update.json
+    python3 benchmarks/delta_update.py --device cuda --model qwen3-4b-shape --steps 5 \\
+        --verified-full --buffer-mib 2048 --out $OUT/delta_update_h200.json
 """
 
 from __future__ import annotations
@@ -43,16 +52,19 @@ CONFIG = {
 }
 
 
-def _trainer(config: dict[str, Any], lr: float, seed: int):
+def _trainer(config: dict[str, Any], lr: float, seed: int, device: str = "cpu"):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**config)).float()
+    with torch.device(device):  # initialized where it trains
+        model = Qwen3ForCausalLM(Qwen3Config(**config)).float()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    generator = torch.Generator().manual_seed(seed + 1)
+    generator = torch.Generator(device=device).manual_seed(seed + 1)
 
     def step() -> None:
-        tokens = torch.randint(0, config["vocab_size"], (2, 128), generator=generator)
+        tokens = torch.randint(
+            0, config["vocab_size"], (2, 128), generator=generator, device=device
+        )
         model(input_ids=tokens, labels=tokens).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -86,9 +98,49 @@ def _row(report: Any, session: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+def _sessions(args: argparse.Namespace) -> dict[str, Any]:
+    """The sessions compared, by name; the delta session last (it writes last)."""
+    from p2pweights import CudaIpcConfig, MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.config import DeltaConfig
+
+    gpu = args.device != "cpu"
+    transport: Any = (
+        CudaIpcConfig(device=0, direct=False)  # staged, as a delta must be
+        if gpu
+        else MooncakeConfig(protocol="tcp", local_hostname="127.0.0.1")
+    )
+    common: dict[str, Any] = {"transport": transport}
+    if args.buffer_mib:
+        common["buffer_bytes"] = args.buffer_mib << 20
+    staging = {"staging_device": "cuda:0"} if gpu else {}
+    configs = {"full": SyncConfig(**common, verify_writes="off")}
+    if gpu:  # the fastest full update there: loaders write the engine's memory
+        configs["full-direct"] = SyncConfig(
+            **{**common, "transport": CudaIpcConfig(device=0)}, verify_writes="off"
+        )
+    if args.verified_full:
+        configs["full-verified"] = SyncConfig(**common, verify_writes="always")
+    configs["delta"] = SyncConfig(**common, delta=DeltaConfig())
+    return {name: WeightSyncSession(config, **staging) for name, config in configs.items()}
+
+
+def _medians(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the updates' seconds, bytes, pause and stages."""
+    out: dict[str, Any] = {
+        key: statistics.median(r[key] for r in updates) for key in ("seconds", "bytes", "paused_s")
+    }
+    stages = {name for r in updates for name in r["stages"]}
+    out["stages"] = {
+        name: statistics.median(r["stages"].get(name, 0.0) for r in updates)
+        for name in sorted(stages)
+    }
+    fractions = [r["delta"]["fraction"] for r in updates if r["delta"]]
+    if fractions:
+        out["fraction"] = statistics.median(fractions)
+    return out
+
+
+def main() -> None:
     from p2pweights.engines.client import EngineClient
     from p2pweights.local_engine import LocalEngine
     from p2pweights.testing import write_model_dir
@@ -99,19 +151,45 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (trainer and engine)")
+    parser.add_argument(
+        "--model", default=None, help="benchmarks/configs/<name>.json (default: a 51.6M Qwen3)"
+    )
+    parser.add_argument("--buffer-mib", type=int, default=0, help="0: SyncConfig's default")
+    parser.add_argument(
+        "--verified-full", action="store_true", help='also a full session, verify_writes="always"'
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    folder = write_model_dir(CONFIG, tempfile.mkdtemp(prefix="p2pw-delta-"))
-    step, tensors = _trainer(CONFIG, args.lr, args.seed)
-    transport = MooncakeConfig(protocol="tcp", local_hostname="127.0.0.1")
-    out: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "config": CONFIG}
-    rows: dict[str, list[dict[str, Any]]] = {"full": [], "delta": []}
-    with LocalEngine(folder, tp=args.tp, transport="mooncake", seed=0) as engine:
-        sessions = {
-            "full": WeightSyncSession(SyncConfig(transport=transport)),
-            "delta": WeightSyncSession(SyncConfig(transport=transport, delta=DeltaConfig())),
+    config = CONFIG
+    if args.model:
+        from _common import named_config
+
+        config = named_config(args.model)
+    gpu = args.device != "cpu"
+    folder = write_model_dir(config, tempfile.mkdtemp(prefix="p2pw-delta-"))
+    step, tensors = _trainer(config, args.lr, args.seed, "cuda:0" if gpu else "cpu")
+    out: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "config": config,
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+    }
+    engine_options: dict[str, Any] = (
+        # the engine digests its weights before every end (deltas are verified); it
+        # cannot tell which session wrote, so the unverified sessions' pauses hold it too
+        {
+            "transport": "cuda_ipc",
+            "device": "cuda:0",
+            "startup_timeout_s": 900,
+            "env": {"P2PWEIGHTS_WRITE_DIGESTS": "1"},
         }
+        if gpu
+        else {"transport": "mooncake"}
+    )
+    with LocalEngine(folder, tp=args.tp, seed=0, **engine_options) as engine:
+        sessions = _sessions(args)
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in sessions}
         for session in sessions.values():
             session.connect([engine.url])
         for k in range(args.steps + 1):
@@ -120,6 +198,8 @@ def main() -> None:
                 step()
                 out.setdefault("train_step_s", []).append(time.perf_counter() - started)
             sent = tensors()
+            if gpu:
+                torch.cuda.synchronize()
             for mode, session in sessions.items():
                 row = _row(session.update(sent), session)
                 rows[mode].append(row)
@@ -131,19 +211,20 @@ def main() -> None:
                     f"{share}, engine paused {row['paused_s']:.3f} s",
                     flush=True,
                 )
-            client = EngineClient(engine.url)
-            mismatches = verify_engine(client, lambda sent=sent: sent)
+            client = EngineClient(engine.url, timeout_s=600)
+            mismatches = verify_engine(
+                client, lambda sent=sent: iter(sent), device="cuda:0" if gpu else "cpu"
+            )
             client.close()
             rows["delta"][-1]["bit_exact"] = all(not v for v in mismatches.values())
+            del sent
+            if gpu:
+                torch.cuda.empty_cache()
         for session in sessions.values():
             session.close()
     out["updates"] = rows
     out["median_after_first"] = {
-        mode: {
-            key: statistics.median(r[key] for r in updates[2:] or updates[1:])
-            for key in ("seconds", "bytes", "paused_s")
-        }
-        for mode, updates in rows.items()
+        mode: _medians(updates[2:] or updates[1:]) for mode, updates in rows.items()
     }
     print(json.dumps(out["median_after_first"], indent=1))
     if args.out is not None:
