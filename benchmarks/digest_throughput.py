@@ -3,9 +3,7 @@
 The parameters of a Qwen3-8B-shaped TP-1 rank (bf16, about 16.4 GB; ``--layers`` fewer
 on the CPU), digested the way the two sides do it: all at once (the engine rank before
 ``end_weight_update``) and in staging-buffer-sized batches (the sender, once per flush).
-Printed: seconds, GB/s, the same digests summed in rows of ``LANES`` words (before
-wide rows, ``narrow_rows_whole_s``) and a device-to-device copy of the same bytes for
-scale. Loads
+Printed: seconds, GB/s, and a device-to-device copy of the same bytes for scale. Loads
 ``p2pweights/integrity/digest.py`` alone (it needs only torch), so it runs where the
 rest of p2pweights is not installed:
 
@@ -107,17 +105,8 @@ def main() -> None:
         "num_flushes": len(flushes),
     }
     digests = digest_module.digests
-    wide_words = digest_module._WIDE_WORDS
     whole_s = timed(lambda: digests(params), args.device, args.repeats)
     flush_s = timed(lambda: [digests(f) for f in flushes], args.device, args.repeats)
-    # side by side: large regions summed as rows of LANES words (before wide rows)
-    digest_module._WIDE_WORDS = 1 << 62
-    narrow_digests = digests(params)
-    narrow_s = timed(lambda: digests(params), args.device, args.repeats)
-    digest_module._WIDE_WORDS = wide_words
-    result["wide_equals_narrow"] = narrow_digests == digests(params)  # (the CPU: both narrow)
-    result["whole_s_again"] = timed(lambda: digests(params), args.device, args.repeats)
-    result["narrow_rows_whole_s"] = narrow_s
     flat = torch.empty(num_bytes, dtype=torch.uint8, device=args.device)
     copy_s = timed(
         lambda: flat.copy_(torch.cat([t.view(-1).view(torch.uint8) for t in params.values()])),

@@ -32,10 +32,6 @@ __all__ = ["LANES", "SMALL_BYTES", "digest", "digests", "hex_digests", "lane_sum
 LANES = 16
 """Word ``i`` of a region is summed into lane ``i % LANES``."""
 _ROW_BYTES = LANES * 8
-_WIDE_WORDS = LANES * 64
-"""On a GPU, large regions are summed as rows of this many words (64 rows of ``LANES`` at
-once), then folded to ``LANES``: a column sum with 16 outputs keeps few of its threads
-busy. On a CPU rows of ``LANES`` are faster (measured: docs/benchmarks.md)."""
 SMALL_BYTES = 256 * 1024
 """Regions below this are digested together (one launch per batch, not per region)."""
 
@@ -102,15 +98,7 @@ def _lanes(data: torch.Tensor) -> torch.Tensor:
     head = data[:num_full]
     if head.data_ptr() % 8:
         head = head.clone()
-    words = head.view(torch.int64)
-    num_wide = words.numel() // _WIDE_WORDS * _WIDE_WORDS if words.is_cuda else 0
-    if num_wide:  # word i still lands in lane i % LANES: a wide row is WIDE_ROWS rows
-        wide = words[:num_wide].view(-1, _WIDE_WORDS).sum(dim=0, dtype=torch.int64)
-        sums = wide.view(-1, LANES).sum(dim=0, dtype=torch.int64)
-        if num_wide < words.numel():
-            sums += words[num_wide:].view(-1, LANES).sum(dim=0, dtype=torch.int64)
-    else:
-        sums = words.view(-1, LANES).sum(dim=0, dtype=torch.int64)
+    sums = head.view(torch.int64).view(-1, LANES).sum(dim=0, dtype=torch.int64)
     if num_full == data.numel():
         return sums
     rest = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=data.device)
