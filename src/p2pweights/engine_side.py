@@ -4,9 +4,10 @@ The p2pweights sglang plugin (hooks on sglang's ``WeightUpdater`` in every TP ra
 the local engine (its begin / end handlers) both keep one ``RankSide`` per model
 runner and call:
 
-- ``after_begin()`` once ``begin_weight_update`` ran: returns the record to publish
-  for this update session before any byte is written (no digests yet), so a record of
-  an earlier session is never read as this one's.
+- ``after_begin(scratch)`` once ``begin_weight_update`` ran: returns the record to
+  publish for this update session before any byte is written (no digests yet), so a
+  record of an earlier session is never read as this one's, and clears a delta payload
+  an earlier session left in the rank's scratch region.
 - ``before_end(params)`` after the writes, right before ``end_weight_update``
   re-processes the weights (sglang's postprocess may repack or move them): runs
   ``BEFORE_END_STEPS`` in order on the rank's published parameters (name -> the tensor
@@ -89,9 +90,16 @@ class RankSide:
         self.write_digests = write_digests
         self.update = 0
 
-    def after_begin(self) -> dict[str, Any]:
-        """A new update session opened: the record that replaces the last one's."""
+    def after_begin(self, scratch: torch.Tensor | None = None) -> dict[str, Any]:
+        """A new update session opened: the record that replaces the last one's. A delta
+        payload still in the rank's ``scratch`` region was written in an earlier session
+        whose end never ran (its sender died): it is cleared, never applied over this
+        session's writes (a sender writes its payload after the engine's begin)."""
         self.update += 1
+        if scratch is not None:
+            from p2pweights.delta.engine import clear_payload
+
+            clear_payload(scratch, f"engine rank {self.engine_rank} ({self.role})")
         return self._record(digests=None, error=None)
 
     def before_end(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -56,3 +56,30 @@ def test_write_digests_default_and_override(monkeypatch):
     assert environment.write_digests(default=False) is True
     monkeypatch.setenv("P2PWEIGHTS_WRITE_DIGESTS", "0")
     assert environment.write_digests(default=True) is False
+
+
+def test_a_delta_payload_left_from_an_earlier_session_is_never_applied():
+    """A sender wrote a delta payload, then died before the engine's end took it; the next
+    session writes every byte in full (no deltas): its end must not apply the old entries
+    over the new bytes. A payload counts only inside the session it was written in."""
+    from p2pweights.delta.engine import SCRATCH_NAME
+    from p2pweights.delta.wire import encode, pack_payload
+
+    weights = {"w": torch.zeros(256, dtype=torch.bfloat16)}
+    scratch = torch.zeros(4096, dtype=torch.uint8)
+    side = RankSide(5, write_digests=False)
+    side.after_begin(scratch)
+    side.before_end({**weights, SCRATCH_NAME: scratch})  # a full first update
+    # the next update's sender wrote its payload (w[:8] = 1) and died before end ran
+    side.after_begin(scratch)
+    changed = weights["w"].clone()
+    changed[:8] = 1.0
+    entry = encode(weights["w"].view(torch.uint8), changed.view(torch.uint8), 2)
+    assert entry is not None
+    pack_payload([entry], sequence=2, base_sequence=0, out=scratch)
+    # a new session writes every byte: all 2.0, and no payload
+    side.after_begin(scratch)
+    weights["w"].fill_(2.0)
+    record = side.before_end({**weights, SCRATCH_NAME: scratch})
+    assert record["error"] is None and "delta" not in record
+    assert torch.equal(weights["w"], torch.full((256,), 2.0, dtype=torch.bfloat16))

@@ -25,6 +25,7 @@ import torch
 from p2pweights import environment
 from p2pweights.config import parse_bytes
 from p2pweights.delta.apply import DeltaReceiver
+from p2pweights.delta.wire import HEADER_BYTES, read_header
 from p2pweights.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCRATCH_NAME", "apply_delta", "new_scratch", "scratch_bytes"]
+__all__ = ["SCRATCH_NAME", "apply_delta", "clear_payload", "new_scratch", "scratch_bytes"]
 
 SCRATCH_NAME = "__p2pweights_delta_scratch__"
 """The name the scratch region is published under (never a parameter's)."""
@@ -68,6 +69,18 @@ def new_scratch(
     if num_bytes == 0:
         return None
     return torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+
+
+def clear_payload(scratch: torch.Tensor, where: str) -> None:
+    """At an update session's begin: a payload in ``scratch`` is an earlier session's that
+    was never taken (its end did not run); its header is cleared so no end applies it."""
+    if read_header(scratch) is not None:
+        logger.warning(
+            "p2pweights: %s: a delta payload an earlier update session wrote was never "
+            "applied; cleared (its update did not end)",
+            where,
+        )
+        scratch[:HEADER_BYTES].zero_()
 
 
 def apply_delta(context: BeforeEnd) -> None:

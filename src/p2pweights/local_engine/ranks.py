@@ -159,7 +159,7 @@ class _Runner:
     @torch.no_grad()
     def begin_update(self) -> None:
         facade.begin_update(self.model, self.spec, self.device)
-        self.digest_record = self.side.after_begin()
+        self.digest_record = self.side.after_begin(self.params.get(SCRATCH_NAME))
 
     @torch.no_grad()
     def end_update(self, run_post_load: bool) -> None:

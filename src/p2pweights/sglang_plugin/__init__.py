@@ -153,7 +153,7 @@ def republish_after_begin(_result: Any, updater: Any, *_args: Any, **_kwargs: An
     runner = updater.get_model_runner()
     side, published = _sides.get(id(runner)), _published.get(id(runner))
     if side is not None and published is not None:
-        published.put_record(side.after_begin())
+        published.put_record(side.after_begin(published.scratch))
 
 
 def republish_after_end(_result: Any, updater: Any, *_args: Any, **_kwargs: Any) -> None:
