@@ -92,9 +92,11 @@ class RankSide:
 
     def after_begin(self, scratch: torch.Tensor | None = None) -> dict[str, Any]:
         """A new update session opened: the record that replaces the last one's. A delta
-        payload still in the rank's ``scratch`` region was written in an earlier session
-        whose end never ran (its sender died): it is cleared, never applied over this
-        session's writes (a sender writes its payload after the engine's begin)."""
+        payload still in the rank's ``scratch`` region belongs to no session of this one's
+        (an end that failed before clearing it, a header write that landed late): it is
+        cleared, never applied over this session's writes (a sender writes its payload
+        after the engine's begin). A sender that died leaving the session open is another
+        case: the trainer taking over writes its own header (``delta.sender.FullHeaders``)."""
         self.update += 1
         if scratch is not None:
             from p2pweights.delta.engine import clear_payload

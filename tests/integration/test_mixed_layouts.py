@@ -8,6 +8,7 @@ import torch
 
 from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
 from p2pweights.delta.engine import SCRATCH_NAME
+from p2pweights.delta.wire import HEADER_BYTES
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
 from p2pweights.verify import verify_engine
@@ -24,9 +25,10 @@ def _published_bytes(engine) -> dict[tuple[str, int], int]:
     try:
         return {
             (engine.url, rank): sum(
-                r.num_bytes
+                # a rank publishing a delta scratch region gets a header there every
+                # update (without deltas one with no entries), not a weight's bytes
+                HEADER_BYTES if name == SCRATCH_NAME else r.num_bytes
                 for name, r in client.publication(rank).regions.items()
-                if name != SCRATCH_NAME  # delta updates' scratch region, not a weight
             )
             for rank in range(engine.tp)
         }

@@ -13,6 +13,7 @@ import pytest
 from _bit_exact import assert_bit_exact, seed_weights
 
 from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+from p2pweights.delta.wire import HEADER_BYTES
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.inspect import inspect_engine
 from p2pweights.local_engine import LocalEngine
@@ -68,5 +69,7 @@ def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_eng
     found = inspect_engine(restarted.url)
     assert found["layout"]["tp_size"] == 2 and found["transport"] == ["mooncake"]
     assert found["weight_version"] == report.version
-    assert found["bytes"] == sum(report.bytes_by_target[(restarted.url, r)] for r in (0, 1))
+    # each rank's weights, and the header every update writes to its delta scratch region
+    written = sum(report.bytes_by_target[(restarted.url, r)] for r in (0, 1))
+    assert found["bytes"] + 2 * HEADER_BYTES == written
     assert found["update_state"]["mid_update"] is False

@@ -186,3 +186,27 @@ def test_a_rank_that_published_afresh_when_its_session_opened_gets_full_writes()
     assert torch.equal(
         changed[:6].view(torch.bfloat16), torch.full((3,), 7.0, dtype=torch.bfloat16)
     )
+
+
+def test_a_payload_whose_sender_died_before_end_is_not_applied_by_a_full_update():
+    """A delta sender wrote its payload and died before the engine's end; the next
+    trainer adopts the engine's open update session (no new begin) and writes every byte
+    without deltas. Its end must not apply the dead sender's entries over those bytes:
+    every update writes a header to each rank publishing a scratch region, one without
+    entries where it sends no deltas."""
+    source = _source(4)
+    engine = _Engine("http://a", source, 1 << 16)
+    dying = TransferExecutor(CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig())
+    dying.connect([engine.pub])
+    _update(dying, source, [engine.pub])
+    engine.end()
+    _update(dying, _step(source, 0.05, 9), [engine.pub])  # the payload is in; no end
+    dying.close()
+
+    full = TransferExecutor(CopyingTransport(), torch.device("cpu"), 5.0)  # no deltas
+    full.connect([engine.pub])
+    fresh = _step(source, 0.05, 11)
+    _update(full, fresh, [engine.pub])
+    engine.end()
+    assert engine.holds(fresh)
+    full.close()

@@ -151,3 +151,21 @@ def test_the_store_compares_a_flush_laid_out_as_before_or_slot_by_slot() -> None
             assert torch.equal(entries[n].indices.long(), expected), (step, n)
         params = changed
     assert store.num_bytes >= sum(t.numel() * 2 for t in params.values())
+
+
+def test_the_store_counts_what_it_holds_and_drops_what_is_no_longer_staged() -> None:
+    a, b = torch.ones(1000).bfloat16(), torch.ones(128).bfloat16()
+    store = PreviousBytes()
+    _store_flush(store, 0, {"a": a, "b": b})
+    store.finish(1, [], num_flushes=1)
+    both = store.num_bytes
+    assert both == aligned(2000) + aligned(256)
+    # b moves to a flush of its own: until it is staged, its bytes are in the old image
+    _store_flush(store, 0, {"a": a})
+    assert store.num_bytes == both + aligned(2000)  # the old image, held for b
+    _store_flush(store, 1, {"b": b})
+    assert store.num_bytes == aligned(2000) + aligned(256)  # the old image let go
+    store.finish(2, [], num_flushes=2)
+    _store_flush(store, 0, {"a": a})  # b is no longer sent
+    store.finish(3, [], num_flushes=1)
+    assert store.num_bytes == aligned(2000)

@@ -59,9 +59,11 @@ def test_write_digests_default_and_override(monkeypatch):
 
 
 def test_a_delta_payload_left_from_an_earlier_session_is_never_applied():
-    """A sender wrote a delta payload, then died before the engine's end took it; the next
-    session writes every byte in full (no deltas): its end must not apply the old entries
-    over the new bytes. A payload counts only inside the session it was written in."""
+    """A payload still in the scratch region when a new update session begins (one whose
+    end raised before clearing it, or a late header write that landed after the end) is
+    cleared at that begin, never applied by this session's end. (A sender that died with
+    the engine's session open is covered by the next update's own header: see
+    test_delta_executor.)"""
     from p2pweights.delta.engine import SCRATCH_NAME
     from p2pweights.delta.wire import encode, pack_payload
 
@@ -70,8 +72,7 @@ def test_a_delta_payload_left_from_an_earlier_session_is_never_applied():
     side = RankSide(5, write_digests=False)
     side.after_begin(scratch)
     side.before_end({**weights, SCRATCH_NAME: scratch})  # a full first update
-    # the next update's sender wrote its payload (w[:8] = 1) and died before end ran
-    side.after_begin(scratch)
+    # a payload (w[:8] = 1) is left in the scratch region outside any session
     changed = weights["w"].clone()
     changed[:8] = 1.0
     entry = encode(weights["w"].view(torch.uint8), changed.view(torch.uint8), 2)

@@ -8,7 +8,8 @@ the writes are ``index_copy_`` on each parameter's flat view, on its own device.
 ``DeltaReceiver`` is one engine rank's state: the sequence of the last update it took
 whole. A payload of an update already taken, or one changing the bytes of an update
 this rank does not hold (``base_sequence``), is refused; a payload without entries
-(a full update) only records its sequence.
+(a full update, from a sender with or without deltas) only records its sequence,
+whatever it is (senders' clocks differ; a full update depends on nothing before it).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def apply(
 
 
 def _check_header(header: PayloadHeader, payload: torch.Tensor, last: int, where: str) -> None:
+    if header.num_entries == 0 and header.base_sequence == 0:
+        return  # a full update: it changes nothing here, only what the rank holds
     if header.sequence <= last:
         raise TransferError(
             f"{where}: delta payload of update {header.sequence} refused: this rank already "

@@ -17,6 +17,7 @@ writes.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from p2pweights.engines.published import RankPublication
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeltaRun", "DeltaSender", "DeltaSummary", "Runner"]
+__all__ = ["DeltaRun", "DeltaSender", "DeltaSummary", "FullHeaders", "Runner"]
 
 Runner = tuple[str, int, str]
 """(engine URL, engine rank, role)."""
@@ -266,3 +267,26 @@ class DeltaRun:
 def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
     """Who a publication is reached through (as the executor tells them apart)."""
     return (pub.backend, pub.session_id, pub.agent_name)
+
+
+@dataclass
+class FullHeaders:
+    """The headers of an update sent without deltas: each runner publishing a scratch
+    region gets one without entries (a full update). It replaces whatever payload is
+    there: one a delta sender wrote and could not see applied (it died before the
+    engine's end, and this update took over the engine's open session) would otherwise
+    be applied over this update's bytes. The engine rank then holds this update, so a
+    delta against an earlier one is refused there."""
+
+    connected: Mapping[Runner, RankPublication]
+    scratch: dict[Runner, RankPublication] = field(default_factory=dict)
+
+    @property
+    def max_headers(self) -> int:
+        return sum(1 for pub in self.connected.values() if SCRATCH_NAME in pub.regions)
+
+    def headers(self) -> dict[Runner, PayloadHeader]:
+        """Against the publications current now."""
+        self.scratch = {r: p for r, p in self.connected.items() if SCRATCH_NAME in p.regions}
+        sequence = time.time_ns()
+        return {runner: PayloadHeader(sequence, 0, 0, HEADER_BYTES) for runner in self.scratch}

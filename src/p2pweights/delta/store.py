@@ -10,7 +10,9 @@ of the buffer, compared in one pass (``flush_compare``) with the same range next
 where the next update's flush at that position holds the same slots at the same
 offsets (a trainer sending the same model the same way: every update after the
 first). A flush laid out otherwise is compared slot by slot against the stored bytes
-of each parameter wherever they were, and its image replaces the old one.
+of each parameter wherever they were, and its image replaces the old one. A store in
+host memory is copied to the device of the staging buffer to compare a flush there (one
+flush's bytes more on that device while it compares).
 
 Deltas are only sent to an engine rank that holds the stored bytes: one that received
 the whole previous update. Everything is forgotten when an update failed (the next one
@@ -62,19 +64,21 @@ class PreviousBytes:
         """Each parameter's stored bytes (views into ``_images`` where they came by flush)."""
         self._images: dict[int, _Image] = {}
         """Flush position in an update -> the image of that flush's range."""
+        self._seen: set[tuple[Hashable, str]] = set()
+        """Parameters this update's flushes staged so far."""
         self._holders: set[TargetKey] = set()
         self.sequence = 0
         """The update whose bytes are stored (0: none)."""
 
     @property
     def num_bytes(self) -> int:
-        """Memory the stored bytes take (padding between slots of an image included)."""
-        images = sum(image.data.numel() for image in self._images.values())
-        bases = {image.data.data_ptr() for image in self._images.values()}
-        alone = sum(
-            t.numel() for t in self._slots.values() if t.untyped_storage().data_ptr() not in bases
-        )
-        return images + alone
+        """Memory the stored bytes take: every storage they hold (an image's padding between
+        slots included, and an older image a parameter's bytes are still in)."""
+        storages = {}
+        for tensor in [*self._slots.values(), *(image.data for image in self._images.values())]:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def next_sequence(self) -> int:
         """A number for the next update, above the stored one's and every earlier
@@ -125,6 +129,7 @@ class PreviousBytes:
         the stored bytes, and ``new`` stored in their place. ``compare`` holds, per slot of
         ``layout``, how to compare it, or None where no entry is wanted (a full write);
         ``position`` is the flush's number in its update."""
+        self._seen.update((key, param) for key, param, _, _ in layout.slots)
         image = self._images.get(position)
         if (
             image is not None
@@ -133,7 +138,11 @@ class PreviousBytes:
         ):
             previous = image.data if image.data.device == new.device else image.data.to(new.device)
             wanted = [(i, s) for i, s in enumerate(compare) if s is not None]
-            found = encode_flush(previous, new, [s for _, s in wanted], max_fraction=max_fraction)
+            found = (
+                encode_flush(previous, new, [s for _, s in wanted], max_fraction=max_fraction)
+                if wanted
+                else []
+            )
             entries: list[DeltaEntry | None] = [None] * len(compare)
             for (i, _), entry in zip(wanted, found, strict=True):
                 entries[i] = entry
@@ -167,6 +176,10 @@ class PreviousBytes:
         if num_flushes is not None:
             for position in [p for p in self._images if p >= num_flushes]:
                 del self._images[position]
+            if self._seen:  # bytes of parameters this update did not stage: not kept
+                for key in [k for k in self._slots if k not in self._seen]:
+                    del self._slots[key]
+        self._seen.clear()
         self.sequence = sequence
         self._holders = set(holders)
 
@@ -178,5 +191,6 @@ class PreviousBytes:
         """An update failed: drop everything; the next update is written in full."""
         self._slots.clear()
         self._images.clear()
+        self._seen.clear()
         self._holders.clear()
         self.sequence = 0

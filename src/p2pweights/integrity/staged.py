@@ -4,8 +4,9 @@ The executor calls ``StagedDigests.add`` once per flushed staging buffer, after 
 writes were handed to the writers (the writers and this only read the buffer): each
 slot is digested once and filed under every runner (engine URL, rank, role) it is
 written to. On a GPU the sums are left on the device, in the stream's order (before
-any later load refills the buffer), and copied to the host once, by ``into`` at the
-end of the update: no flush waits for the device to digest.
+any later load refills the buffer), and copied to the host and hashed once, by
+``into`` at the end of the update (a batch of small regions still waits for the
+stream once, to hand its bounds to the device).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ import torch
 
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.engine import SCRATCH_NAME
-from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary
+from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary, FullHeaders
 from p2pweights.delta.wire import HEADER_BYTES, pack_header
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
@@ -270,6 +270,7 @@ class TransferExecutor:
             self._transport,
             hooks or RunHooks(),
             delta,
+            FullHeaders(self._connected),
         )
         try:
             for group, inputs in ready:
@@ -367,6 +368,7 @@ class _Run:
         transport: Transport,
         hooks: RunHooks,
         delta: DeltaRun | None = None,
+        full_headers: FullHeaders | None = None,
     ):
         self._plan = plan
         self._buffers = buffers
@@ -376,6 +378,8 @@ class _Run:
         self._transport = transport
         self._hooks = hooks
         self._delta = delta
+        self._headers: DeltaRun | FullHeaders | None = delta or full_headers
+        """Whose headers the last flush writes to the ranks publishing a scratch region."""
         self._header_at: int | None = None
         """Where the last flush's buffer holds the delta headers (reserved by ``finish``)."""
         self._opened = hooks.before_writes is None
@@ -494,6 +498,9 @@ class _Run:
         self._open()  # the first write, or load into an engine's memory, comes next
         if self._delta is not None:  # decided against the publications current now
             self._delta.place(buffer.view)
+            if buffer.tensor.is_cuda:  # entries are packed by device copies; writers (own
+                # streams, or the network) must read them finished
+                torch.cuda.current_stream(buffer.tensor.device).synchronize()
         index = self._buffers.current_index
         for batch in self._batches(buffer):
             if self._failed.get(batch.key) is not None:
@@ -618,11 +625,11 @@ class _Run:
         self, buffer: StagingBuffer, batches: dict[tuple[str, int, str], WriteBatch]
     ) -> None:
         """Each scratch-publishing runner's delta header, written by the last flush."""
-        assert self._delta is not None and self._header_at is not None
-        for i, (runner, header) in enumerate(self._delta.headers().items()):
+        assert self._headers is not None and self._header_at is not None
+        for i, (runner, header) in enumerate(self._headers.headers().items()):
             offset = self._header_at + i * HEADER_BYTES
             pack_header(header, buffer.view(offset, HEADER_BYTES))
-            pub = self._delta.scratch[runner]
+            pub = self._headers.scratch[runner]
             scratch = pub.regions[SCRATCH_NAME]
             batch = batches.get(runner)
             if batch is None:
@@ -655,9 +662,10 @@ class _Run:
         self._direct_devices.clear()
 
     def finish(self) -> RunResult:
-        if self._delta is not None:
+        if self._headers is not None and self._headers.max_headers:
             # every scratch-publishing rank gets this update's header in the last flush
-            need = HEADER_BYTES * self._delta.max_headers
+            # (without deltas one without entries: no payload left there is applied)
+            need = HEADER_BYTES * self._headers.max_headers
             buffer = self._buffers.current
             if buffer.capacity_bytes - buffer.used_bytes < need:
                 buffer = self._flush()
