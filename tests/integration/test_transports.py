@@ -19,7 +19,7 @@ import torch
 
 from p2pweights.config import MooncakeConfig, NixlConfig
 from p2pweights.engines.published import RankPublication, parse_publication
-from p2pweights.errors import TransferError
+from p2pweights.errors import TransferError, UnsettledWrite
 from p2pweights.transfer.transports import Write, create_publisher, create_transport
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,9 @@ def _engine_main(kind: str, conn: Any) -> None:
     publisher.register(weights)
     conn.send(publisher.publication(weights))
     while (command := conn.recv()) != "exit":
-        assert command == "digests"
+        assert command in ("digests", "close")
+        if command == "close":  # the weights stay allocated: they can be digested after
+            publisher.close()
         conn.send({name: _digest(t) for name, t in weights.items()})
     publisher.close()
     conn.send("closed")
@@ -77,6 +79,11 @@ class _Engine:
 
     def digests(self) -> dict[str, str]:
         self.conn.send("digests")
+        return self.conn.recv()
+
+    def close_publisher(self) -> dict[str, str]:
+        """Close the engine's publisher; the digests of its weights right after."""
+        self.conn.send("close")
         return self.conn.recv()
 
     def stop(self) -> int | None:
@@ -208,10 +215,58 @@ def test_hung_engine_times_out(kind: str, monkeypatch: pytest.MonkeyPatch) -> No
                 )
             elapsed = time.monotonic() - start
             assert 1.9 < elapsed < 5
-            # resume the engine while the trainer's side is still open, so the abandoned
-            # writes drain before the connection closes; the engine then still answers
+            # the engine resumes and still answers; nothing settles the write given up on
+            # (the trainer drives its progress only when it polls), so the trainer's close
+            # keeps its side, and the engine closes and exits with that write still on its
+            # way (test_nothing_lands_after_publisher_close shows why that is safe)
             os.kill(pid, signal.SIGCONT)
             assert set(engine.digests()) == set(_engine_weights())
+        assert engine.stop() == 0
+    finally:
+        if engine.process.is_alive():
+            os.kill(pid, signal.SIGCONT)
+        engine.kill()
+
+
+def test_nothing_lands_after_publisher_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write given up on may still be on its way when the engine closes its publisher
+    (the engine then frees that memory): once close returned, none of it lands.
+
+    Over UCX's TCP transport the engine agent's progress thread copies every incoming
+    put to its address, registered or not, so NixlPublisher.close must end the agent.
+    When it only deregistered, the rest of this write landed after close, and an engine
+    that freed its weights before its agent segfaulted at exit (a flake of
+    test_hung_engine_times_out[nixl], 3 runs in 20 on two cores).
+    """
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    engine = _Engine("nixl")
+    pid = engine.process.pid
+    assert pid is not None
+    try:
+        target = engine.publication()
+        mib = 1 << 20
+        staging = torch.empty(8 * mib, dtype=torch.uint8)
+        for k in range(4):  # each 2 MiB source differs, so every further write shows
+            staging[k * 2 * mib : (k + 1) * 2 * mib] = k + 1
+        region = target.regions["layers.0.mlp.gate_up_proj.weight"]
+        with create_transport(TRANSPORT_CONFIGS["nixl"]) as client:
+            client.register(staging)
+            client.write(target, [Write(staging.data_ptr(), region.address, 4096)], timeout_s=20)
+            os.kill(pid, signal.SIGSTOP)
+            with pytest.raises(UnsettledWrite) as info:
+                client.write(
+                    target,
+                    [
+                        Write(staging.data_ptr() + (i % 4) * 2 * mib, region.address, 2 * mib)
+                        for i in range(16)
+                    ],
+                    timeout_s=2,
+                )
+            os.kill(pid, signal.SIGCONT)
+            closed = engine.close_publisher()
+            # polling drives the rest of the write: it ends, failed, as its peer's agent went
+            assert info.value.settle(30)
+            assert engine.digests() == closed
         assert engine.stop() == 0
     finally:
         if engine.process.is_alive():

@@ -37,6 +37,19 @@ the deadline is not released: ``write`` raises ``UnsettledWrite``, whose ``settl
 polls ``check_xfer_state`` (driving progress) until NIXL reports it done or failed,
 and only then releases the handle. Until then the staging memory it reads stays
 registered, and ``close`` keeps the agent (``quarantine``).
+
+Closing the publisher. Deregistering memory does not stop writes already on their way:
+over UCX's TCP transport a put is a stream of bytes that the engine agent's progress
+thread copies to the address it names, registered or not (RDMA hardware checks the
+registration's key; TCP does not). A transfer a trainer gave up on can so keep landing
+after the engine deregistered; if the engine then frees that memory while its agent
+lives on, the progress thread copies into unmapped pages (a SIGSEGV in
+``uct_tcp_iface_progress``, seen at an engine's exit: its weights were freed before its
+publisher, whose agent still received). So ``close`` also ends the agent, joining its
+progress thread and closing its UCX worker and endpoints: once it returns, nothing more
+lands through it, and the memory may go; the trainer's transfer fails (its peer went),
+which settles it. (A transport where the writer copies into this process by itself, as
+UCX's CMA on one host, needs no agent here, and closing cannot stop it.)
 """
 
 from __future__ import annotations
@@ -458,9 +471,10 @@ class NixlPublisher(Publisher):
 
     def __init__(self, backend: str = "UCX", engine_rank: int = 0) -> None:
         _ensure_cuda_context()
-        self._agent = _new_agent(
+        self._agent: Any = _new_agent(
             f"nixl_weight_tp{engine_rank}_{uuid.uuid4().hex}", backend, progress_thread=True
         )
+        self._name = str(self._agent.name)
         self._registered: list[Any] = []
         self._index = RegionIndex([])
         self._mem_type = "DRAM"
@@ -468,17 +482,23 @@ class NixlPublisher(Publisher):
 
     @property
     def agent_name(self) -> str:
-        return str(self._agent.name)
+        return self._name
+
+    def _open_agent(self) -> Any:
+        if self._agent is None:
+            raise TransportError(f"NIXL agent {self._name} was closed; publish with a new one")
+        return self._agent
 
     def register(self, tensors: dict[str, torch.Tensor]) -> None:
         if not tensors:
             return
+        agent = self._open_agent()
         self._mem_type, self._device = _mem_type(next(iter(tensors.values())))
         regions = [r for r in merged_regions(tensors.values()) if not self._index.covers(*r)]
         if not regions:
             return
         try:
-            descs = self._agent.register_memory(
+            descs = agent.register_memory(
                 [(a, n, self._device, "") for a, n in regions], self._mem_type
             )
         except Exception as exc:
@@ -490,17 +510,28 @@ class NixlPublisher(Publisher):
 
     def publication(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """sglang PR #35712's form plus ``"mem_type"``; ``gpu_id`` is 0 for host memory."""
+        metadata = self._open_agent().get_agent_metadata()
         table = weights_info(tensors, self._index, self._device)
         return {
             "backend": "nixl",
             "agent_name": self.agent_name,
-            "agent_metadata": base64.b64encode(self._agent.get_agent_metadata()).decode("ascii"),
+            "agent_metadata": base64.b64encode(metadata).decode("ascii"),
             "weights_info_dict": table,
             "mem_type": self._mem_type,
         }
 
     def close(self) -> None:
-        for descs in self._registered:
-            self._agent.deregister_memory(descs)
-        self._registered.clear()
-        self._index = RegionIndex([])
+        """Deregister, then end the agent: once this returns, no write arrives through it
+        (see "Closing the publisher" in the module docstring)."""
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        try:
+            for descs in self._registered:
+                agent.deregister_memory(descs)
+        finally:
+            self._registered.clear()
+            self._index = RegionIndex([])
+            # The publisher is the agent's only owner: dropping it destroys the NIXL agent
+            # here, which joins its progress thread and closes its UCX worker and endpoints.
+            del agent
