@@ -154,6 +154,16 @@ def transformers_greedy(seed: int) -> tuple[list[int], torch.Tensor]:
     return tokens, logprobs
 
 
+def _sglang_packs_for_amx() -> bool:
+    """Whether sglang's CPU backend repacks the linear weights into new storage after
+    every load on this host (its own test: ``torch.cpu._is_amx_tile_supported()``, with
+    the kernel built, which the servers here have)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:
+        return False
+
+
 def assert_generates_as_transformers(server: RealServer, seed: int) -> None:
     """Greedy tokens equal transformers' with the same weights. Where the two part, it
     must be at a near tie in transformers' own choice (TP 2 sums bf16 partial products
@@ -189,8 +199,10 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
                 assert len(actual[rank]) == 19
                 assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
             assert_generates_as_transformers(server, seed)
-            # the test plugin moved every parameter at each end_weight_update: published afresh
-            expected_epoch = step if name == "tp1-moving" else 0
+            # the test plugin moved every parameter at each end_weight_update, as sglang's
+            # own AMX packing does on a CPU with AMX tiles: published afresh each time
+            moves = name == "tp1-moving" or _sglang_packs_for_amx()
+            expected_epoch = step if moves else 0
             assert [client.publication(r).epoch for r in range(server.tp)] == [
                 expected_epoch
             ] * server.tp
