@@ -17,7 +17,7 @@ import torch
 
 from p2pweights.integrity.digest import hex_digests, lane_sums
 
-__all__ = ["StagedDigests", "file_digests"]
+__all__ = ["StagedDigests"]
 
 Runner = tuple[str, int, str]
 
@@ -46,13 +46,3 @@ class StagedDigests:
             for runner in runners:
                 out.setdefault(runner, {})[param] = found[key]
         self._sums, self._filed = {}, []
-
-
-def file_digests(
-    slots: Iterable[tuple[str, torch.Tensor, Iterable[Runner]]],
-    into: MutableMapping[Runner, dict[str, str]],
-) -> None:
-    """Digest ``slots`` and file them at once (``StagedDigests`` for one slot batch)."""
-    staged = StagedDigests()
-    staged.add(slots)
-    staged.into(into)

@@ -378,7 +378,7 @@ class _Run:
         self._transport = transport
         self._hooks = hooks
         self._delta = delta
-        self._headers: DeltaRun | FullHeaders | None = delta or full_headers
+        self._headers: DeltaRun | FullHeaders | None = delta if delta is not None else full_headers
         """Whose headers the last flush writes to the ranks publishing a scratch region."""
         self._header_at: int | None = None
         """Where the last flush's buffer holds the delta headers (reserved by ``finish``)."""
