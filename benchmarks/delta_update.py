@@ -2,19 +2,19 @@
 
 A Qwen3-shaped transformers model (fp32 master weights, random init) takes AdamW steps
 on random token batches at an RL learning rate; after each step its weights are cast
-to bf16 and sent to one local engine (its own process) by each session in turn: one
-writing every byte, one with ``SyncConfig(delta=...)`` (a delta sets the changed
-elements to their new values, so it lands on the full session's bytes as on its own),
-and with ``--verified-full`` one writing every byte with ``verify_writes="always"``
-(deltas are always verified). Per update and session: seconds, bytes sent, the
-engine's paused seconds and the stages; after every step the engine is checked
-bit-exact against sglang's own ``load_weights`` of the bytes sent (the delta session
-wrote last).
+to bf16 and sent by each session in turn, each to a local engine of its own (its own
+process; an engine another sender wrote in between refuses a delta against bytes it no
+longer holds): one writing every byte, one with ``SyncConfig(delta=...)``, and with
+``--verified-full`` one writing every byte with ``verify_writes="always"`` (deltas are
+always verified). Per update and session: seconds, bytes sent, the
+engine's paused seconds and the stages; after every step the delta session's engine is
+checked bit-exact against sglang's own ``load_weights`` of the bytes sent, and every
+engine after the last step.
 
-On the CPU (this machine) the engine takes Mooncake over TCP; with ``--device cuda``
-the model trains on ``cuda:0`` and the engine (a local engine on the same GPU: the
+On the CPU (this machine) the engines take Mooncake over TCP; with ``--device cuda``
+the model trains on ``cuda:0`` and the engines (local engines on the same GPU: the
 local engine stands in for sglang, whose CUDA stack does not run on the lent GPU
-machine) takes CUDA IPC writes from staging buffers on the GPU::
+machine) take CUDA IPC writes from staging buffers on the GPU::
 
     .venv/bin/python benchmarks/delta_update.py --steps 4 --lr 1e-6 \\
         --out benchmarks/results/delta_update.json
@@ -25,6 +25,7 @@ machine) takes CUDA IPC writes from staging buffers on the GPU::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -176,8 +177,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
     }
     engine_options: dict[str, Any] = (
-        # the engine digests its weights before every end (deltas are verified); it
-        # cannot tell which session wrote, so the unverified sessions' pauses hold it too
+        # engines digest their weights before every end (deltas are verified)
         {
             "transport": "cuda_ipc",
             "device": "cuda:0",
@@ -187,11 +187,17 @@ def main() -> None:
         if gpu
         else {"transport": "mooncake"}
     )
-    with LocalEngine(folder, tp=args.tp, seed=0, **engine_options) as engine:
+    with contextlib.ExitStack() as scope:
         sessions = _sessions(args)
+        # one engine per session: an engine written by another sender in between refuses
+        # the next delta against bytes it no longer holds (its base is not the rank's)
+        engines = {
+            name: scope.enter_context(LocalEngine(folder, tp=args.tp, seed=0, **engine_options))
+            for name in sessions
+        }
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in sessions}
-        for session in sessions.values():
-            session.connect([engine.url])
+        for name, session in sessions.items():
+            session.connect([engines[name].url])
         for k in range(args.steps + 1):
             if k:
                 started = time.perf_counter()
@@ -211,12 +217,14 @@ def main() -> None:
                     f"{share}, engine paused {row['paused_s']:.3f} s",
                     flush=True,
                 )
-            client = EngineClient(engine.url, timeout_s=600)
-            mismatches = verify_engine(
-                client, lambda sent=sent: iter(sent), device="cuda:0" if gpu else "cpu"
-            )
-            client.close()
-            rows["delta"][-1]["bit_exact"] = all(not v for v in mismatches.values())
+            checked = sessions if k == args.steps else ["delta"]  # every engine at the end
+            for mode in checked:
+                client = EngineClient(engines[mode].url, timeout_s=600)
+                mismatches = verify_engine(
+                    client, lambda sent=sent: iter(sent), device="cuda:0" if gpu else "cpu"
+                )
+                client.close()
+                rows[mode][-1]["bit_exact"] = all(not v for v in mismatches.values())
             del sent
             if gpu:
                 torch.cuda.empty_cache()
