@@ -1,9 +1,12 @@
 """How fast the write digest reads bytes, on the CPU and on a GPU, for one rank's weights.
 
 The parameters of a Qwen3-8B-shaped TP-1 rank (bf16, about 16.4 GB; ``--layers`` fewer
-on the CPU), digested the way the two sides do it: all at once (the engine rank before
-``end_weight_update``) and in staging-buffer-sized batches (the sender, once per flush).
-Printed: seconds, GB/s, and a device-to-device copy of the same bytes for scale. Loads
+on the CPU) or of the 1 GB ``qwen3-1g`` shape (``--shape``, 227 tensors), digested the
+way the two sides do it: all at once (the engine rank before ``end_weight_update``) and
+in staging-buffer-sized batches (the sender, once per flush). On a GPU each is timed
+through the one-launch Triton kernel and through torch's launches per region
+(``P2PWEIGHTS_DIGEST_KERNEL=1`` / ``0``), side by side in one run. Printed: seconds,
+GB/s, and a device-to-device copy of the same bytes for scale. Loads
 ``p2pweights/integrity/digest.py`` alone (it needs only torch), so it runs where the
 rest of p2pweights is not installed:
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,10 +46,16 @@ def _digest_module() -> types.ModuleType:
 digest_module = _digest_module()
 
 
-def rank_params(layers: int, device: str) -> dict[str, torch.Tensor]:
-    hidden, inter, heads, kv, head_dim, vocab = 4096, 12288, 32, 8, 128, 151936
+SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab, layers
+    "qwen3-8b": (4096, 12288, 32, 8, 128, 151936, 36),
+    "qwen3-1g": (1024, 3072, 16, 8, 128, 32003, 28),
+}
+
+
+def rank_params(shape: str, layers: int | None, device: str) -> dict[str, torch.Tensor]:
+    hidden, inter, heads, kv, head_dim, vocab, default_layers = SHAPES[shape]
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
+    for i in range(default_layers if layers is None else layers):
         p = f"layers.{i}."
         shapes[p + "qkv_proj.weight"] = ((heads + 2 * kv) * head_dim, hidden)
         shapes[p + "o_proj.weight"] = (hidden, heads * head_dim)
@@ -89,31 +99,44 @@ def timed(run, device: str, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--buffer-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    params = rank_params(args.layers, args.device)
+    params = rank_params(args.shape, args.layers, args.device)
     num_bytes = sum(t.nbytes for t in params.values())
     flushes = batches(params, args.buffer_mib * 2**20)
     result: dict[str, object] = {
         "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
         "torch": torch.__version__,
+        "shape": args.shape,
         "num_params": len(params),
         "bytes": num_bytes,
         "num_flushes": len(flushes),
     }
     digests = digest_module.digests
-    whole_s = timed(lambda: digests(params), args.device, args.repeats)
-    flush_s = timed(lambda: [digests(f) for f in flushes], args.device, args.repeats)
+    # side by side: the one-launch kernel (GPU, Triton), then torch's launches per region
+    routes = {"kernel": "1", "torch": "0"} if args.device != "cpu" else {"torch": "0"}
+    for route, flag in routes.items():
+        os.environ["P2PWEIGHTS_DIGEST_KERNEL"] = flag
+        whole_s = timed(lambda: digests(params), args.device, args.repeats)
+        flush_s = timed(lambda: [digests(f) for f in flushes], args.device, args.repeats)
+        result[f"{route}_route"] = {
+            "whole_s": whole_s,
+            "whole_gb_s": num_bytes / whole_s / 1e9,
+            "per_flush_s": flush_s,
+            "per_flush_gb_s": num_bytes / flush_s / 1e9,
+        }
     flat = torch.empty(num_bytes, dtype=torch.uint8, device=args.device)
-    copy_s = timed(
+    result["cat_copy_s_for_scale"] = timed(
         lambda: flat.copy_(torch.cat([t.view(-1).view(torch.uint8) for t in params.values()])),
         args.device,
         2,
     )
     if args.device != "cpu":
+        os.environ["P2PWEIGHTS_DIGEST_KERNEL"] = "1"
         host = {n: t.cpu() for n, t in list(params.items())[:40]}
         result["cpu_equals_gpu_first_40"] = digests(host) == digests({n: params[n] for n in host})
         odd = {
@@ -125,13 +148,11 @@ def main() -> None:
         result["cpu_equals_gpu_unaligned"] = digests({n: t[1:] for n, t in odd.items()}) == (
             digests({n: t[1:] for n, t in on_gpu.items()})
         )
-    result.update(
-        whole_s=whole_s,
-        whole_gb_s=num_bytes / whole_s / 1e9,
-        per_flush_s=flush_s,
-        per_flush_gb_s=num_bytes / flush_s / 1e9,
-        cat_copy_s_for_scale=copy_s,
-    )
+        result["cpu_equals_gpu_8_aligned_views"] = digests(
+            {n: t[8:] for n, t in odd.items() if t.numel() > 8}
+        ) == digests({n: t[8:] for n, t in on_gpu.items() if t.numel() > 8})
+        lanes_kernel = sys.modules["p2pweights.integrity.lanes_kernel"]
+        result["kernel_given_up"] = list(lanes_kernel._broken)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -21,6 +21,9 @@
                                          ``torch._foreach_copy_`` instead of one Triton
                                          launch per step
                                          (``replica/sglang/gathered_copies.py``; A/B runs).
+``P2PWEIGHTS_DIGEST_KERNEL``             ``0`` digests GPU regions with torch, a few launches
+                                         each, instead of one Triton launch for all of them
+                                         (``integrity/lanes_kernel.py``; for A/B runs).
 ``P2PWEIGHTS_DELTA_SCRATCH``             Bytes of each engine rank's delta scratch region
                                          (``512MiB``; ``0``: none, delta updates write it
                                          in full); default 1/8 of the rank's weights, at
@@ -59,6 +62,7 @@ __all__ = [
     "loader_replay_allowed",
     "fused_fp8_allowed",
     "copy_kernel_allowed",
+    "digest_kernel_allowed",
     "quiet_nixl_info",
 ]
 
@@ -95,6 +99,10 @@ def fused_fp8_allowed() -> bool:
 
 def copy_kernel_allowed() -> bool:
     return _flag("P2PWEIGHTS_COPY_KERNEL")
+
+
+def digest_kernel_allowed() -> bool:
+    return _flag("P2PWEIGHTS_DIGEST_KERNEL")
 
 
 def _flag(name: str) -> bool:

@@ -3,8 +3,11 @@ any changed, missing or shifted word changes it."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
+from _interpreted import assert_prints_ok
 
 from p2pweights.integrity.digest import LANES, SMALL_BYTES, digest, digests
 
@@ -122,3 +125,73 @@ def _reference(data: torch.Tensor) -> str:
 def test_digests_follow_the_definition(num_bytes, device):
     data = _bytes(num_bytes, seed=num_bytes)
     assert digest(data.to(device)) == _reference(data)
+
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from p2pweights.integrity import digest as d
+    from p2pweights.integrity.lanes_kernel import CHUNK_WORDS, kernel_lanes
+
+    generator = torch.Generator().manual_seed(3)
+    owner = torch.randint(0, 256, (3 * CHUNK_WORDS * 8 + 4096,), dtype=torch.uint8,
+                          generator=generator)
+    cases = [  # (byte offset into owner: 8-aligned, length): tails of 0 to 7 bytes,
+               # one word, one chunk, one word past it, several chunks
+        (0, 1), (8, 7), (16, 8), (24, 9), (64, 127), (256, 128), (512, 1000),
+        (8, CHUNK_WORDS * 8), (4096, CHUNK_WORDS * 8 + 8), (0, CHUNK_WORDS * 8 * 2 + 13),
+        (1024, 3 * CHUNK_WORDS * 8),
+    ]
+    regions = [owner[offset : offset + length] for offset, length in cases]
+    sums = kernel_lanes(regions, d.LANES)
+    expected = [d._lanes(r) if r.numel() >= d._ROW_BYTES else
+                d._batched_lanes({"r": r})["r"] for r in regions]
+    same = [torch.equal(s, e) for s, e in zip(sums, expected)]
+    print("ok" if all(same) else f"differ: {same}")
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_kernel_sums_what_torch_sums_under_the_interpreter() -> None:
+    """The one-launch kernel's lane sums equal the torch path's for tails of every
+    length, chunk edges and regions of several chunks (on a GPU: ``test_cpu_and_gpu_agree``
+    and ``test_digests_follow_the_definition`` run it)."""
+    assert_prints_ok(_INTERPRETED)
+
+
+def test_a_failing_kernel_gives_way_to_torch_with_one_warning(monkeypatch, caplog):
+    """A kernel that fails to compile or launch: the same digests through torch, and the
+    kernel is not tried again in this process."""
+    from p2pweights.integrity import lanes_kernel
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return broken
+
+    monkeypatch.setattr(lanes_kernel, "_broken", [])
+    monkeypatch.setattr(lanes_kernel, "_kernel", lambda: Launcher())
+    monkeypatch.setattr(lanes_kernel, "usable", lambda device: not lanes_kernel._broken)
+    regions = {"a": _bytes(4096), "b": _bytes(SMALL_BYTES + 9, seed=1)}
+    expected = {name: _reference(data) for name, data in regions.items()}
+    with caplog.at_level("WARNING"):
+        assert digests(regions) == expected
+        assert digests(regions) == expected
+    assert lanes_kernel._broken == ["RuntimeError: no such kernel"]
+    assert caplog.text.count("the digest kernel failed") == 1
+
+
+def test_the_kernel_can_be_turned_off(monkeypatch):
+    from p2pweights.integrity import lanes_kernel
+
+    monkeypatch.setattr(lanes_kernel, "_kernel", lambda: object())
+    monkeypatch.setenv("P2PWEIGHTS_DIGEST_KERNEL", "0")
+    assert not lanes_kernel.usable(torch.device("cuda", 0))
+    monkeypatch.setenv("P2PWEIGHTS_DIGEST_KERNEL", "1")
+    assert lanes_kernel.usable(torch.device("cuda", 0))
+    assert not lanes_kernel.usable(torch.device("cpu"))

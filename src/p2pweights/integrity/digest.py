@@ -15,9 +15,10 @@ the bytes: two regions made to collide would pass, which a transit check need no
 prevent. ``torch.hash_tensor`` is not used: it is an xor (equal words cancel in
 pairs) and newer than some torch releases p2pweights supports.
 
-Many small regions cost one kernel launch each when digested one by one; below
-``SMALL_BYTES`` they are concatenated (zero-padded to whole rows of ``LANES`` words)
-and summed per region from one cumulative sum.
+On a GPU with Triton every 8-aligned region of a device is summed in one launch
+(``lanes_kernel``). Otherwise each region costs a launch or more: below ``SMALL_BYTES``
+they are concatenated (zero-padded to whole rows of ``LANES`` words) and summed per
+region from one cumulative sum.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import hashlib
 from collections.abc import Mapping
 
 import torch
+
+from p2pweights.integrity import lanes_kernel
 
 __all__ = ["LANES", "SMALL_BYTES", "digest", "digests", "hex_digests", "lane_sums", "lanes_hex"]
 
@@ -52,11 +55,30 @@ def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tens
     flat = {name: _as_bytes(t) for name, t in regions.items()}
     lanes: dict[str, torch.Tensor] = {}
     small: dict[torch.device, dict[str, torch.Tensor]] = {}
-    for name, data in flat.items():
+    by_kernel: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def by_torch(name: str, data: torch.Tensor) -> None:
         if data.numel() < SMALL_BYTES:
             small.setdefault(data.device, {})[name] = data
         else:
             lanes[name] = _lanes(data)
+
+    usable: dict[torch.device, bool] = {}
+    for name, data in flat.items():
+        device = data.device
+        if device not in usable:
+            usable[device] = lanes_kernel.usable(device)
+        if usable[device] and data.numel() and data.data_ptr() % 8 == 0:
+            by_kernel.setdefault(device, {})[name] = data
+        else:
+            by_torch(name, data)
+    for batch in by_kernel.values():
+        sums = lanes_kernel.kernel_lanes(list(batch.values()), LANES)
+        if sums is None:  # the kernel failed: torch, as for any region
+            for name, data in batch.items():
+                by_torch(name, data)
+        else:
+            lanes.update(zip(batch, sums.unbind(0), strict=True))
     for batch in small.values():
         lanes.update(_batched_lanes(batch))
     return {name: (lanes[name], flat[name].numel()) for name in flat if name in lanes}
@@ -67,17 +89,21 @@ def hex_digests(sums: Mapping[str, tuple[torch.Tensor, int]]) -> dict[str, str]:
     by_device: dict[torch.device, list[str]] = {}
     for name, (lanes, _) in sums.items():
         by_device.setdefault(lanes.device, []).append(name)
-    on_host: dict[str, torch.Tensor] = {}
+    found: dict[str, str] = {}
     for names in by_device.values():
-        stacked = torch.stack([sums[n][0] for n in names]).cpu()
-        on_host.update(zip(names, stacked, strict=True))
-    return {name: lanes_hex(on_host[name], num_bytes) for name, (_, num_bytes) in sums.items()}
+        rows = torch.stack([sums[n][0] for n in names]).cpu().numpy().astype("<i8", copy=False)
+        for name, row in zip(names, rows, strict=True):
+            found[name] = _hashed(row.tobytes(), sums[name][1])
+    return {name: found[name] for name in sums}
 
 
 def lanes_hex(lanes: torch.Tensor, num_bytes: int) -> str:
     """The hex digest of one region's ``LANES`` int64 sums and its length."""
-    hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(lanes.contiguous().numpy().astype("<i8").tobytes())
+    return _hashed(lanes.contiguous().numpy().astype("<i8").tobytes(), num_bytes)
+
+
+def _hashed(lane_bytes: bytes, num_bytes: int) -> str:
+    hasher = hashlib.blake2b(lane_bytes, digest_size=16)
     hasher.update(num_bytes.to_bytes(8, "little"))
     return hasher.hexdigest()
 

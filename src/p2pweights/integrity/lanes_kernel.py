@@ -1,0 +1,131 @@
+"""The lane sums of many GPU regions in one Triton launch (the digest's fast path).
+
+Digested one by one, each region costs a few launches and some Python, so the 227
+parameters of a 1 GB model took 3.5 ms on an H200 (0.3 TB/s) where one launch takes
+0.7 ms (docs/benchmarks.md, "Verified writes: cost"). Here every region of one device is cut into chunks of
+``CHUNK_WORDS`` int64 words, one Triton program per chunk sums its words into the
+``LANES`` lanes, and a cumulative sum over the chunks gives each region's sums: one
+launch and three small torch ops for any number of regions. The chunk table depends only
+on the regions' sizes and is kept (``_LAYOUTS``): the same slots and parameters come
+back every update. Integer sums are exact, so the result equals the torch path's
+(``digest._lanes``) bit for bit.
+
+Only on CUDA with Triton, for regions at 8-aligned addresses (``digest.lane_sums`` gives
+the others to torch); ``P2PWEIGHTS_DIGEST_KERNEL=0`` turns it off. A kernel that fails to
+compile or launch gives way to torch for the rest of the process, with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from p2pweights import environment
+from p2pweights.bounded_cache import LruCache
+
+__all__ = ["CHUNK_WORDS", "kernel_lanes", "usable"]
+
+logger = logging.getLogger(__name__)
+
+_BLOCK = 2048
+"""Words one loop step of a program reads (8 per thread at 8 warps)."""
+_BLOCKS = 64
+CHUNK_WORDS = _BLOCK * _BLOCKS
+"""Words per program at most: 1 MiB, so a GB is about a thousand programs (and rows of
+partial sums). Programs of 256 KiB ran at 0.6 TB/s on an H200, these at 1.5-1.7
+(``benchmarks/digest_kernel_variants.py``)."""
+
+_LAYOUTS: LruCache[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+_LAYOUTS = LruCache(64)
+_broken: list[str] = []
+
+
+def usable(device: torch.device) -> bool:
+    """The kernel can digest regions on ``device`` (CUDA, Triton importable, allowed, and
+    not given up on in this process)."""
+    return (
+        device.type == "cuda"
+        and not _broken
+        and environment.digest_kernel_allowed()
+        and _kernel() is not None
+    )
+
+
+def kernel_lanes(regions: Sequence[torch.Tensor], lanes: int) -> torch.Tensor | None:
+    """Each region's ``lanes`` int64 sums, as rows of one tensor on their device (flat
+    uint8 regions of one device, each non-empty and 8-aligned); nothing waits for the
+    device. None where the kernel fails (then torch digests, for the rest of the process)."""
+    if _broken:
+        return None
+    try:
+        return _run(regions, lanes)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        _broken.append(f"{type(exc).__name__}: {exc}")
+        logger.warning("the digest kernel failed (%s); regions are digested one by one", exc)
+        return None
+
+
+def _run(regions: Sequence[torch.Tensor], lanes: int) -> torch.Tensor:
+    device = regions[0].device
+    sizes = tuple(r.numel() for r in regions)
+    layout = _LAYOUTS.get((device, lanes, sizes))
+    if layout is None:
+        layout = _LAYOUTS[(device, lanes, sizes)] = _layout(sizes, device)
+    sizes_t, chunk_region, chunk_start, bounds = layout
+    addresses = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64, device=device)
+    partial = torch.zeros(len(chunk_region) + 1, lanes, dtype=torch.int64, device=device)
+    # Triton launches on the current device: switch when the regions are on another
+    elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
+        _kernel()[(len(chunk_region),)](
+            addresses,
+            sizes_t,
+            chunk_region,
+            chunk_start,
+            partial,
+            LANES=lanes,
+            BLOCK=_BLOCK,
+            BLOCKS=_BLOCKS,
+            num_warps=8,
+        )
+    sums = partial.cumsum(0)  # exact mod 2**64, like the sums themselves
+    return sums[bounds[1:]] - sums[bounds[:-1]]
+
+
+def _layout(
+    sizes: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per region its size; per chunk its region and first word; per region the number
+    of chunks before it and its own (the bounds of its rows in the cumulative sum)."""
+    counts = torch.tensor([_ceil(_ceil(n, 8), CHUNK_WORDS) for n in sizes], dtype=torch.int64)
+    ends = counts.cumsum(0)
+    chunk_region = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+    first = torch.repeat_interleave(ends - counts, counts)
+    chunk_start = (torch.arange(int(ends[-1])) - first) * CHUNK_WORDS
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
+    return (
+        torch.tensor(sizes, dtype=torch.int64).to(device),
+        chunk_region.to(torch.int32).to(device),
+        chunk_start.to(device),
+        bounds.to(device),
+    )
+
+
+def _ceil(num: int, by: int) -> int:
+    return -(-num // by)
+
+
+@functools.cache
+def _kernel() -> Any:
+    try:
+        from p2pweights.integrity import _lanes_triton
+    except ImportError:
+        return None
+    return _lanes_triton.region_lanes
