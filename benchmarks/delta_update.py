@@ -6,7 +6,8 @@ to bf16 and sent by each session in turn, each to a local engine of its own (its
 process; an engine another sender wrote in between refuses a delta against bytes it no
 longer holds): one writing every byte, one with ``SyncConfig(delta=...)``, and with
 ``--verified-full`` one writing every byte with ``verify_writes="always"`` (deltas are
-always verified). Per update and session: seconds, bytes sent, the
+always verified; only these two sessions' engines digest their weights before every
+end, so the others' pauses hold no digest). Per update and session: seconds, bytes sent, the
 engine's paused seconds and the stages; after every step the delta session's engine is
 checked bit-exact against sglang's own ``load_weights`` of the bytes sent, and every
 engine after the last step.
@@ -99,6 +100,10 @@ def _row(report: Any, session: Any) -> dict[str, Any]:
     }
 
 
+VERIFIED = ("full-verified", "delta")
+"""The sessions whose writes are verified (their engines digest before every end)."""
+
+
 def _sessions(args: argparse.Namespace) -> dict[str, Any]:
     """The sessions compared, by name; the delta session last (it writes last)."""
     from p2pweights import CudaIpcConfig, MooncakeConfig, SyncConfig, WeightSyncSession
@@ -122,6 +127,8 @@ def _sessions(args: argparse.Namespace) -> dict[str, Any]:
     if args.verified_full:
         configs["full-verified"] = SyncConfig(**common, verify_writes="always")
     configs["delta"] = SyncConfig(**common, delta=DeltaConfig())
+    if args.only:
+        configs = {name: config for name, config in configs.items() if name in args.only}
     return {name: WeightSyncSession(config, **staging) for name, config in configs.items()}
 
 
@@ -160,6 +167,12 @@ def main() -> None:
     parser.add_argument(
         "--verified-full", action="store_true", help='also a full session, verify_writes="always"'
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["full", "full-direct", "full-verified", "delta"],
+        help="run only these sessions (default: every one that applies)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -177,13 +190,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
     }
     engine_options: dict[str, Any] = (
-        # engines digest their weights before every end (deltas are verified)
-        {
-            "transport": "cuda_ipc",
-            "device": "cuda:0",
-            "startup_timeout_s": 900,
-            "env": {"P2PWEIGHTS_WRITE_DIGESTS": "1"},
-        }
+        {"transport": "cuda_ipc", "device": "cuda:0", "startup_timeout_s": 900}
         if gpu
         else {"transport": "mooncake"}
     )
@@ -191,8 +198,18 @@ def main() -> None:
         sessions = _sessions(args)
         # one engine per session: an engine written by another sender in between refuses
         # the next delta against bytes it no longer holds (its base is not the rank's)
+        # its engine digests its weights before every end only for a verified session
+        # (deltas always are), so the unverified ones' pauses hold no digest
         engines = {
-            name: scope.enter_context(LocalEngine(folder, tp=args.tp, seed=0, **engine_options))
+            name: scope.enter_context(
+                LocalEngine(
+                    folder,
+                    tp=args.tp,
+                    seed=0,
+                    env={"P2PWEIGHTS_WRITE_DIGESTS": "1" if name in VERIFIED else "0"},
+                    **engine_options,
+                )
+            )
             for name in sessions
         }
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in sessions}
@@ -217,7 +234,8 @@ def main() -> None:
                     f"{share}, engine paused {row['paused_s']:.3f} s",
                     flush=True,
                 )
-            checked = sessions if k == args.steps else ["delta"]  # every engine at the end
+            # the delta engine after every step, every engine after the last
+            checked = sessions if k == args.steps else [m for m in sessions if m == "delta"]
             for mode in checked:
                 client = EngineClient(engines[mode].url, timeout_s=600)
                 mismatches = verify_engine(
