@@ -146,7 +146,7 @@ def measure(params: dict[str, torch.Tensor]) -> dict[str, object]:
     regions = [t.view(-1).view(torch.uint8) for t in params.values()]
     num_bytes = sum(r.numel() for r in regions)
     os.environ["P2PWEIGHTS_DIGEST_KERNEL"] = "0"
-    expected = torch.stack([digest.lane_sums({"r": r})["r"][0] for r in regions])
+    expected = torch.stack([digest.lane_sums({"r": r})["r"].rows[0] for r in regions])
     torch_s = timed(lambda: digest.lane_sums(dict(enumerate(regions))))
     rows = {"torch per region": {"ms": torch_s * 1e3, "gb_s": num_bytes / torch_s / 1e9}}
     for kernel, block, blocks, warps, stages in VARIANTS:

@@ -25,18 +25,39 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from p2pweights.integrity import lanes_kernel
 
-__all__ = ["LANES", "SMALL_BYTES", "digest", "digests", "hex_digests", "lane_sums", "lanes_hex"]
+__all__ = [
+    "LANES",
+    "SMALL_BYTES",
+    "Lanes",
+    "digest",
+    "digests",
+    "hex_digests",
+    "lane_sums",
+    "lanes_hex",
+]
 
-LANES = 16
+LANES = lanes_kernel.LANES
 """Word ``i`` of a region is summed into lane ``i % LANES``."""
 _ROW_BYTES = LANES * 8
 SMALL_BYTES = 256 * 1024
 """Regions below this are digested together (one launch per batch, not per region)."""
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """One region's lane sums: row ``row`` of ``rows`` (int64, ``LANES`` columns, on the
+    region's device: the sums of a batch of regions stay one tensor), and its length."""
+
+    rows: torch.Tensor
+    row: int
+    num_bytes: int
 
 
 def digest(region: torch.Tensor) -> str:
@@ -49,52 +70,73 @@ def digests(regions: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return hex_digests(lane_sums(regions))
 
 
-def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
-    """Name -> (its ``LANES`` sums, on the region's device; its length in bytes). On a GPU
-    nothing waits for the device: the sums are ready once the stream reaches them."""
-    flat = {name: _as_bytes(t) for name, t in regions.items()}
-    lanes: dict[str, torch.Tensor] = {}
+def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, Lanes]:
+    """Name -> its region's ``Lanes``. On a GPU nothing waits for the device: the sums are
+    ready once the stream reaches them."""
+    found: dict[str, Lanes] = {}
     small: dict[torch.device, dict[str, torch.Tensor]] = {}
     by_kernel: dict[torch.device, dict[str, torch.Tensor]] = {}
+    usable: dict[torch.device, bool] = {}
 
-    def by_torch(name: str, data: torch.Tensor) -> None:
+    def by_torch(name: str, tensor: torch.Tensor) -> None:
+        data = _as_bytes(tensor)
         if data.numel() < SMALL_BYTES:
             small.setdefault(data.device, {})[name] = data
         else:
-            lanes[name] = _lanes(data)
+            found[name] = Lanes(_lanes(data).view(1, LANES), 0, data.numel())
 
-    usable: dict[torch.device, bool] = {}
-    for name, data in flat.items():
-        device = data.device
+    for name, tensor in regions.items():
+        device = tensor.device
         if device not in usable:
             usable[device] = lanes_kernel.usable(device)
-        if usable[device] and data.numel() and data.data_ptr() % 8 == 0:
-            by_kernel.setdefault(device, {})[name] = data
+        if (
+            usable[device]
+            and tensor.numel()
+            and tensor.is_contiguous()
+            and tensor.data_ptr() % 8 == 0
+        ):
+            by_kernel.setdefault(device, {})[name] = tensor
         else:
-            by_torch(name, data)
-    for batch in by_kernel.values():
-        sums = lanes_kernel.kernel_lanes(list(batch.values()), LANES)
-        if sums is None:  # the kernel failed: torch, as for any region
-            for name, data in batch.items():
-                by_torch(name, data)
+            by_torch(name, tensor)
+    for device, batch in by_kernel.items():
+        sizes = [t.numel() * t.element_size() for t in batch.values()]
+        rows = lanes_kernel.kernel_lanes([t.data_ptr() for t in batch.values()], sizes, device)
+        if rows is None:  # the kernel failed: torch, as for any region
+            for name, tensor in batch.items():
+                by_torch(name, tensor)
         else:
-            lanes.update(zip(batch, sums.unbind(0), strict=True))
+            found.update(
+                (name, Lanes(rows, i, size))
+                for i, (name, size) in enumerate(zip(batch, sizes, strict=True))
+            )
     for batch in small.values():
-        lanes.update(_batched_lanes(batch))
-    return {name: (lanes[name], flat[name].numel()) for name in flat if name in lanes}
+        rows = _batched_lanes(batch)
+        found.update(
+            (name, Lanes(rows, i, data.numel())) for i, (name, data) in enumerate(batch.items())
+        )
+    return {name: found[name] for name in regions}
 
 
-def hex_digests(sums: Mapping[str, tuple[torch.Tensor, int]]) -> dict[str, str]:
+def hex_digests(sums: Mapping[str, Lanes]) -> dict[str, str]:
     """The digests of ``lane_sums``' results: one copy to the host per device."""
-    by_device: dict[torch.device, list[str]] = {}
-    for name, (lanes, _) in sums.items():
-        by_device.setdefault(lanes.device, []).append(name)
-    found: dict[str, str] = {}
-    for names in by_device.values():
-        rows = torch.stack([sums[n][0] for n in names]).cpu().numpy().astype("<i8", copy=False)
-        for name, row in zip(names, rows, strict=True):
-            found[name] = _hashed(row.tobytes(), sums[name][1])
-    return {name: found[name] for name in sums}
+    tensors: dict[int, torch.Tensor] = {id(lanes.rows): lanes.rows for lanes in sums.values()}
+    by_device: dict[torch.device, list[int]] = {}
+    for key, rows in tensors.items():
+        by_device.setdefault(rows.device, []).append(key)
+    first: dict[int, int] = {}
+    on_host: dict[int, Any] = {}
+    for keys in by_device.values():
+        host = torch.cat([tensors[k] for k in keys]).cpu().numpy().astype("<i8", copy=False)
+        at = 0
+        for key in keys:
+            first[key], on_host[key] = at, host
+            at += len(tensors[key])
+    return {
+        name: _hashed(
+            on_host[id(lanes.rows)][first[id(lanes.rows)] + lanes.row].tobytes(), lanes.num_bytes
+        )
+        for name, lanes in sums.items()
+    }
 
 
 def lanes_hex(lanes: torch.Tensor, num_bytes: int) -> str:
@@ -132,8 +174,9 @@ def _lanes(data: torch.Tensor) -> torch.Tensor:
     return sums + rest.view(torch.int64)
 
 
-def _batched_lanes(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Lanes of many small regions of one device from one concatenation and cumsum."""
+def _batched_lanes(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Lanes of many small regions of one device (rows, in ``batch``'s order) from one
+    concatenation and cumsum."""
     device = next(iter(batch.values())).device
     zeros = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=device)
     pieces, ends, end = [], [], 0
@@ -147,5 +190,4 @@ def _batched_lanes(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     rows = torch.cat(pieces).view(torch.int64).view(-1, LANES)
     sums = torch.cat([torch.zeros(1, LANES, dtype=torch.int64, device=device), rows.cumsum(0)])
     bounds = torch.tensor([0, *ends], device=device)
-    per_region = sums[bounds[1:]] - sums[bounds[:-1]]  # exact mod 2**64, like the sums
-    return {name: per_region[i] for i, name in enumerate(batch)}
+    return sums[bounds[1:]] - sums[bounds[:-1]]  # exact mod 2**64, like the sums

@@ -1,14 +1,15 @@
 """The lane sums of many GPU regions in one Triton launch (the digest's fast path).
 
-Digested one by one, each region costs a few launches and some Python, so the 227
-parameters of a 1 GB model took 3.5 ms on an H200 (0.3 TB/s) where one launch takes
-0.7 ms (docs/benchmarks.md, "Verified writes: cost"). Here every region of one device is cut into chunks of
-``CHUNK_WORDS`` int64 words, one Triton program per chunk sums its words into the
-``LANES`` lanes, and a cumulative sum over the chunks gives each region's sums: one
-launch and three small torch ops for any number of regions. The chunk table depends only
-on the regions' sizes and is kept (``_LAYOUTS``): the same slots and parameters come
-back every update. Integer sums are exact, so the result equals the torch path's
-(``digest._lanes``) bit for bit.
+Digested one by one, each region costs a few launches and some Python: the 227
+parameters of a 1 GB model took 3.5 ms on an H200 (0.3 TB/s), where one launch of this
+kernel takes 0.6 ms (docs/benchmarks.md, "Verified writes: cost"). Here every region of
+one device is cut into chunks of up to ``CHUNK_WORDS`` int64 words, one Triton program
+per chunk sums its words into the ``LANES`` lanes, and a cumulative sum over the chunks
+gives each region's sums: one launch and three small torch ops for any number of
+regions, and no tensor view per region (their addresses and lengths are all it takes).
+The chunk table depends only on the regions' sizes and is kept (``_LAYOUTS``): the same
+slots and parameters come back every update. Integer sums are exact, so the result
+equals the torch path's (``digest._lanes``) bit for bit.
 
 Only on CUDA with Triton, for regions at 8-aligned addresses (``digest.lane_sums`` gives
 the others to torch); ``P2PWEIGHTS_DIGEST_KERNEL=0`` turns it off. A kernel that fails to
@@ -28,20 +29,24 @@ import torch
 from p2pweights import environment
 from p2pweights.bounded_cache import LruCache
 
-__all__ = ["CHUNK_WORDS", "kernel_lanes", "usable"]
+LANES = 16
+"""Word ``i`` of a region is summed into lane ``i % LANES`` (``digest.LANES``)."""
+
+__all__ = ["CHUNK_WORDS", "LANES", "kernel_lanes", "usable"]
 
 logger = logging.getLogger(__name__)
 
 _BLOCK = 2048
 """Words one loop step of a program reads (8 per thread at 8 warps)."""
-_BLOCKS = 64
+_BLOCKS = 256
 CHUNK_WORDS = _BLOCK * _BLOCKS
-"""Words per program at most: 1 MiB, so a GB is about a thousand programs (and rows of
-partial sums). Programs of 256 KiB ran at 0.6 TB/s on an H200, these at 1.5-1.7
-(``benchmarks/digest_kernel_variants.py``)."""
+"""Words per program at most: 4 MiB, so a GB is a few hundred programs (and rows of
+partial sums). On an H200 programs of 256 KiB summed 0.6 TB/s, of 1 MiB 1.3-1.7, of
+4 MiB 1.8-3.1 (``benchmarks/digest_kernel_variants.py``)."""
 
-_LAYOUTS: LruCache[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-_LAYOUTS = LruCache(64)
+_Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_LAYOUTS: LruCache[tuple[torch.device, tuple[int, ...]], _Layout] = LruCache(64)
+"""Chunk tables by device and region sizes (the same slots come back every update)."""
 _broken: list[str] = []
 
 
@@ -56,14 +61,17 @@ def usable(device: torch.device) -> bool:
     )
 
 
-def kernel_lanes(regions: Sequence[torch.Tensor], lanes: int) -> torch.Tensor | None:
-    """Each region's ``lanes`` int64 sums, as rows of one tensor on their device (flat
-    uint8 regions of one device, each non-empty and 8-aligned); nothing waits for the
-    device. None where the kernel fails (then torch digests, for the rest of the process)."""
+def kernel_lanes(
+    addresses: Sequence[int], sizes: Sequence[int], device: torch.device
+) -> torch.Tensor | None:
+    """The ``LANES`` int64 sums of each region (its 8-aligned byte address and its
+    length, at least 1 byte, on ``device``), as the rows of one tensor there; nothing
+    waits for the device. None where the kernel fails (then torch digests, for the rest
+    of the process)."""
     if _broken:
         return None
     try:
-        return _run(regions, lanes)
+        return _run(addresses, sizes, device)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as exc:
@@ -72,25 +80,24 @@ def kernel_lanes(regions: Sequence[torch.Tensor], lanes: int) -> torch.Tensor | 
         return None
 
 
-def _run(regions: Sequence[torch.Tensor], lanes: int) -> torch.Tensor:
-    device = regions[0].device
-    sizes = tuple(r.numel() for r in regions)
-    layout = _LAYOUTS.get((device, lanes, sizes))
+def _run(addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    key = (device, tuple(sizes))
+    layout = _LAYOUTS.get(key)
     if layout is None:
-        layout = _LAYOUTS[(device, lanes, sizes)] = _layout(sizes, device)
+        layout = _LAYOUTS[key] = _layout(sizes, device)
     sizes_t, chunk_region, chunk_start, bounds = layout
-    addresses = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64, device=device)
-    partial = torch.zeros(len(chunk_region) + 1, lanes, dtype=torch.int64, device=device)
+    addresses_t = torch.tensor(addresses, dtype=torch.int64, device=device)
+    partial = torch.zeros(len(chunk_region) + 1, LANES, dtype=torch.int64, device=device)
     # Triton launches on the current device: switch when the regions are on another
     elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
         _kernel()[(len(chunk_region),)](
-            addresses,
+            addresses_t,
             sizes_t,
             chunk_region,
             chunk_start,
             partial,
-            LANES=lanes,
+            LANES=LANES,
             BLOCK=_BLOCK,
             BLOCKS=_BLOCKS,
             num_warps=8,
@@ -99,9 +106,7 @@ def _run(regions: Sequence[torch.Tensor], lanes: int) -> torch.Tensor:
     return sums[bounds[1:]] - sums[bounds[:-1]]
 
 
-def _layout(
-    sizes: Sequence[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layout(sizes: Sequence[int], device: torch.device) -> _Layout:
     """Per region its size; per chunk its region and first word; per region the number
     of chunks before it and its own (the bounds of its rows in the cumulative sum)."""
     counts = torch.tensor([_ceil(_ceil(n, 8), CHUNK_WORDS) for n in sizes], dtype=torch.int64)

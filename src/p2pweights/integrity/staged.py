@@ -15,7 +15,7 @@ from collections.abc import Iterable, MutableMapping
 
 import torch
 
-from p2pweights.integrity.digest import hex_digests, lane_sums
+from p2pweights.integrity.digest import Lanes, hex_digests, lane_sums
 
 __all__ = ["StagedDigests"]
 
@@ -26,7 +26,7 @@ class StagedDigests:
     """The slots digested so far in one update, and the runners each one went to."""
 
     def __init__(self) -> None:
-        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self._sums: dict[str, Lanes] = {}
         self._filed: list[tuple[str, str, Iterable[Runner]]] = []
 
     def add(self, slots: Iterable[tuple[str, torch.Tensor, Iterable[Runner]]]) -> None:
