@@ -140,7 +140,8 @@ _INTERPRETED = textwrap.dedent(
                           generator=generator)
     cases = [  # (byte offset into owner: 8-aligned, length): tails of 0 to 7 bytes,
                # one word, one chunk, one word past it, several chunks
-        (0, 1), (8, 7), (16, 8), (24, 9), (64, 127), (256, 128), (512, 1000),
+        (0, 1), (8, 7), (16, 8), (24, 9), (32, 10), (40, 11), (48, 12), (56, 14),
+        (64, 127), (256, 128), (512, 1000),
         (8, CHUNK_WORDS * 8), (4096, CHUNK_WORDS * 8 + 8), (0, CHUNK_WORDS * 8 * 2 + 13),
         (1024, 3 * CHUNK_WORDS * 8),
     ]
@@ -190,6 +191,7 @@ def test_a_failing_kernel_gives_way_to_torch_with_one_warning(monkeypatch, caplo
 def test_the_kernel_can_be_turned_off(monkeypatch):
     from p2pweights.integrity import lanes_kernel
 
+    monkeypatch.setattr(lanes_kernel, "_broken", [])
     monkeypatch.setattr(lanes_kernel, "_kernel", lambda: object())
     monkeypatch.setenv("P2PWEIGHTS_DIGEST_KERNEL", "0")
     assert not lanes_kernel.usable(torch.device("cuda", 0))

@@ -71,8 +71,10 @@ def digests(regions: Mapping[str, torch.Tensor]) -> dict[str, str]:
 
 
 def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, Lanes]:
-    """Name -> its region's ``Lanes``. On a GPU nothing waits for the device: the sums are
-    ready once the stream reaches them."""
+    """Name -> its region's ``Lanes``, computed in the stream's order: regions the kernel
+    takes wait for nothing (but the first use of a layout, whose tables are copied to
+    the device once); a batch of small regions left to torch waits for the stream once,
+    to hand its bounds to the device."""
     found: dict[str, Lanes] = {}
     small: dict[torch.device, dict[str, torch.Tensor]] = {}
     by_kernel: dict[torch.device, dict[str, torch.Tensor]] = {}

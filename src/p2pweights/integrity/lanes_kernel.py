@@ -45,8 +45,10 @@ partial sums). On an H200 programs of 256 KiB summed 0.6 TB/s, of 1 MiB 1.3-1.7,
 4 MiB 1.8-3.1 (``benchmarks/digest_kernel_variants.py``)."""
 
 _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-_LAYOUTS: LruCache[tuple[torch.device, tuple[int, ...]], _Layout] = LruCache(64)
-"""Chunk tables by device and region sizes (the same slots come back every update)."""
+_LAYOUTS: LruCache[tuple[torch.device, tuple[int, ...]], _Layout] = LruCache(1024)
+"""Chunk tables by device and region sizes (the same slots come back every update: one
+table per flush, so a bound above the flushes of the largest rank's update; a table
+holds a few hundred bytes per GB)."""
 _broken: list[str] = []
 
 
@@ -65,9 +67,10 @@ def kernel_lanes(
     addresses: Sequence[int], sizes: Sequence[int], device: torch.device
 ) -> torch.Tensor | None:
     """The ``LANES`` int64 sums of each region (its 8-aligned byte address and its
-    length, at least 1 byte, on ``device``), as the rows of one tensor there; nothing
-    waits for the device. None where the kernel fails (then torch digests, for the rest
-    of the process)."""
+    length, at least 1 byte, on ``device``), as the rows of one tensor there, in the
+    stream's order: nothing waits for the device but a layout's first use (its tables
+    are copied there once). None where the kernel fails (then torch digests, for the
+    rest of the process)."""
     if _broken:
         return None
     try:
@@ -86,7 +89,11 @@ def _run(addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -
     if layout is None:
         layout = _LAYOUTS[key] = _layout(sizes, device)
     sizes_t, chunk_region, chunk_start, bounds = layout
-    addresses_t = torch.tensor(addresses, dtype=torch.int64, device=device)
+    # from pinned memory, without waiting: a copy from pageable memory would wait for the
+    # stream (the caching host allocator keeps the pinned block until the copy ran)
+    addresses_t = torch.tensor(addresses, dtype=torch.int64)
+    if device.type == "cuda":
+        addresses_t = addresses_t.pin_memory().to(device, non_blocking=True)
     partial = torch.zeros(len(chunk_region) + 1, LANES, dtype=torch.int64, device=device)
     # Triton launches on the current device: switch when the regions are on another
     elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()

@@ -5,8 +5,8 @@ writes were handed to the writers (the writers and this only read the buffer): e
 slot is digested once and filed under every runner (engine URL, rank, role) it is
 written to. On a GPU the sums are left on the device, in the stream's order (before
 any later load refills the buffer), and copied to the host and hashed once, by
-``into`` at the end of the update (a batch of small regions still waits for the
-stream once, to hand its bounds to the device).
+``into`` at the end of the update (``digest.lane_sums`` says what still waits: a
+layout's first use, and small regions where the kernel does not run).
 """
 
 from __future__ import annotations
