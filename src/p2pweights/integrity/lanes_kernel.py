@@ -1,12 +1,13 @@
 """The lane sums of many GPU regions in one Triton launch (the digest's fast path).
 
 Digested one by one, each region costs a few launches and some Python: the 227
-parameters of a 1 GB model took 3.5 ms on an H200 (0.3 TB/s), where one launch of this
-kernel takes 0.6 ms (docs/benchmarks.md, "Verified writes: cost"). Here every region of
-one device is cut into chunks of up to ``CHUNK_WORDS`` int64 words, one Triton program
-per chunk sums its words into the ``LANES`` lanes, and a cumulative sum over the chunks
-gives each region's sums: one launch and three small torch ops for any number of
-regions, and no tensor view per region (their addresses and lengths are all it takes).
+parameters of a 1 GB model took 3.5-6.3 ms on an H200 (0.2-0.3 TB/s), where one
+launch of this kernel takes 0.6 ms (docs/benchmarks.md, "Verified writes: cost").
+Here every region of one device is cut into chunks of up to ``CHUNK_WORDS`` int64
+words, one Triton program per chunk sums its words into the ``LANES`` lanes, and a
+cumulative sum over the chunks gives each region's sums: one launch and three small
+torch ops for any number of regions, and no tensor view per region (their addresses
+and lengths are all it takes).
 The chunk table depends only on the regions' sizes and is kept (``_LAYOUTS``): the same
 slots and parameters come back every update. Integer sums are exact, so the result
 equals the torch path's (``digest._lanes``) bit for bit.
