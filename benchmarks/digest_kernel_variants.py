@@ -1,11 +1,12 @@
-"""How the digest kernel's shape was chosen (GPU hosts).
+"""How the digest kernel's shape was chosen, and what seeing order costs (GPU hosts).
 
-Times variants of the one-launch lane-sum kernel (``integrity/_lanes_triton.py``,
-"split": whole blocks unmasked, the last one masked once; "first": every block masked) on
-the parameters of a Qwen3-8B-shaped TP-1 rank (291 tensors, 16.4 GB) and of the 1 GB
-``qwen3-1g`` shape (227 tensors), against torch's launches per region
-(``P2PWEIGHTS_DIGEST_KERNEL=0``), side by side in one run; every variant's sums are
-compared with torch's first. Times are medians of 5 after a warm-up, the device
+Times the one-launch kernel (``integrity/_lanes_triton.py``, "weighted": the digest's
+plain and row-weighted lane sums) at a few shapes beside "plain", the same kernel
+without the weighted sums (the digest before it saw reordered bytes: one add per word
+instead of two), on the parameters of a Qwen3-8B-shaped TP-1 rank (291 tensors,
+16.4 GB) and of the 1 GB ``qwen3-1g`` shape (227 tensors), against torch's launches per
+region (``P2PWEIGHTS_DIGEST_KERNEL=0``), side by side in one run; every variant's sums
+are compared with torch's first. Times are medians of 5 after a warm-up, the device
 synchronized around each (the kernel and its few torch ops, no hashing).
 
     PYTHONPATH=src python3 benchmarks/digest_kernel_variants.py [--out FILE.json]
@@ -30,7 +31,7 @@ LANES = digest.LANES
 
 
 @triton.jit
-def first_lanes(
+def plain_lanes(
     addresses,
     sizes,
     chunk_region,
@@ -40,36 +41,36 @@ def first_lanes(
     BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
-    """The first version: every block masked, 64-bit word indices from the region's start."""
+    """The plain lane sums alone (the digest's first definition), written like the
+    library's kernel; its second ``LANES`` columns are left zero."""
     pid = tl.program_id(0)
     region = tl.load(chunk_region + pid)
     start = tl.load(chunk_start + pid)
-    base = tl.load(addresses + region).to(tl.pointer_type(tl.int64))
     num_bytes = tl.load(sizes + region)
-    whole = num_bytes // 8
-    words = (num_bytes + 7) // 8
-    tail = (tl.full([], 1, tl.int64) << ((num_bytes - whole * 8) * 8)) - 1
+    base = (tl.load(addresses + region) + start * 8).to(tl.pointer_type(tl.int64))
+    whole = num_bytes // 8 - start
+    full = tl.minimum(whole // BLOCK, BLOCKS).to(tl.int32)
+    offsets = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.int64)
-    for block in range(BLOCKS):
-        at = start + block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    for block in range(0, full):
+        acc += tl.load(base + block * BLOCK + offsets)
+    if full < BLOCKS:
+        at = full * BLOCK + offsets
+        words = (num_bytes + 7) // 8 - start
+        tail = (tl.full([], 1, tl.int64) << ((num_bytes % 8) * 8)) - 1
         word = tl.load(base + at, mask=at < words, other=0)
         acc += tl.where(at == whole, word & tail, word)
     lanes = tl.sum(tl.reshape(acc, (BLOCK // LANES, LANES)), axis=0)
-    tl.store(partial + (pid + 1) * LANES + tl.arange(0, LANES), lanes)
+    tl.store(partial + (pid + 1) * 2 * LANES + tl.arange(0, LANES), lanes)
 
 
-KERNELS = {"first": first_lanes, "split": _lanes_triton.region_lanes}
+KERNELS = {"plain": plain_lanes, "weighted": _lanes_triton.region_lanes}
 VARIANTS = [  # (kernel, BLOCK words, BLOCKS, num_warps, num_stages)
-    ("first", 2048, 16, 8, None),
-    ("split", 2048, 16, 8, None),
-    ("split", 2048, 64, 8, None),
-    ("split", 2048, 128, 8, None),
-    ("split", 2048, 256, 8, None),
-    ("split", 4096, 64, 8, None),
-    ("split", 4096, 128, 16, None),
-    ("split", 1024, 256, 4, None),
-    ("split", 2048, 64, 4, None),
-    ("split", 2048, 64, 8, 1),
+    ("plain", 2048, 256, 8, None),
+    ("weighted", 2048, 256, 8, None),
+    ("weighted", 2048, 128, 8, None),
+    ("weighted", 4096, 128, 16, None),
+    ("weighted", 1024, 256, 4, None),
 ]
 
 
@@ -88,7 +89,7 @@ def run_variant(regions, kernel, block, blocks, warps, stages):
 
     def run():
         addresses = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64).to(device)
-        partial = torch.zeros(len(chunk_region) + 1, LANES, dtype=torch.int64, device=device)
+        partial = torch.zeros(len(chunk_region) + 1, 2 * LANES, dtype=torch.int64, device=device)
         KERNELS[kernel][(len(chunk_region),)](
             addresses,
             sizes_t,
@@ -153,7 +154,9 @@ def measure(params: dict[str, torch.Tensor]) -> dict[str, object]:
         name = f"{kernel} block={block} blocks={blocks} warps={warps} stages={stages}"
         try:
             run = run_variant(regions, kernel, block, blocks, warps, stages)
-            same = torch.equal(run(), expected)
+            got = run()
+            columns = LANES if kernel == "plain" else 2 * LANES
+            same = torch.equal(got[:, :columns], expected[:, :columns])
             seconds = timed(run)
             rows[name] = {"ms": seconds * 1e3, "gb_s": num_bytes / seconds / 1e9, "same": same}
         except Exception as exc:  # a variant that does not compile is a result too

@@ -59,13 +59,14 @@ class BeforeEnd:
 def record_digests(context: BeforeEnd) -> None:
     """The digest of every published parameter, as the writes left it (where the engine
     digests at all: it costs time inside its pause)."""
-    from p2pweights.integrity.digest import digests
+    from p2pweights.integrity.digest import SCHEME, digests
 
     if not context.write_digests:
         return
     started = time.perf_counter()
     with torch.no_grad():
         context.record["digests"] = digests(context.params)
+    context.record["digest_scheme"] = SCHEME
     context.record["digest_s"] = time.perf_counter() - started
 
 

@@ -1,5 +1,5 @@
 """The write digest: equal bytes give equal digests (CPU, GPU, batched or not), and
-any changed, missing or shifted word changes it."""
+any changed, missing, shifted or reordered word changes it."""
 
 from __future__ import annotations
 
@@ -70,6 +70,69 @@ def test_two_words_cannot_cancel_across_lanes():
     assert words.sum() == moved.view(torch.int64).sum()
 
 
+def _bf16(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(torch.bfloat16)
+
+
+def _swapped(tensor: torch.Tensor, first: slice, second: slice) -> torch.Tensor:
+    """``tensor`` (flat view of its bytes) with two equal-sized byte ranges exchanged."""
+    out = tensor.clone()
+    data, source = out.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)
+    data[first], data[second] = source[second], source[first]
+    return out
+
+
+def _halves_swapped(fused: torch.Tensor) -> torch.Tensor:
+    """gate and up of a fused ``gate_up_proj`` (rows ``[gate; up]``) in the wrong order."""
+    half = fused.shape[0] // 2
+    return torch.cat([fused[half:], fused[:half]])
+
+
+def _experts_swapped(experts: torch.Tensor) -> torch.Tensor:
+    """Two experts of a fused expert tensor (experts, rows, cols) exchanged."""
+    out = experts.clone()
+    out[[1, 5]] = experts[[5, 1]]
+    return out
+
+
+KIB = 1024
+REORDERED = {
+    # the errors a wrong shard id, expert map or offset makes: every byte arrives, in
+    # the wrong place (lane sums of the words alone cannot see any of them)
+    "gate_up halves swapped": lambda: (f := _bf16((512, 256)), _halves_swapped(f)),
+    "two experts swapped": lambda: (e := _bf16((8, 64, 128), seed=1), _experts_swapped(e)),
+    "two 64 KiB slices swapped": lambda: (
+        t := _bf16((1024, 512), seed=2),
+        _swapped(t, slice(0, 64 * KIB), slice(256 * KIB, 320 * KIB)),
+    ),
+    "two 128-byte rows swapped": lambda: (
+        t := _bf16((64, 64), seed=3),
+        _swapped(t, slice(128 * 3, 128 * 4), slice(128 * 9, 128 * 10)),
+    ),
+    "two words 16 apart swapped": lambda: (
+        t := _bf16((64, 64), seed=4),
+        _swapped(t, slice(8 * 5, 8 * 6), slice(8 * 21, 8 * 22)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REORDERED)
+def test_reordered_bytes_change_it(case):
+    right, wrong = REORDERED[case]()
+    assert not torch.equal(right, wrong)
+    assert sorted(right.view(-1).tolist()) == sorted(wrong.view(-1).tolist())  # same values
+    assert digest(wrong) != digest(right)
+
+
+@pytest.mark.parametrize("case", REORDERED)
+def test_reordered_bytes_change_it_in_a_batch_of_small_regions(case):
+    right, wrong = REORDERED[case]()
+    small = {"a": torch.arange(100, dtype=torch.int16), "b": right[:8].clone()}
+    if right.numel() * right.element_size() < SMALL_BYTES:
+        assert digests({**small, "x": wrong})["x"] != digests({**small, "x": right})["x"]
+
+
 def test_same_words_at_another_length_differ():
     assert digest(torch.zeros(8, dtype=torch.uint8)) != digest(torch.zeros(16, dtype=torch.uint8))
 
@@ -97,16 +160,21 @@ def test_cpu_and_gpu_agree(num_bytes):
 
 def _reference(data: torch.Tensor) -> str:
     """The definition, word by word in Python integers: word ``i`` (little-endian, a short
-    tail zero-padded) into lane ``i % LANES``, sums wrapped to int64, then hashed."""
+    tail zero-padded) into lane ``i % LANES``, plain and times ``i // LANES + 1``, sums
+    wrapped to int64, then hashed."""
     import numpy as np
 
     from p2pweights.integrity.digest import lanes_hex
 
     raw = bytes(data.numpy().tobytes())
     raw += bytes(-len(raw) % 8)
-    words = np.frombuffer(raw, dtype="<u8").astype(object)
-    lanes = [int(sum(words[lane::LANES])) % 2**64 for lane in range(LANES)]
-    signed = [v - 2**64 if v >= 2**63 else v for v in lanes]
+    words = [int(w) for w in np.frombuffer(raw, dtype="<u8")]
+    plain = [sum(words[lane::LANES]) % 2**64 for lane in range(LANES)]
+    weighted = [
+        sum((row + 1) * w for row, w in enumerate(words[lane::LANES])) % 2**64
+        for lane in range(LANES)
+    ]
+    signed = [v - 2**64 if v >= 2**63 else v for v in plain + weighted]
     return lanes_hex(torch.tensor(signed, dtype=torch.int64), len(data))
 
 

@@ -126,6 +126,26 @@ def test_digests_of_an_earlier_end_are_never_compared(engines):
     assert engine.running and _holds(engine, 2)
 
 
+def test_digests_made_another_way_are_refused_not_compared(engines):
+    """An engine on a release whose digest is defined otherwise (before the scheme was
+    recorded: the lane sums that could not see reordered bytes) fails the update with
+    the reason, not with every parameter reported wrong."""
+    engine = engines.setdefault("http://old", DigestEngine("http://old"))
+    original_end = engine.end
+
+    def end_of_an_older_release() -> None:
+        original_end()
+        assert engine.record is not None
+        engine.record.pop("digest_scheme")
+
+    engine.end = end_of_an_older_release  # type: ignore[method-assign]
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://old"])
+        refused = r"made another way \('lanes16-v1'; .*one p2pweights release"
+        with pytest.raises(TransferError, match=refused):
+            session.update(_tensors(2))
+
+
 def test_engines_without_digests_are_skipped_on_auto_and_refused_on_always(engines, caplog):
     caplog.set_level(logging.INFO, logger="p2pweights.integrity.check")
     plain = engines.setdefault("http://plain", FakeEngine("http://plain"))

@@ -24,6 +24,7 @@ from typing import Any
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
+from p2pweights.integrity.digest import SCHEME
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,14 @@ class WriteCheck:
         if not isinstance(digests, dict):
             why = record.get("error") or "it recorded none before this update's end"
             yield Mismatch(runner, f"no write digests for this update: {why}")
+            return
+        scheme = record.get("digest_scheme", "lanes16-v1")  # releases before the scheme
+        if scheme != SCHEME:
+            yield Mismatch(
+                runner,
+                f"its write digests are made another way ({scheme!r}; this trainer: "
+                f"{SCHEME!r}): run one p2pweights release on the trainer and the engines",
+            )
             return
         number, last = record.get("update"), self.last_update.get(runner)
         version = record.get("weight_version")

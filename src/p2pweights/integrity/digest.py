@@ -1,24 +1,35 @@
 """The digest of a region of bytes, computed alike by a sender and an engine rank, CPU or GPU.
 
 A region's bytes are read as little-endian int64 words (a tail of fewer than 8 bytes
-zero-padded into one more word) and summed into ``LANES`` lanes, word ``i`` into lane
-``i % LANES``, with int64 wrap-around. Integer sums are exact and do not depend on the
-order of the additions, so a CPU and a GPU, or a sum over one tensor and a sum over
-a batch of them, agree bit for bit. The lanes and the region's length are then hashed
+zero-padded into one more word), laid out in rows of ``LANES`` words: word ``i`` is in
+lane ``i % LANES`` of row ``i // LANES``. Two sums are kept per lane, with int64
+wrap-around (exact mod 2**64):
+
+- ``plain[lane]``: the sum of the lane's words;
+- ``weighted[lane]``: the sum of each of the lane's words times its row number plus one.
+
+Integer sums are exact and do not depend on the order of the additions, so a CPU and a
+GPU, a sum over one tensor and a sum over a batch of them, the torch path and the Triton
+kernel agree bit for bit. The ``2 * LANES`` sums and the region's length are then hashed
 (BLAKE2b, 16 bytes) into the hex string both sides compare.
 
 It is one read of the bytes, and it changes when a write is missing (stale bytes),
-partial, lands at another offset (unless the bytes it replaced repeat with the
-shift's period, in each lane), or carries any changed word (a single word, or two
-words changed in different lanes, cannot cancel). It is not a cryptographic hash of
-the bytes: two regions made to collide would pass, which a transit check need not
-prevent. ``torch.hash_tensor`` is not used: it is an xor (equal words cancel in
-pairs) and newer than some torch releases p2pweights supports.
+partial, lands at another offset, carries any changed word (a single word, or two words
+changed in different lanes, cannot cancel), or carries the right words in the wrong
+order: two words ``d`` rows apart exchanged change ``weighted`` by ``d`` times their
+difference, so swapped gate and up halves, swapped experts, slices or rows (what a
+wrong shard id, expert map or offset writes) are seen. What it cannot see: a change
+whose plain and weighted sums both cancel mod 2**64 in every lane, such as an exchange
+of two blocks ``d`` rows apart whose lane sums differ by a multiple of ``2**64 / d``'s
+odd-free part (with ``d = 2**k``, lane sums equal in their low ``64 - k`` bits). It is
+not a cryptographic hash of the bytes: two regions made to collide would pass, which a
+transit check need not prevent. ``torch.hash_tensor`` is not used: it is an xor (equal
+words cancel in pairs) and newer than some torch releases p2pweights supports.
 
 On a GPU with Triton every 8-aligned region of a device is summed in one launch
-(``lanes_kernel``). Otherwise each region costs a launch or more: below ``SMALL_BYTES``
-they are concatenated (zero-padded to whole rows of ``LANES`` words) and summed per
-region from one cumulative sum.
+(``lanes_kernel``). Otherwise torch sums each region in two reductions (``_lanes``), and
+regions below ``SMALL_BYTES`` are concatenated (zero-padded to whole rows) and summed
+per region from one cumulative sum.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from p2pweights.integrity import lanes_kernel
 
 __all__ = [
     "LANES",
+    "SCHEME",
     "SMALL_BYTES",
     "Lanes",
     "digest",
@@ -44,16 +56,23 @@ __all__ = [
 ]
 
 LANES = lanes_kernel.LANES
-"""Word ``i`` of a region is summed into lane ``i % LANES``."""
+"""Word ``i`` of a region is summed into lane ``i % LANES`` of row ``i // LANES``."""
+SUMS = lanes_kernel.SUMS
+"""Sums per region: ``LANES`` plain, then ``LANES`` weighted by row."""
+SCHEME = "lanes16-rows-v2"
+"""The digest's definition, named: an engine rank records it beside its digests, and a
+sender refuses to compare digests made another way (a p2pweights release apart)."""
 _ROW_BYTES = LANES * 8
+_BLOCK_ROWS = 1024
+"""Rows per block of ``_lanes``' two reductions (128 KiB)."""
 SMALL_BYTES = 256 * 1024
 """Regions below this are digested together (one launch per batch, not per region)."""
 
 
 @dataclass(frozen=True)
 class Lanes:
-    """One region's lane sums: row ``row`` of ``rows`` (int64, ``LANES`` columns, on the
-    region's device: the sums of a batch of regions stay one tensor), and its length."""
+    """One region's sums: row ``row`` of ``rows`` (int64, ``SUMS`` columns, on the region's
+    device: the sums of a batch of regions stay one tensor), and its length."""
 
     rows: torch.Tensor
     row: int
@@ -85,7 +104,7 @@ def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, Lanes]:
         if data.numel() < SMALL_BYTES:
             small.setdefault(data.device, {})[name] = data
         else:
-            found[name] = Lanes(_lanes(data).view(1, LANES), 0, data.numel())
+            found[name] = Lanes(_lanes(data).view(1, SUMS), 0, data.numel())
 
     for name, tensor in regions.items():
         device = tensor.device
@@ -142,7 +161,7 @@ def hex_digests(sums: Mapping[str, Lanes]) -> dict[str, str]:
 
 
 def lanes_hex(lanes: torch.Tensor, num_bytes: int) -> str:
-    """The hex digest of one region's ``LANES`` int64 sums and its length."""
+    """The hex digest of one region's ``SUMS`` int64 sums and its length."""
     return _hashed(lanes.contiguous().numpy().astype("<i8").tobytes(), num_bytes)
 
 
@@ -161,24 +180,46 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _lanes(data: torch.Tensor) -> torch.Tensor:
-    """The ``LANES`` sums of ``data`` (uint8, at least one row): one reduction over its
-    whole rows (a view where the bytes are 8-aligned, else a copy), plus the rest
-    zero-padded to one row where the length is not a whole number of rows."""
-    num_full = data.numel() // _ROW_BYTES * _ROW_BYTES
-    head = data[:num_full]
+    """The ``SUMS`` sums of ``data`` (uint8, at least one row).
+
+    The whole rows (a view where the bytes are 8-aligned, else a copy) are read as a
+    ``(blocks, _BLOCK_ROWS, LANES)`` block, reduced once over ``blocks`` and once over the
+    rows of a block; with row ``r = b * _BLOCK_ROWS + j``, the weighted sum is
+    ``_BLOCK_ROWS * sum_b b * S1[b] + sum_j (j + 1) * S2[j]``: two reductions of the data
+    and no temporary as large as it. Rows past the last whole block and a last partial
+    row (zero-padded) are added on their own."""
+    num_rows = data.numel() // _ROW_BYTES
+    head = data[: num_rows * _ROW_BYTES]
     if head.data_ptr() % 8:
         head = head.clone()
-    sums = head.view(torch.int64).view(-1, LANES).sum(dim=0, dtype=torch.int64)
-    if num_full == data.numel():
-        return sums
-    rest = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=data.device)
-    rest[: data.numel() - num_full] = data[num_full:]
-    return sums + rest.view(torch.int64)
+    rows = head.view(torch.int64).view(-1, LANES)
+    num_blocks = num_rows // _BLOCK_ROWS
+    blocked = rows[: num_blocks * _BLOCK_ROWS].view(num_blocks, _BLOCK_ROWS, LANES)
+    by_block = blocked.sum(dim=1, dtype=torch.int64)  # S1: (blocks, LANES)
+    by_row = blocked.sum(dim=0, dtype=torch.int64)  # S2: (_BLOCK_ROWS, LANES)
+    device = data.device
+    block_index = torch.arange(num_blocks, dtype=torch.int64, device=device).view(-1, 1)
+    row_weight = torch.arange(1, _BLOCK_ROWS + 1, dtype=torch.int64, device=device).view(-1, 1)
+    plain = by_row.sum(dim=0)
+    weighted = _BLOCK_ROWS * (by_block * block_index).sum(dim=0) + (by_row * row_weight).sum(0)
+    rest = rows[num_blocks * _BLOCK_ROWS :]
+    if data.numel() > num_rows * _ROW_BYTES:  # the last row, zero-padded
+        last = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=device)
+        last[: data.numel() - num_rows * _ROW_BYTES] = data[num_rows * _ROW_BYTES :]
+        rest = torch.cat([rest, last.view(torch.int64).view(1, LANES)])
+    if len(rest):
+        first_row = num_blocks * _BLOCK_ROWS
+        weights = torch.arange(first_row + 1, first_row + len(rest) + 1, device=device)
+        plain = plain + rest.sum(dim=0)
+        weighted = weighted + (rest * weights.view(-1, 1)).sum(dim=0)
+    return torch.cat([plain, weighted])
 
 
 def _batched_lanes(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Lanes of many small regions of one device (rows, in ``batch``'s order) from one
-    concatenation and cumsum."""
+    """Sums of many small regions of one device (rows, in ``batch``'s order) from one
+    concatenation and two cumulative sums: with ``g`` a row's number in the
+    concatenation and ``s`` its region's first, its weight ``g - s + 1`` splits into
+    ``g``, summed into one cumulative sum, and ``1 - s`` times the plain sum."""
     device = next(iter(batch.values())).device
     zeros = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=device)
     pieces, ends, end = [], [], 0
@@ -190,6 +231,11 @@ def _batched_lanes(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         end += (data.numel() + pad) // _ROW_BYTES
         ends.append(end)
     rows = torch.cat(pieces).view(torch.int64).view(-1, LANES)
-    sums = torch.cat([torch.zeros(1, LANES, dtype=torch.int64, device=device), rows.cumsum(0)])
+    row_number = torch.arange(len(rows), dtype=torch.int64, device=device).view(-1, 1)
+    both = torch.cat([rows, rows * row_number], dim=1)
+    sums = torch.cat([torch.zeros(1, SUMS, dtype=torch.int64, device=device), both.cumsum(0)])
     bounds = torch.tensor([0, *ends], device=device)
-    return sums[bounds[1:]] - sums[bounds[:-1]]  # exact mod 2**64, like the sums
+    per_region = sums[bounds[1:]] - sums[bounds[:-1]]  # exact mod 2**64, like the sums
+    plain, by_number = per_region[:, :LANES], per_region[:, LANES:]
+    first = bounds[:-1].view(-1, 1)
+    return torch.cat([plain, by_number + (1 - first) * plain], dim=1)

@@ -4,10 +4,12 @@ Digested one by one, each region costs a few launches and some Python: the 227
 parameters of a 1 GB model took 3.5-6.3 ms on an H200 (0.2-0.3 TB/s), where one
 launch of this kernel takes 0.6 ms (docs/benchmarks.md, "Verified writes: cost").
 Here every region of one device is cut into chunks of up to ``CHUNK_WORDS`` int64
-words, one Triton program per chunk sums its words into the ``LANES`` lanes, and a
-cumulative sum over the chunks gives each region's sums: one launch and three small
-torch ops for any number of regions, and no tensor view per region (their addresses
-and lengths are all it takes).
+words, one Triton program per chunk sums its words into the ``LANES`` lanes, plain and
+weighted by row (``digest`` defines both), and a cumulative sum over the chunks gives
+each region's sums: one launch and three small torch ops for any number of regions, and
+no tensor view per region (their addresses and lengths are all it takes). A chunk's
+weighted sums are taken with its rows counted from the region's first, so a region's
+chunks add up to its own.
 The chunk table depends only on the regions' sizes and is kept (``_LAYOUTS``): the same
 slots and parameters come back every update. Integer sums are exact, so the result
 equals the torch path's (``digest._lanes``) bit for bit.
@@ -32,8 +34,10 @@ from p2pweights.bounded_cache import LruCache
 
 LANES = 16
 """Word ``i`` of a region is summed into lane ``i % LANES`` (``digest.LANES``)."""
+SUMS = 2 * LANES
+"""Sums per region: ``LANES`` plain, then ``LANES`` weighted by row (``digest.SUMS``)."""
 
-__all__ = ["CHUNK_WORDS", "LANES", "kernel_lanes", "usable"]
+__all__ = ["CHUNK_WORDS", "LANES", "SUMS", "kernel_lanes", "usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +71,7 @@ def usable(device: torch.device) -> bool:
 def kernel_lanes(
     addresses: Sequence[int], sizes: Sequence[int], device: torch.device
 ) -> torch.Tensor | None:
-    """The ``LANES`` int64 sums of each region (its 8-aligned byte address and its
+    """The ``SUMS`` int64 sums of each region (its 8-aligned byte address and its
     length, at least 1 byte, on ``device``), as the rows of one tensor there, in the
     stream's order: nothing waits for the device but a layout's first use (its tables
     are copied there once). None where the kernel fails (then torch digests, for the
@@ -95,7 +99,7 @@ def _run(addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -
     addresses_t = torch.tensor(addresses, dtype=torch.int64)
     if device.type == "cuda":
         addresses_t = addresses_t.pin_memory().to(device, non_blocking=True)
-    partial = torch.zeros(len(chunk_region) + 1, LANES, dtype=torch.int64, device=device)
+    partial = torch.zeros(len(chunk_region) + 1, SUMS, dtype=torch.int64, device=device)
     # Triton launches on the current device: switch when the regions are on another
     elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
