@@ -17,9 +17,10 @@ import torch
 
 from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import LayoutMismatchError, TransferError
+from p2pweights.integrity.digest import digest
 from p2pweights.plan.byte_plan import ALIGNMENT_BYTES, aligned, build_byte_plan
 from p2pweights.testing.loaders import FnLoader
-from p2pweights.transfer.executor import TransferExecutor
+from p2pweights.transfer.executor import RunHooks, TransferExecutor
 from p2pweights.transfer.transports.base import Transport, Write
 
 
@@ -82,7 +83,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(transport, buffer_bytes, source, targets, timeout_s=5.0, loads=None):
+def _run(transport, buffer_bytes, source, targets, timeout_s=5.0, loads=None, hooks=None):
     """One group per parameter (each fed by the HF tensor of the same name), one replica."""
     plan = build_byte_plan(
         {"replica": [(frozenset({n}), (n,)) for n in source]},
@@ -101,7 +102,8 @@ def _run(transport, buffer_bytes, source, targets, timeout_s=5.0, loads=None):
             views[name].copy_(value.view(torch.uint8))
 
     ready = ((plan.group("replica", i), [(n, source[n])]) for i, n in enumerate(source))
-    return executor, executor.run(plan, ready, {"replica": FnLoader("replica", load)})
+    loaders = {"replica": FnLoader("replica", load)}
+    return executor, executor.run(plan, ready, loaders, *([] if hooks is None else [hooks]))
 
 
 def test_bytes_land_bit_exact_across_flushes_and_targets():
@@ -329,6 +331,24 @@ def test_a_mapped_engine_is_loaded_directly_and_the_others_through_staging():
     # every group loaded once per destination: once staged, once straight into the engine
     loaded = sorted(n for _, names in loads for n in names)
     assert loaded == sorted(list(source) * 2)
+
+
+def test_direct_loads_are_digested_for_the_write_check_as_staged_slots_are():
+    """A direct load stages nothing: the digest the engine's is compared with is of the
+    bytes the loaders left where this rank mapped each parameter (a wrong mapping shows
+    as the engine's own parameter differing)."""
+    source = _params(3)
+    mapped = {n: torch.zeros_like(t) for n, t in source.items()}
+    remote = {n: torch.zeros_like(t) for n, t in source.items()}
+    transport = MappingTransport("http://mapped", mapped)
+    targets = [_engine("http://mapped", 0, mapped), _engine("http://remote", 0, remote)]
+    hooks = RunHooks(digest_staged=True)
+    _, result = _run(transport, 3 * aligned(600), source, targets, hooks=hooks)
+    expected = {name: digest(value) for name, value in source.items()}
+    assert result.digests == {
+        ("http://mapped", 0, "target"): expected,
+        ("http://remote", 0, "target"): expected,
+    }
 
 
 def test_direct_loads_are_bounded_by_the_buffer_size():

@@ -96,7 +96,8 @@ class RunResult:
     failures: dict[TargetKey, BaseException] = field(default_factory=dict)
     digests: dict[tuple[str, int, str], dict[str, str]] = field(default_factory=dict)
     """With ``RunHooks.digest_staged``: runner -> parameter -> digest of the bytes staged
-    for it (direct loads stage nothing, and are not listed)."""
+    for it, or, for a direct load, of the bytes its loaders left at the addresses this
+    rank mapped (so the engine's own digest of the parameter checks the mapping)."""
     digest_s: float = 0.0
     delta_s: float = 0.0
     """With ``SyncConfig.delta``: comparing staged slots with the previous update's."""
@@ -651,6 +652,12 @@ class _Run:
             self._loaders[key].load_into(direct.inputs, direct.views)
             num_bytes = sum(v.numel() for v in direct.views.values())
             self.result.bytes_by_target[target[:2]] += num_bytes
+            if self._hooks.digest_staged:  # in the copies' stream order: nothing waits here
+                digest_started = time.perf_counter()
+                self._staged_digests.add(
+                    (param, view, (target,)) for param, view in direct.views.items()
+                )
+                self.result.digest_s += time.perf_counter() - digest_started
         self._direct = {}
         self._direct_bytes.clear()
         self._sync_direct()
