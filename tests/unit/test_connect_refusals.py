@@ -27,7 +27,8 @@ def _engine(monkeypatch, server_info: dict) -> None:
             return httpx.Response(200, json=server_info)
         if request.url.path == "/model_info":
             return httpx.Response(200, json={"weight_version": "default"})
-        return httpx.Response(200, json=PUBLICATION)
+        rank = int(request.url.params["rank"])  # an engine answers for the rank asked
+        return httpx.Response(200, json=PUBLICATION | {"rank": rank})
 
     def client(url, **kwargs):
         made = EngineClient(url, **kwargs)

@@ -159,7 +159,9 @@ def test_refuses_an_entry_for_another_size_or_beyond_the_region():
         apply(payload, smaller, last_sequence=4)
     with pytest.raises(TransferError, match="does not fit"):
         apply(payload[:200], old, last_sequence=4)
-    with pytest.raises(TransferError, match="parameter index 1 of 0"):
+    with pytest.raises(TransferError, match="parameter index 1 of 1"):
+        apply(payload, {"a.bias": old["a.bias"]}, last_sequence=4)
+    with pytest.raises(TransferError, match=r"1 entries.*publishes 0 parameters"):
         apply(payload, {}, last_sequence=4)
 
 

@@ -74,7 +74,7 @@ def apply(
     names = sorted(params)
     checked = [
         _check_entry(payload, offset, entry_header, names, params, where)
-        for offset, entry_header in _entry_headers(header, payload, where)
+        for offset, entry_header in _entry_headers(header, payload, len(names), where)
     ]
     _check_indices(checked, where)
     num_elements = 0
@@ -91,6 +91,11 @@ def apply(
 
 
 def _check_header(header: PayloadHeader, payload: torch.Tensor, last: int, where: str) -> None:
+    if not HEADER_BYTES <= header.payload_bytes <= payload.numel():
+        raise TransferError(
+            f"{where}: delta payload of {header.payload_bytes} bytes does not fit the "
+            f"{payload.numel()}-byte scratch region; refused"
+        )
     if header.num_entries == 0 and header.base_sequence == 0:
         return  # a full update: it changes nothing here, only what the rank holds
     if header.sequence <= last:
@@ -104,28 +109,42 @@ def _check_header(header: PayloadHeader, payload: torch.Tensor, last: int, where
             f"{header.base_sequence}, but this rank holds those of update {last or 'none'}; "
             f"refused before any byte was written: the next update must be written in full"
         )
-    if not HEADER_BYTES <= header.payload_bytes <= payload.numel():
-        raise TransferError(
-            f"{where}: delta payload of {header.payload_bytes} bytes does not fit the "
-            f"{payload.numel()}-byte scratch region; refused"
-        )
 
 
 def _entry_headers(
-    header: PayloadHeader, payload: torch.Tensor, where: str
+    header: PayloadHeader, payload: torch.Tensor, num_params: int, where: str
 ) -> list[tuple[int, tuple[int, int, int, int, int]]]:
-    """Each entry's offset and header (one host read each: an entry's size locates the next)."""
+    """Each entry's offset and header (one host read each: an entry's size locates the
+    next). The payload is untrusted: its entry count is bounded first (one entry per
+    published parameter, each at least an entry header), and each entry's size is checked
+    before it locates the next, so no count or size makes this loop long, walk backwards
+    or read outside the payload."""
+    fit = (header.payload_bytes - HEADER_BYTES) // ENTRY_HEADER_BYTES
+    if header.num_entries > min(num_params, fit):
+        raise TransferError(
+            f"{where}: delta payload of update {header.sequence} says {header.num_entries} "
+            f"entries; its {header.payload_bytes} bytes hold at most {fit} and this rank "
+            f"publishes {num_params} parameters; refused before any byte was written"
+        )
     found: list[tuple[int, tuple[int, int, int, int, int]]] = []
     offset = HEADER_BYTES
-    for _ in range(header.num_entries):
+    for number in range(header.num_entries):
         if offset + ENTRY_HEADER_BYTES > header.payload_bytes:
             raise TransferError(
                 f"{where}: delta payload of update {header.sequence} ends inside its entry "
-                f"{len(found)}; refused"
+                f"{number}; refused"
             )
         entry_header = read_entry_header(payload, offset)
+        size = entry_header[4]
+        if size < ENTRY_HEADER_BYTES or size % ALIGN or offset + size > header.payload_bytes:
+            raise TransferError(
+                f"{where}: delta payload of update {header.sequence}: its entry {number} says "
+                f"{size} bytes at offset {offset} of {header.payload_bytes} (an entry takes a "
+                f"multiple of {ALIGN} bytes, at least {ENTRY_HEADER_BYTES}, inside the "
+                f"payload); refused before any byte was written"
+            )
         found.append((offset, entry_header))
-        offset += entry_header[4]
+        offset += size
     if offset != header.payload_bytes:
         raise TransferError(
             f"{where}: delta payload of update {header.sequence} says {header.payload_bytes} "
@@ -155,6 +174,8 @@ def _check_entry(
         problem = f"a malformed entry (elem_size {elem_size}, count {count}, {size} bytes)"
     elif param_bytes != held or held % elem_size:
         problem = f"{param_bytes} bytes of elements of {elem_size}, the rank holds {held}"
+    elif count > held // elem_size:
+        problem = f"{count} changed elements of the parameter's {held // elem_size}"
     elif not param.is_contiguous():
         problem = "a parameter that is not contiguous"
     if problem is not None:

@@ -25,7 +25,7 @@ import torch
 from p2pweights import environment
 from p2pweights.config import parse_bytes
 from p2pweights.delta.apply import DeltaReceiver
-from p2pweights.delta.wire import HEADER_BYTES, read_header
+from p2pweights.delta.wire import HEADER_BYTES, SCRATCH_NAME, read_header
 from p2pweights.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -34,9 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["SCRATCH_NAME", "apply_delta", "clear_payload", "new_scratch", "scratch_bytes"]
-
-SCRATCH_NAME = "__p2pweights_delta_scratch__"
-"""The name the scratch region is published under (never a parameter's)."""
 
 _DEFAULT_SHARE = 8
 _DEFAULT_CAP_BYTES = 2**30
@@ -53,11 +50,19 @@ def scratch_bytes(weight_bytes: int, *, by_default: bool = True) -> int:
     if given is None:
         if not by_default:
             return 0
-        return min(weight_bytes // _DEFAULT_SHARE, _DEFAULT_CAP_BYTES) // 16 * 16
+        num_bytes = min(weight_bytes // _DEFAULT_SHARE, _DEFAULT_CAP_BYTES) // 16 * 16
+        return num_bytes if num_bytes >= HEADER_BYTES else 0  # no header would fit
     try:
-        return parse_bytes(given) // 16 * 16
+        num_bytes = parse_bytes(given) // 16 * 16
     except ValueError as exc:
         raise ConfigError(f"P2PWEIGHTS_DELTA_SCRATCH: {exc}") from exc
+    if 0 < num_bytes < HEADER_BYTES:
+        raise ConfigError(
+            f"P2PWEIGHTS_DELTA_SCRATCH={given!r} gives a {num_bytes}-byte scratch region, too "
+            f"small for the {HEADER_BYTES}-byte delta header; set 0 for none, or at least "
+            f"{HEADER_BYTES} bytes (deltas that do not fit are written in full)"
+        )
+    return num_bytes
 
 
 def new_scratch(

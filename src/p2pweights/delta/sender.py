@@ -24,15 +24,22 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pweights.config import DeltaConfig
-from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.delta.flush_compare import FlushSlot
 from p2pweights.delta.store import FlushLayout, PreviousBytes
-from p2pweights.delta.wire import HEADER_BYTES, DeltaEntry, PayloadHeader
+from p2pweights.delta.wire import HEADER_BYTES, SCRATCH_NAME, DeltaEntry, PayloadHeader
 from p2pweights.engines.published import RankPublication
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeltaRun", "DeltaSender", "DeltaSummary", "FullHeaders", "Runner"]
+__all__ = [
+    "DeltaRun",
+    "DeltaSender",
+    "DeltaSummary",
+    "FullHeaders",
+    "Runner",
+    "has_scratch",
+    "with_scratch",
+]
 
 Runner = tuple[str, int, str]
 """(engine URL, engine rank, role)."""
@@ -134,7 +141,7 @@ class DeltaRun:
             return
         self._started = True
         store = self.sender.store
-        self.scratch = {r: p for r, p in self.connected.items() if SCRATCH_NAME in p.regions}
+        self.scratch = with_scratch(self.connected)
         self._holders = {r for r in self.scratch if store.holds(r)}
         self._offsets = dict.fromkeys(self.scratch, HEADER_BYTES)
 
@@ -219,7 +226,7 @@ class DeltaRun:
         self._start()
         for runner, old in list(self.scratch.items()):
             new = self.connected.get(runner)
-            if new is None or SCRATCH_NAME not in new.regions:
+            if new is None or not has_scratch(new):
                 del self.scratch[runner]
                 self._holders.discard(runner)
                 continue
@@ -264,6 +271,19 @@ class DeltaRun:
         )
 
 
+def has_scratch(pub: RankPublication) -> bool:
+    """Whether ``pub`` has a scratch region a header fits in. The parser refuses a smaller
+    one (``parse_publication``); a publication built otherwise is checked again here, so
+    no header is ever written past the region's end: such a rank gets full writes."""
+    region = pub.regions.get(SCRATCH_NAME)
+    return region is not None and region.num_bytes >= HEADER_BYTES
+
+
+def with_scratch(connected: Mapping[Runner, RankPublication]) -> dict[Runner, RankPublication]:
+    """The runners of ``connected`` whose scratch region takes a header."""
+    return {runner: pub for runner, pub in connected.items() if has_scratch(pub)}
+
+
 def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
     """Who a publication is reached through (as the executor tells them apart)."""
     return (pub.backend, pub.session_id, pub.agent_name)
@@ -283,10 +303,10 @@ class FullHeaders:
 
     @property
     def max_headers(self) -> int:
-        return sum(1 for pub in self.connected.values() if SCRATCH_NAME in pub.regions)
+        return len(with_scratch(self.connected))
 
     def headers(self) -> dict[Runner, PayloadHeader]:
         """Against the publications current now."""
-        self.scratch = {r: p for r, p in self.connected.items() if SCRATCH_NAME in p.regions}
+        self.scratch = with_scratch(self.connected)
         sequence = time.time_ns()
         return {runner: PayloadHeader(sequence, 0, 0, HEADER_BYTES) for runner in self.scratch}

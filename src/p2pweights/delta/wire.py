@@ -40,6 +40,7 @@ __all__ = [
     "MAGIC",
     "MAX_ELEMENTS",
     "DeltaEntry",
+    "SCRATCH_NAME",
     "PayloadHeader",
     "encode",
     "entry_bytes",
@@ -49,6 +50,9 @@ __all__ = [
     "read_header",
     "typed",
 ]
+
+SCRATCH_NAME = "__p2pweights_delta_scratch__"
+"""The name an engine rank publishes its scratch region under (never a parameter's)."""
 
 MAGIC = b"P2PWDLT1"
 HEADER_BYTES = 64

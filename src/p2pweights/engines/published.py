@@ -32,6 +32,7 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2pweights.delta.wire import HEADER_BYTES, SCRATCH_NAME
 from p2pweights.errors import EngineError
 
 
@@ -104,8 +105,13 @@ class RankPublication:
 
 
 def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -> RankPublication:
-    """Parse sglang's JSON answer for one rank; raise ``EngineError`` naming what is wrong."""
-    info = body.get("remote_instance_transfer_engine_info")
+    """Parse sglang's JSON answer for one rank; raise ``EngineError`` naming what is wrong.
+
+    The answer is untrusted: every address, length and count in it is checked (an
+    integer, in range, inside the 64-bit address space; parameters not partly
+    overlapping; a delta scratch region that holds a header and overlaps no parameter)
+    before anything is written with it."""
+    info = body.get("remote_instance_transfer_engine_info") if isinstance(body, dict) else None
     if info is None:
         raise EngineError(
             f"engine {engine_url} rank {engine_rank}: answer has no "
@@ -113,85 +119,202 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
             f"--remote-instance-weight-loader-start-seed-via-transfer-engine (Mooncake) "
             f"or the p2pweights NIXL plugin"
         )
+    answered = body.get("rank", engine_rank)
+    if answered != engine_rank:
+        raise EngineError(
+            f"engine {engine_url} rank {engine_rank}: asked for rank {engine_rank}'s weights, "
+            f"the engine answered for rank {answered!r:.40}; nothing was written. Is another "
+            f"server answering at this URL?"
+        )
     try:
-        if isinstance(info, list) and len(info) == 2:
-            session_id, table = info
-            return RankPublication(
-                engine_url, engine_rank, "mooncake", _regions(table), session_id=str(session_id)
-            )
-        if not isinstance(info, dict):
-            raise TypeError(f"expected a [session_id, table] pair or an object, got {info!r:.80}")
-        backend = info.get("backend", "mooncake")
-        table = info["weights_info_dict"]
-        live, epoch = bool(info.get("live", False)), int(info.get("epoch", 0))
-        digests = bool(info.get("write_digests", False))
-        if backend == "mooncake":
-            return RankPublication(
-                engine_url,
-                engine_rank,
-                "mooncake",
-                _regions(table),
-                session_id=str(info["session_id"]),
-                live=live,
-                epoch=epoch,
-                write_digests=digests,
-            )
-        if backend == "nixl":
-            return RankPublication(
-                engine_url,
-                engine_rank,
-                "nixl",
-                _regions(table),
-                agent_name=str(info["agent_name"]),
-                agent_metadata=base64.b64decode(info["agent_metadata"]),
-                mem_type=info.get("mem_type"),
-                live=live,
-                epoch=epoch,
-                write_digests=digests,
-            )
-        if backend == "cuda_ipc":
-            return RankPublication(
-                engine_url,
-                engine_rank,
-                "cuda_ipc",
-                _regions(table),
-                agent_name=str(info["agent_name"]),
-                host_id=str(info["host_id"]),
-                segments=tuple(_segment(s) for s in info["segments"]),
-                live=live,
-                epoch=epoch,
-                write_digests=digests,
-            )
+        publication = _parse(engine_url, engine_rank, info)
+        _check_regions(publication.regions)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EngineError(
-            f"engine {engine_url} rank {engine_rank}: malformed weight publication ({exc!r})"
+            f"engine {engine_url} rank {engine_rank}: malformed weight publication: "
+            f"{_reason(exc)}; nothing was written. The engine's sglang or p2pweights plugin "
+            f"publishes something p2pweights cannot write safely"
         ) from exc
-    raise EngineError(
-        f"engine {engine_url} rank {engine_rank}: unknown published backend {backend!r}"
-    )
+    return publication
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, KeyError):
+        return f"no {exc.args[0]!r} field" if exc.args else "a field is missing"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _parse(engine_url: str, engine_rank: int, info: Any) -> RankPublication:
+    if isinstance(info, list) and len(info) == 2:
+        session_id, table = info
+        return RankPublication(
+            engine_url,
+            engine_rank,
+            "mooncake",
+            _regions(table),
+            session_id=_text(session_id, "session_id"),
+        )
+    if not isinstance(info, dict):
+        raise TypeError(f"expected a [session_id, table] pair or an object, got {info!r:.80}")
+    backend = info.get("backend", "mooncake")
+    table = info["weights_info_dict"]
+    common: dict[str, Any] = {
+        "live": _flag(info, "live"),
+        "epoch": _integer(info.get("epoch", 0), "epoch"),
+        "write_digests": _flag(info, "write_digests"),
+    }
+    if backend == "mooncake":
+        return RankPublication(
+            engine_url,
+            engine_rank,
+            "mooncake",
+            _regions(table),
+            session_id=_text(info["session_id"], "session_id"),
+            **common,
+        )
+    if backend == "nixl":
+        mem_type = info.get("mem_type")
+        return RankPublication(
+            engine_url,
+            engine_rank,
+            "nixl",
+            _regions(table),
+            agent_name=_text(info["agent_name"], "agent_name"),
+            agent_metadata=base64.b64decode(_text(info["agent_metadata"], "agent_metadata")),
+            mem_type=None if mem_type is None else _text(mem_type, "mem_type"),
+            **common,
+        )
+    if backend == "cuda_ipc":
+        segments = info["segments"]
+        if not isinstance(segments, list):
+            raise TypeError(f"segments must be a list, got {segments!r:.80}")
+        return RankPublication(
+            engine_url,
+            engine_rank,
+            "cuda_ipc",
+            _regions(table),
+            agent_name=_text(info["agent_name"], "agent_name"),
+            host_id=_text(info["host_id"], "host_id"),
+            segments=tuple(_segment(s) for s in segments),
+            **common,
+        )
+    raise ValueError(f"unknown published backend {backend!r:.40}")
 
 
 IPC_HANDLE_BYTES = 64
 """Size of a ``cudaIpcMemHandle_t``."""
 
+ADDRESS_SPACE_BYTES = 2**64
+"""Every published address and end lies below this (64-bit pointers)."""
 
-def _segment(entry: dict[str, Any]) -> IpcSegment:
-    handle = base64.b64decode(entry["handle"], validate=True)
+ELEMENT_SIZES = (1, 2, 4, 8, 16)
+"""The bytes of one element of any torch dtype."""
+
+_MAX_GPU_ID = 2**31
+
+
+def _integer(value: Any, what: str, *, limit: int = ADDRESS_SPACE_BYTES) -> int:
+    """``value`` as a JSON integer in ``[0, limit)``: a float, bool or string is refused
+    (``int()`` would truncate or parse it)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer, got {value!r:.40}")
+    if not 0 <= value < limit:
+        raise ValueError(f"{what} {value} is outside [0, {limit:#x})")
+    return value
+
+
+def _flag(info: dict[str, Any], key: str) -> bool:
+    value = info.get(key, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"{key} must be true or false, got {value!r:.40}")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {value!r:.40}")
+    return value
+
+
+def _segment(entry: Any) -> IpcSegment:
+    if not isinstance(entry, dict):
+        raise TypeError(f"a CUDA IPC segment must be an object, got {entry!r:.80}")
+    handle = base64.b64decode(_text(entry["handle"], "a segment's handle"), validate=True)
     if len(handle) != IPC_HANDLE_BYTES:
         raise ValueError(f"a CUDA IPC handle has {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    address = _integer(entry["address"], "a segment's address")
+    num_bytes = _integer(entry["num_bytes"], f"segment {address:#x}: num_bytes")
+    offset = _integer(entry["offset"], f"segment {address:#x}: offset")
+    for start, what in ((address, "address"), (offset, "offset")):
+        if start + num_bytes > ADDRESS_SPACE_BYTES:
+            raise ValueError(
+                f"segment {address:#x}: {what} {start:#x} + {num_bytes} bytes runs past the "
+                f"64-bit address space"
+            )
     return IpcSegment(
-        address=int(entry["address"]),
-        num_bytes=int(entry["num_bytes"]),
-        gpu_id=int(entry["gpu_id"]),
+        address=address,
+        num_bytes=num_bytes,
+        gpu_id=_integer(entry["gpu_id"], f"segment {address:#x}: gpu_id", limit=_MAX_GPU_ID),
         handle=handle,
-        offset=int(entry["offset"]),
+        offset=offset,
     )
 
 
-def _regions(table: dict[str, list[int]]) -> dict[str, WeightRegion]:
+def _regions(table: Any) -> dict[str, WeightRegion]:
+    if not isinstance(table, dict):
+        raise TypeError(f"weights_info_dict must be an object, got {table!r:.80}")
     regions = {}
     for name, entry in table.items():
-        address, numel, element_size = (int(x) for x in entry[:3])
-        gpu_id = int(entry[3]) if len(entry) > 3 else None
-        regions[name] = WeightRegion(address, numel * element_size, gpu_id)
+        regions[name] = _region(name, entry)
     return regions
+
+
+def _region(name: str, entry: Any) -> WeightRegion:
+    """One ``[address, numel, element_size(, gpu_id)]`` entry (more fields are ignored)."""
+    if not isinstance(entry, list) or len(entry) < 3:
+        raise TypeError(
+            f"parameter {name!r}: expected [address, numel, element_size, (gpu_id)], "
+            f"got {entry!r:.80}"
+        )
+    address = _integer(entry[0], f"parameter {name!r}: address")
+    numel = _integer(entry[1], f"parameter {name!r}: numel")
+    element_size = _integer(entry[2], f"parameter {name!r}: element_size")
+    if element_size not in ELEMENT_SIZES:
+        raise ValueError(f"parameter {name!r}: element_size {element_size} is no dtype's")
+    num_bytes = numel * element_size
+    if address + num_bytes > ADDRESS_SPACE_BYTES:
+        raise ValueError(
+            f"parameter {name!r}: {num_bytes} bytes at {address:#x} run past the 64-bit "
+            f"address space"
+        )
+    gpu_id = None
+    if len(entry) > 3:
+        gpu_id = _integer(entry[3], f"parameter {name!r}: gpu_id", limit=_MAX_GPU_ID)
+    return WeightRegion(address, num_bytes, gpu_id)
+
+
+def _check_regions(regions: dict[str, WeightRegion]) -> None:
+    """No two parameters partly overlap (one tensor published under two names, exactly
+    the same bytes, is allowed); the delta scratch region holds a header and overlaps no
+    parameter at all (the sender writes it, the engine reads it)."""
+    scratch = regions.get(SCRATCH_NAME)
+    if scratch is not None and scratch.num_bytes < HEADER_BYTES:
+        raise ValueError(
+            f"its delta scratch region {SCRATCH_NAME!r} has {scratch.num_bytes} bytes, too "
+            f"few for the {HEADER_BYTES}-byte payload header; the engine must publish none "
+            f"(P2PWEIGHTS_DELTA_SCRATCH=0) or at least {HEADER_BYTES} bytes"
+        )
+    ordered = sorted(
+        (region.address, region.end, name) for name, region in regions.items() if region.num_bytes
+    )
+    reach: tuple[int, int, str] | None = None  # the region ending last so far
+    for start, end, name in ordered:
+        if reach is not None and start < reach[1]:
+            same = (start, end) == reach[:2] and SCRATCH_NAME not in (name, reach[2])
+            if not same:
+                raise ValueError(
+                    f"parameters {reach[2]!r} [{reach[0]:#x}, {reach[1]:#x}) and {name!r} "
+                    f"[{start:#x}, {end:#x}) overlap; writing one would change the other"
+                )
+        if reach is None or end > reach[1]:
+            reach = (start, end, name)
