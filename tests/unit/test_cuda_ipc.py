@@ -22,6 +22,7 @@ from p2pweights.transfer.transports.cuda_ipc import (
     CudaIpcPublisher,
     CudaIpcTransport,
     Opened,
+    check_mapped,
     check_reachable,
     check_segments,
     host_id,
@@ -157,11 +158,12 @@ def test_staging_defaults_to_the_transport_gpu_else_host() -> None:
 
 
 def _two_blocks(**overrides: object) -> dict[str, object]:
-    """Two allocations adjacent in the engine (0x1000-0x2000, 0x2000-0x3000)."""
-    handle = base64.b64encode(HANDLE).decode()
+    """Two allocations adjacent in the engine (0x1000-0x2000, 0x2000-0x3000), each with
+    its own handle."""
+    first, second = (base64.b64encode(h).decode() for h in (HANDLE, bytes(range(64, 128))))
     segments = [
-        {"address": 0x1000, "num_bytes": 0x1000, "gpu_id": 1, "handle": handle, "offset": 0},
-        {"address": 0x2000, "num_bytes": 0x1000, "gpu_id": 1, "handle": handle, "offset": 0x40},
+        {"address": 0x1000, "num_bytes": 0x1000, "gpu_id": 1, "handle": first, "offset": 0},
+        {"address": 0x2000, "num_bytes": 0x1000, "gpu_id": 1, "handle": second, "offset": 0x40},
     ]
     table = {"a": [0x1000, 2048, 2, 1], "b": [0x2000, 2048, 2, 1]}
     return _info(segments=segments, weights_info_dict=table) | overrides
@@ -187,7 +189,7 @@ def test_adjacent_blocks_mapped_apart_are_written_each_through_its_own_mapping()
     ("change", "says"),
     [
         ({"num_bytes": 0}, "impossible"),
-        ({"offset": -1}, "impossible"),
+        ({"address": 0}, "impossible"),
         ({"address": 0x1800}, "overlapping"),
     ],
 )
@@ -197,6 +199,16 @@ def test_impossible_segments_are_refused_before_any_handle_is_opened(change, say
     pub = parse_publication(URL, 0, {"remote_instance_transfer_engine_info": info})
     with pytest.raises(TransportError, match=says):
         check_segments(pub)
+
+
+@pytest.mark.parametrize(
+    "change", [{"offset": -1}, {"num_bytes": -5}, {"address": 2**64 - 16}, {"gpu_id": "1"}]
+)
+def test_segments_out_of_range_are_refused_as_malformed(change) -> None:
+    info = _two_blocks()
+    info["segments"][1].update(change)  # type: ignore[index]
+    with pytest.raises(EngineError, match=f"engine {URL} rank 0: malformed.*segment"):
+        parse_publication(URL, 0, {"remote_instance_transfer_engine_info": info})
 
 
 def test_a_parameter_outside_the_segments_is_refused() -> None:
@@ -215,3 +227,95 @@ def test_staging_on_another_gpu_than_the_transport_is_warned(caplog) -> None:
     with caplog.at_level("WARNING", logger="p2pweights.session"):
         staging_device_for(config.transport, "cuda:0")
     assert caplog.text == ""
+
+
+def _segment(address: int, num_bytes: int, offset: int, handle: bytes = HANDLE) -> dict:
+    encoded = base64.b64encode(handle).decode()
+    return {
+        "address": address,
+        "num_bytes": num_bytes,
+        "gpu_id": 1,
+        "handle": encoded,
+        "offset": offset,
+    }
+
+
+def test_a_segment_past_the_allocation_its_handle_opened_is_refused() -> None:
+    """The bytes a handle maps here bound every segment published on it: offset +
+    num_bytes past them would make the trainer copy past the mapping."""
+    info = _info(
+        segments=[_segment(0x10000, 0x1000, 0x800)],
+        weights_info_dict={"w": [0x10000, 2048, 2, 1]},
+    )
+    pub = parse_publication(URL, 1, {"remote_instance_transfer_engine_info": info})
+    check_mapped(pub, {HANDLE: 0x1800})  # exactly fits
+    with pytest.raises(TransportError) as caught:
+        check_mapped(pub, {HANDLE: 0x17FF})
+    message = str(caught.value)
+    assert f"engine {URL} rank 1" in message and "0x1800" in message and "0x17ff" in message
+    assert "nothing was written" in message
+
+
+def test_segments_of_one_handle_must_agree_on_where_its_allocation_starts() -> None:
+    """Two segments of one allocation: address - offset is the allocation's base in the
+    engine, the same for both, else one of them is translated to the wrong bytes."""
+    info = _info(
+        segments=[_segment(0x10000, 0x1000, 0), _segment(0x11000, 0x1000, 0x2000)],
+        weights_info_dict={"w": [0x10000, 2048, 2, 1]},
+    )
+    pub = parse_publication(URL, 1, {"remote_instance_transfer_engine_info": info})
+    with pytest.raises(TransportError, match=rf"engine {URL} rank 1.*allocation"):
+        check_segments(pub)
+
+
+class _FakeRuntime:
+    """The CUDA calls ``connect`` makes, on a host without CUDA: each handle maps
+    ``mapped_bytes`` at a pointer of its own."""
+
+    def __init__(self, mapped_bytes: int) -> None:
+        self.mapped_bytes = mapped_bytes
+        self.opened: list[int] = []
+        self.closed: list[int] = []
+
+    def open_ipc_handle(self, handle: bytes, device: int) -> int:
+        pointer = 0x7000_0000_0000 + 0x1000_0000 * len(self.opened)
+        self.opened.append(pointer)
+        return pointer
+
+    def allocation_range(self, address: int) -> tuple[int, int]:
+        return address, self.mapped_bytes
+
+    def close_ipc_handle(self, address: int) -> None:
+        self.closed.append(address)
+
+    def on_device(self, device: int):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def _transport(monkeypatch, runtime: _FakeRuntime) -> CudaIpcTransport:
+    from p2pweights.transfer.transports import cuda_ipc
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda_ipc, "cuda_runtime", lambda: runtime)
+    return CudaIpcTransport(CudaIpcConfig(device=0))
+
+
+def test_connect_refuses_a_publication_past_the_mapping_and_closes_what_it_opened(
+    monkeypatch,
+) -> None:
+    info = _info(
+        segments=[_segment(0x10000, 0x1000, 0x800)],
+        weights_info_dict={"w": [0x10000, 2048, 2, 1]},
+    )
+    pub = parse_publication(URL, 1, {"remote_instance_transfer_engine_info": info})
+    runtime = _FakeRuntime(mapped_bytes=0x1000)  # the allocation is 0x1000, not 0x1800
+    transport = _transport(monkeypatch, runtime)
+    with pytest.raises(TransportError, match=f"engine {URL} rank 1"):
+        transport.connect(pub)
+    assert runtime.closed == runtime.opened and transport.peers == frozenset()
+    fits = _transport(monkeypatch, _FakeRuntime(mapped_bytes=0x1800))
+    fits.connect(pub)
+    assert fits.peers == {pub.peer}

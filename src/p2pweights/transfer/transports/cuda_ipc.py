@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,21 +160,37 @@ class CudaIpcTransport(Transport):
                 return
         check_segments(target)
         mapped: dict[bytes, int] = {}
-        segments = []
         try:
-            for segment in target.segments:
-                if segment.handle not in mapped:
-                    mapped[segment.handle] = self._cuda.open_ipc_handle(
-                        segment.handle, self._device
-                    )
-                local = mapped[segment.handle] + segment.offset
-                segments.append((segment.address, segment.end, local))
-        except TransportError as exc:
+            spans = self._open(target, mapped)
+            check_mapped(target, spans)
+        except TransportError:
             self._close_pointers(tuple(mapped.values()))
-            raise TransportError(f"cannot open the memory {target.where} published: {exc}") from exc
+            raise
+        segments = [
+            (segment.address, segment.end, mapped[segment.handle] + segment.offset)
+            for segment in target.segments
+        ]
         opened = Opened(tuple(sorted(segments)), tuple(mapped.values()))
         with self._lock:
             self._opened[target.peer] = opened
+
+    def _open(self, target: RankPublication, mapped: dict[bytes, int]) -> dict[bytes, int]:
+        """Open each allocation ``target`` published once (into ``mapped``: handle ->
+        pointer here, for the caller to close on failure); returns each handle's bytes
+        mapped from its pointer on, as the driver reports them."""
+        spans = {}
+        try:
+            for segment in target.segments:
+                if segment.handle in mapped:
+                    continue
+                pointer = self._cuda.open_ipc_handle(segment.handle, self._device)
+                mapped[segment.handle] = pointer
+                with self._cuda.on_device(self._device):
+                    base, size = self._cuda.allocation_range(pointer)
+                spans[segment.handle] = base + size - pointer
+        except TransportError as exc:
+            raise TransportError(f"cannot open the memory {target.where} published: {exc}") from exc
+        return spans
 
     def direct_view(
         self, target: RankPublication, address: int, num_bytes: int
@@ -330,11 +346,22 @@ def translate(target: RankPublication, opened: Opened, sources: RegionIndex, wri
 
 
 def check_segments(target: RankPublication) -> None:
-    """Refuse segments no allocation could hold before opening any of them."""
+    """Refuse segments no allocation could hold before opening any of them: empty or
+    negative, overlapping, or of one handle but disagreeing on where its allocation
+    starts in the engine (``address - offset``); and parameters outside every segment."""
+    bases: dict[bytes, int] = {}
     for segment in target.segments:
         if segment.num_bytes <= 0 or segment.offset < 0 or segment.address <= 0:
             raise TransportError(
                 f"{target.where} published an impossible CUDA IPC segment {segment}"
+            )
+        base = bases.setdefault(segment.handle, segment.address - segment.offset)
+        if segment.address - segment.offset != base:
+            raise TransportError(
+                f"{target.where} published CUDA IPC segments of one allocation (one handle) "
+                f"that disagree on where it starts: {base:#x} and "
+                f"{segment.address - segment.offset:#x} (address - offset); nothing was "
+                f"opened or written"
             )
     ordered = sorted(target.segments, key=lambda s: s.address)
     for before, after in itertools.pairwise(ordered):
@@ -344,6 +371,23 @@ def check_segments(target: RankPublication) -> None:
         if not any(s.address <= region.address and region.end <= s.end for s in ordered):
             raise TransportError(
                 f"{target.where} published parameter {name!r} outside its CUDA IPC segments"
+            )
+
+
+def check_mapped(target: RankPublication, spans: Mapping[bytes, int]) -> None:
+    """Refuse a segment that runs past the allocation its handle opened here: ``spans``
+    gives, per handle, the bytes mapped from the pointer it opened at on (the driver's
+    size of that allocation). A publication is the engine's word; the mapping is the
+    driver's, and every copy must stay inside it."""
+    for segment in target.segments:
+        mapped = spans[segment.handle]
+        if segment.offset + segment.num_bytes > mapped:
+            raise TransportError(
+                f"{target.where} published a CUDA IPC segment of {segment.num_bytes} bytes at "
+                f"offset {segment.offset:#x} of its allocation (ending at "
+                f"{segment.offset + segment.num_bytes:#x}), but the allocation its handle "
+                f"opened here has {mapped:#x} bytes; nothing was written. The engine's "
+                f"publication does not describe its memory: restart it, or report a bug"
             )
 
 
