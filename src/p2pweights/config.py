@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from p2pweights import environment
 from p2pweights.errors import ConfigError
@@ -184,8 +184,10 @@ class SyncConfig(_Config):
     allow_sglang_mismatch: bool = False
     """Connect to engines whose sglang release differs from the trainer's (a warning
     instead of an error; the replica runs the trainer's copy of sglang's model code)."""
-    api_key: str | None = None
-    """Sent as ``Authorization: Bearer <key>`` when the engines require one."""
+    api_key: SecretStr | None = None
+    """Sent as ``Authorization: Bearer <key>`` when the engines require one. Give a plain
+    string; it is kept as a ``pydantic.SecretStr``, shown as ``**********`` in every repr,
+    dump and log (``api_key.get_secret_value()`` reads it)."""
     trainer_rank: int = 0
     """This process's rank among the trainer ranks that send the same weights (its
     pipeline stage's ranks)."""
@@ -241,6 +243,17 @@ class SyncConfig(_Config):
                 "delta updates write one payload per engine rank, but pipeline stages each "
                 "write every engine rank; use delta=None with num_pipeline_stages > 1"
             )
+
+    @property
+    def protocol(self) -> str:
+        """What the transport was configured to write over, for reports: Mooncake's
+        protocol, NIXL's backend, or "device copy" for CUDA IPC."""
+        transport = self.transport
+        if isinstance(transport, MooncakeConfig):
+            return transport.protocol
+        if isinstance(transport, NixlConfig):
+            return transport.backend
+        return "device copy"
 
     @property
     def num_senders(self) -> int:

@@ -1,25 +1,125 @@
-"""What ``WeightSyncSession.update`` returns."""
+"""What ``WeightSyncSession.update`` returns: what the update did, engine by engine.
+
+``UpdateReport.summary()`` is the text to print; the fields hold the same facts for code.
+Everything is as this trainer rank saw it: with several sending ranks each reports the
+bytes it wrote, and only the rank that drives the engines (stage 0's rank 0) knows how
+long they stood paused.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from p2pweights.errors import some_of
+
+if TYPE_CHECKING:
+    from p2pweights.delta.sender import DeltaSummary
+
+__all__ = ["DeltaReport", "EngineReport", "UpdateReport", "Verification"]
+
+Verification = Literal["write_digests", "weight_check"]
+"""How an engine's writes were checked: "write_digests" (each engine rank's digest of
+every parameter, taken right before its ``end_weight_update``, equal to the digest of
+the bytes staged for it; ``SyncConfig.verify_writes``), "weight_check" (the engine's
+own weight checker compared the update with the weights it started with;
+``SyncConfig.check_weight_update_equal``, first update only)."""
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """What one update did to one engine."""
+
+    url: str
+    """The engine's URL, as connected."""
+    transport: str
+    """What its bytes were written over: "mooncake", "nixl" or "cuda_ipc"."""
+    protocol: str
+    """The transport's protocol: Mooncake's ("rdma", "tcp"), NIXL's backend ("UCX", ...)
+    or "device copy" for CUDA IPC, as the session's transport was configured."""
+    num_ranks_written: int
+    """Engine ranks (speculative draft runners not counted apart) this trainer rank wrote."""
+    bytes_written: int
+    """Bytes this trainer rank wrote into the engine, all its ranks together (for a delta
+    update: the delta entries and the parameters written in full)."""
+    verified_by: tuple[Verification, ...] = ()
+    """How this update's writes into the engine were checked; empty: they were not."""
+    unverified_reason: str | None = None
+    """Why this trainer rank's writes into the engine were not checked by write digests,
+    and the setting that has them checked; None where they were."""
+    paused_s: float | None = None
+    """Seconds the engine stood paused for this update: from the answer to the pause this
+    update made (or, where it was paused already, from when this update began with it)
+    to the answer to its resume. None on a trainer rank that does not drive the engines."""
+    pause_made: bool | None = None
+    """Whether this update paused the engine. False: it was paused already (left so by an
+    earlier failed update, or found so at ``connect``), and ``paused_s`` counts from when
+    this update began with it. None where ``paused_s`` is."""
+
+    @property
+    def verified(self) -> bool:
+        """Whether this update's writes into the engine were checked at all."""
+        return bool(self.verified_by)
+
+
+@dataclass(frozen=True)
+class DeltaReport:
+    """What a delta update (``SyncConfig.delta``) sent instead of every byte."""
+
+    num_delta_params: int
+    """Staged parameters written as deltas (changed elements only). A parameter staged for
+    several shard layouts (engines of other TP sizes) counts once per layout."""
+    num_full_params: int
+    """Staged parameters written in full: too many elements changed, no room in the
+    engine rank's scratch region, or the rank did not hold the previous update."""
+    num_unchanged_params: int
+    """Staged parameters with no element changed: nothing written."""
+    full_bytes: int
+    """Bytes a full update would have written (every staged parameter to each of its ranks)."""
+    sent_bytes: int
+    """Bytes written instead: full parameters, delta entries and their headers."""
+    store_bytes: int
+    """Memory the trainer keeps for the previous update's bytes (what deltas compare with)."""
+
+    @classmethod
+    def of(cls, summary: DeltaSummary) -> DeltaReport:
+        """The report of what the delta sender counted."""
+        return cls(
+            num_delta_params=summary.num_delta_slots,
+            num_full_params=summary.num_full_slots,
+            num_unchanged_params=summary.num_unchanged_slots,
+            full_bytes=summary.full_bytes,
+            sent_bytes=summary.sent_bytes,
+            store_bytes=summary.store_bytes,
+        )
+
+    @property
+    def fraction(self) -> float:
+        """``sent_bytes`` over ``full_bytes`` (1.0 when nothing was staged)."""
+        return self.sent_bytes / self.full_bytes if self.full_bytes else 1.0
 
 
 @dataclass(frozen=True)
 class UpdateReport:
-    """One update: the new version, the bytes each engine rank received and where time went."""
+    """One update: the new version, what was written where, how it was checked, and where
+    the time went."""
 
     version: str
+    """The weight version the engines now show."""
     bytes_by_target: dict[tuple[str, int], int]
     """(engine URL, engine rank) -> bytes this trainer rank wrote there."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    """control_plane, probe (first update only), convert (e.g. fp8 quantization, when an
-    engine needs it), load (into buffers), wait (on writes), verify."""
+    """Seconds per stage: control_plane, probe (first update only) or check_inputs, convert
+    (e.g. fp8 quantization, when an engine needs it), load (into buffers), wait (on
+    writes), delta_compare, digest and verify_writes / engine_digest (write digests),
+    verify (the engines' weight check)."""
     seconds: float = 0.0
-    paused_s: dict[str, float] = field(default_factory=dict)
-    """Engine URL -> seconds its generation stood paused for this update: from the answer
-    to its pause (or from when a failed earlier update left it paused, or a session
-    found it so) to the answer to its resume (``Fleet.paused_seconds()``)."""
+    """Wall seconds of the whole ``update()`` call."""
+    engines: dict[str, EngineReport] = field(default_factory=dict)
+    """Engine URL -> what this update did there (every connected engine)."""
+    delta: DeltaReport | None = None
+    """What went as deltas; None without ``SyncConfig.delta``."""
     num_control_calls: int = 0
     """HTTP calls to the engines during the update (``Fleet.control_calls()``)."""
     control_call_seconds: float = 0.0
@@ -28,22 +128,110 @@ class UpdateReport:
 
     @property
     def bytes_written(self) -> int:
+        """Bytes this trainer rank wrote, every engine rank together."""
         return sum(self.bytes_by_target.values())
 
     @property
     def gb_per_s(self) -> float:
+        """``bytes_written`` per second of the update, in GB/s (10^9 bytes)."""
         return self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    @property
+    def paused_s(self) -> dict[str, float]:
+        """Engine URL -> ``EngineReport.paused_s``, for the engines where it is known."""
+        return {
+            url: engine.paused_s
+            for url, engine in self.engines.items()
+            if engine.paused_s is not None
+        }
+
     def summary(self) -> str:
+        """A few lines saying what the update did, for a person to read."""
+        lines = [self._headline()]
+        if self.delta is not None:
+            lines.append(_delta_line(self.delta))
+        lines.extend(_engine_lines(self.engines.values()))
+        lines.append(self._time_line())
+        return "\n".join(lines)
+
+    def _headline(self) -> str:
+        num_engines = len(self.engines) or len({url for url, _ in self.bytes_by_target})
+        return (
+            f"version {self.version}: {_size(self.bytes_written)} to "
+            f"{len(self.bytes_by_target)} engine rank(s) of {num_engines} engine(s) in "
+            f"{self.seconds:.3f} s ({_rate(self.bytes_written, self.seconds)})"
+        )
+
+    def _time_line(self) -> str:
         stages = " ".join(f"{k}={v:.3f}s" for k, v in self.stage_seconds.items())
-        paused = f"; paused {max(self.paused_s.values()):.3f} s" if self.paused_s else ""
         calls = (
             f"; {self.num_control_calls} control calls {self.control_call_seconds:.3f} s"
             if self.num_control_calls
             else ""
         )
-        return (
-            f"version {self.version}: {self.bytes_written / 1e6:.1f} MB to "
-            f"{len(self.bytes_by_target)} engine rank(s) in {self.seconds:.3f} s "
-            f"({self.gb_per_s:.2f} GB/s; {stages}{paused}{calls})"
-        )
+        return f"  stages: {stages or 'none'}{calls}"
+
+
+def _delta_line(delta: DeltaReport) -> str:
+    return (
+        f"  deltas: {delta.num_delta_params} parameter(s) as deltas, {delta.num_full_params} "
+        f"in full, {delta.num_unchanged_params} unchanged; {_size(delta.sent_bytes)} sent, "
+        f"{100 * delta.fraction:.1f} % of the {_size(delta.full_bytes)} a full update writes "
+        f"(the previous update's copy takes {_size(delta.store_bytes)})"
+    )
+
+
+def _engine_lines(engines: Iterable[EngineReport]) -> list[str]:
+    """Engines grouped by what happened to them, so a large fleet stays a few lines."""
+    engines = list(engines)
+    if not engines:
+        return []
+    lines = []
+    over = sorted({f"{e.transport} ({e.protocol})" for e in engines})
+    lines.append(f"  written over {', '.join(over)}")
+    checked: dict[tuple[Verification, ...], int] = {}
+    for engine in engines:
+        if engine.verified:
+            checked[engine.verified_by] = checked.get(engine.verified_by, 0) + 1
+    parts = [
+        f"verified by {' and '.join(_VERIFIED_BY[v] for v in how)}: {n} engine(s)"
+        for how, n in checked.items()
+    ]
+    unverified = [f"{e.url} ({e.unverified_reason})" for e in engines if not e.verified]
+    if unverified:
+        parts.append(f"NOT verified: {some_of(unverified)}")
+    lines.append(f"  {'; '.join(parts)}")
+    paused = {e.url: e.paused_s for e in engines if e.paused_s is not None}
+    if paused:
+        longest = max(paused, key=lambda url: paused[url])
+        line = f"  paused up to {paused[longest]:.3f} s ({longest})"
+        already = [e.url for e in engines if e.pause_made is False]
+        if already:
+            line += (
+                f"; {some_of(already, ', ')} was paused already when this update began "
+                f"(counted from then)"
+            )
+        lines.append(line)
+    return lines
+
+
+_VERIFIED_BY: Mapping[Verification, str] = {
+    "write_digests": "write digests",
+    "weight_check": "the engine's weight check",
+}
+
+
+def _size(num_bytes: float) -> str:
+    if num_bytes >= 1e9:
+        return f"{num_bytes / 1e9:.2f} GB"
+    return f"{num_bytes / 1e6:.1f} MB"
+
+
+def _rate(num_bytes: int, seconds: float) -> str:
+    """Bytes per second in units that show a small (delta) update as more than zero."""
+    if seconds <= 0:
+        return "no time measured"
+    per_s = num_bytes / seconds
+    if per_s >= 1e9:
+        return f"{per_s / 1e9:.2f} GB/s"
+    return f"{per_s / 1e6:.1f} MB/s"

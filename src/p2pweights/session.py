@@ -67,7 +67,7 @@ from p2pweights.plan.prepare import (
 from p2pweights.plan.targets import Targets, assign, moved
 from p2pweights.progress import progress
 from p2pweights.replica.registry import ReplicaHandle, replica_for
-from p2pweights.report import UpdateReport
+from p2pweights.report import DeltaReport, UpdateReport, Verification
 from p2pweights.source.expected import ExpectedCheckpoint
 from p2pweights.source.inputs import InputSpec, describe_inputs, described_inputs
 from p2pweights.transfer.executor import RunHooks, RunResult, TransferExecutor
@@ -128,6 +128,8 @@ class WeightSyncSession:
         self._fleet = Fleet([])
         self._write_check = WriteCheck()
         """The engines whose writes are verified after each update's end."""
+        self._unverified_warned: set[str] = set()
+        """Engines warned about as unverified: once per session (``WriteCheck.warned``)."""
         self._replicas: dict[Hashable, ReplicaHandle] = {}
         self._targets: Targets = {}
         self._expected: list[tuple[ExpectedCheckpoint, torch.dtype | None]] = []
@@ -237,7 +239,9 @@ class WeightSyncSession:
         try:
             # a delta an engine refused is seen only through its record: checked always
             verify = "always" if config.delta and config.verify_writes == "auto" else None
-            write_check = WriteCheck.connect(fleet.engines, verify or config.verify_writes)
+            write_check = WriteCheck.connect(
+                fleet.engines, verify or config.verify_writes, self._unverified_warned
+            )
             if self._executor is None:
                 transport = create_transport(config.transport)
                 self._executor = TransferExecutor(
@@ -387,12 +391,29 @@ class WeightSyncSession:
         if result.delta is not None:
             stages["delta_compare"] = result.delta_s
         calls = self._fleet.control_calls() if self._leader else ControlCalls()
+        weight_checked = "verify" in stages  # the engines' weight check ran, and passed
+        written = set(result.bytes_by_target)
+
+        def verification(url: str) -> tuple[tuple[Verification, ...], str | None]:
+            why = self._write_check.verification(url, written, result.digests)
+            by: tuple[Verification, ...] = () if why else ("write_digests",)
+            return by + (("weight_check",) if weight_checked else ()), why
+
+        engines = self._fleet.engine_reports(
+            result.bytes_by_target,
+            self.config.transport.kind,
+            self.config.protocol,
+            verification,
+            drives=self._leader,
+        )
+        self._write_check.warn_unverified(engines.values())
         return UpdateReport(
             version=version,
             bytes_by_target=dict(result.bytes_by_target),
             stage_seconds=stages,
             seconds=seconds,
-            paused_s=self._fleet.paused_seconds() if self._leader else {},
+            engines=engines,
+            delta=None if result.delta is None else DeltaReport.of(result.delta),
             num_control_calls=calls.num_calls,
             control_call_seconds=calls.wall_seconds,
         )

@@ -17,7 +17,7 @@ from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, Fleet
 from p2pweights.engines.update_session import UPDATING_PREFIX, EngineUpdate, Phase
 from p2pweights.errors import EngineError, EngineUnreachable
-from p2pweights.report import UpdateReport
+from p2pweights.report import EngineReport, UpdateReport
 
 OVERLAP_WAIT_S = 5.0  # bounds only a failing run: a pair issued one after another waits this
 
@@ -211,27 +211,43 @@ def test_paused_seconds_run_from_the_pause_answer_to_the_resume_answer():
     assert client.log[-1] == ("end", "continue") and clock.now == 7.0
 
 
-def test_an_engine_left_paused_by_a_failed_update_counts_from_that_pause():
+def test_an_engine_left_paused_by_a_failed_update_counts_from_the_retry_that_resumes_it():
     clock = Clock()
     update, client = _update(clock)
     client.fail["begin"] = EngineError("engine http://e0: /begin failed: refused")
     with pytest.raises(EngineError):
         update.open("abort", "4")
-    paused_at = 1.0  # pause answered, then marker and flush (3.0); begin refused
+    assert update.pause_made is True
     clock.now = 100.0  # the retry comes much later
     _one_update(update)
     assert client.log.count(("start", "pause")) == 1  # not paused again
-    assert update.paused_s == clock.now - paused_at
+    assert update.pause_made is False  # this update found it paused
+    assert update.paused_s == clock.now - 100.0  # from this update's start, not the first pause
 
 
-def test_an_adopted_engine_counts_from_its_adoption():
+def test_an_adopted_engine_in_an_unknown_state_counts_from_this_updates_pause():
     clock = Clock()
     clock.now = 10.0
     update, client = _update(clock, version=f"{UPDATING_PREFIX}3")
     assert update.paused_since == 10.0
+    clock.now = 50.0  # connect, then the trainer's step
     _one_update(update)
     assert ("start", "pause") in client.log  # unknown state: paused again, tolerantly
-    assert update.paused_s == clock.now - 10.0
+    assert update.pause_made is True
+    assert update.paused_s == clock.now - 51.0  # from the pause's answer
+
+
+def test_an_adopted_engine_reported_paused_counts_from_this_updates_start():
+    clock = Clock()
+    client = RecordingClient(clock, version=f"{UPDATING_PREFIX}3")
+    client.engine_state = lambda: {"paused": True, "update_open": False}  # type: ignore[method-assign]
+    update = EngineUpdate(client, clock=clock)  # type: ignore[arg-type]
+    update.adopt()
+    clock.now = 50.0
+    _one_update(update)
+    assert ("start", "pause") not in client.log  # paused already: this update made no pause
+    assert update.pause_made is False
+    assert update.paused_s == clock.now - 50.0
 
 
 def _fleet(clock: Clock, urls: list[str]) -> tuple[Fleet, list[RecordingClient]]:
@@ -269,11 +285,15 @@ def test_report_carries_paused_seconds_and_control_calls():
         version="1",
         bytes_by_target={("http://a", 0): 10},
         seconds=1.0,
-        paused_s={"http://a": 0.25, "http://b": 0.5},
+        engines={
+            url: EngineReport(url, "mooncake", "tcp", 1, 10, paused_s=s, pause_made=True)
+            for url, s in {"http://a": 0.25, "http://b": 0.5}.items()
+        },
         num_control_calls=9,
         control_call_seconds=0.125,
     )
-    assert "paused 0.500 s" in report.summary()
+    assert report.paused_s == {"http://a": 0.25, "http://b": 0.5}
+    assert "paused up to 0.500 s (http://b)" in report.summary()
     assert "9 control calls 0.125 s" in report.summary()
 
 

@@ -157,7 +157,9 @@ def test_engines_without_digests_are_skipped_on_auto_and_refused_on_always(engin
     always = SyncConfig(buffer_bytes="1MiB", verify_writes="always")
     with (
         WeightSyncSession(always) as session,
-        pytest.raises(EngineError, match="http://plain records no write digests"),
+        pytest.raises(
+            EngineError, match="http://plain: its writes cannot be verified: it records no"
+        ),
     ):
         session.connect(["http://plain"])
     assert plain.running

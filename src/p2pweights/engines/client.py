@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.engines.calls import CallLog, ControlCall
@@ -43,7 +44,7 @@ class EngineClient:
         url: str,
         *,
         timeout_s: float = 60.0,
-        api_key: str | None = None,
+        api_key: str | SecretStr | None = None,
         control_timeout_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -54,6 +55,8 @@ class EngineClient:
         self.calls = CallLog()
         """Every request this client sent (``Fleet`` clears it when an update opens)."""
         self._clock = clock
+        if isinstance(api_key, SecretStr):
+            api_key = api_key.get_secret_value()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout_s = timeout_s
         self._control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import SecretStr
+
 
 @dataclass(frozen=True)
 class EngineEndpoint:
@@ -11,14 +13,17 @@ class EngineEndpoint:
 
     url: str
     """e.g. ``http://10.0.0.5:30000``."""
-    api_key: str | None = None
-    """Overrides ``SyncConfig.api_key`` for this engine."""
+    api_key: SecretStr | str | None = None
+    """Overrides ``SyncConfig.api_key`` for this engine. A plain string is kept as a
+    ``pydantic.SecretStr`` (never shown in a repr or log)."""
     model_path: str | None = None
     """This trainer's copy of the engine's HF config.json (default: the engine's model_path)."""
 
     def __post_init__(self) -> None:
         # One spelling per engine: writers, publications and clients are keyed by it.
         object.__setattr__(self, "url", self.url.rstrip("/"))
+        if isinstance(self.api_key, str):
+            object.__setattr__(self, "api_key", SecretStr(self.api_key))
 
     @classmethod
     def of(cls, engine: str | EngineEndpoint) -> EngineEndpoint:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import SecretStr
 
 from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.client import EngineClient
@@ -15,6 +17,7 @@ from p2pweights.engines.published import RankPublication
 from p2pweights.engines.speculative import has_model_draft
 from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate
 from p2pweights.errors import EngineError, EngineUnreachable
+from p2pweights.report import EngineReport, Verification
 from p2pweights.transfer.transports.base import require_backend
 
 logger = logging.getLogger(__name__)
@@ -134,7 +137,7 @@ class ConnectOptions:
     transport_kind: str
     timeout_s: float
     control_timeout_s: float
-    api_key: str | None = None
+    api_key: SecretStr | None = None
     allow_sglang_mismatch: bool = False
 
 
@@ -223,7 +226,7 @@ class Fleet:
         less than a training step."""
         for engine in self.engines:  # what follows is this update's
             engine.client.calls.clear()
-            engine.update.paused_s = None
+            engine.update.new_update()
         connections = 1 if pause_mode == "in_place" else 2  # the marker and the flush
         try:
             self.each(lambda e: e.client.check_reachable(connections))
@@ -278,9 +281,40 @@ class Fleet:
         return report
 
     def paused_seconds(self) -> dict[str, float]:
-        """Engine URL -> seconds from its pause (or from when it was found paused) to its
-        resume, for each engine the last update (or the abort after it) resumed."""
+        """Engine URL -> seconds from the last update's pause (or, where it found the engine
+        paused, from when it began with it) to its resume, for each engine the last update
+        (or the abort after it) resumed."""
         return {e.url: e.update.paused_s for e in self.engines if e.update.paused_s is not None}
+
+    def engine_reports(
+        self,
+        bytes_by_target: Mapping[tuple[str, int], int],
+        transport: str,
+        protocol: str,
+        verification: Callable[[str], tuple[tuple[Verification, ...], str | None]],
+        drives: bool,
+    ) -> dict[str, EngineReport]:
+        """What the last update did to each engine: the bytes this trainer rank wrote there,
+        over what, ``verification(url)`` (how its writes were checked, and why not by write
+        digests) and, where this rank ``drives`` the update sessions, its pause."""
+        reports = {}
+        for engine in self.engines:
+            written = [n for (url, _), n in bytes_by_target.items() if url == engine.url]
+            verified_by, why = verification(engine.url)
+            update = engine.update
+            resumed = drives and update.paused_s is not None
+            reports[engine.url] = EngineReport(
+                url=engine.url,
+                transport=transport,
+                protocol=protocol,
+                num_ranks_written=len(written),
+                bytes_written=sum(written),
+                verified_by=verified_by,
+                unverified_reason=why,
+                paused_s=update.paused_s if resumed else None,
+                pause_made=update.pause_made if resumed else None,
+            )
+        return reports
 
     def control_calls(self) -> ControlCalls:
         """Every HTTP call to the engines since the last update opened (its abort's too)."""

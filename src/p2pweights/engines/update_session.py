@@ -17,7 +17,9 @@ handled by tolerant calls before it is written again.
 
 Within one engine, calls that do not depend on each other's effect run at once
 (``_flush_with_marker``); the others wait for the answer before them, for the reasons
-written there and in ``finish``. ``paused_since`` and ``paused_s`` time the pause each update costs.
+written there and in ``finish``. ``pause_began`` and ``paused_s`` time the pause each
+update costs: from the pause it made, or from when it began with an engine it found
+paused (``pause_made`` says which), never from an earlier update's or session's pause.
 
 Torn weights are made visible. Once an engine is open, its weight version is set to
 ``p2pweights-updating:<version>`` and stays so until the update completed there
@@ -94,9 +96,15 @@ class EngineUpdate:
     paused_since: float | None = None
     """``clock()`` when its pause answered, or when this session found it paused
     (adopted, or left paused by an earlier failed update); None while running."""
+    pause_began: float | None = None
+    """``clock()`` the current update's pause counts from: the answer to the pause it made,
+    or, where the engine was paused already, when the update began with it (``open``)."""
+    pause_made: bool | None = None
+    """Whether the last update to ``open`` the engine paused it (False: it was paused
+    already; None: no update opened it since ``new_update``)."""
     paused_s: float | None = None
-    """Seconds from ``paused_since`` to the answer of its last resume (None: not resumed
-    since ``Fleet.open`` cleared it)."""
+    """Seconds from ``pause_began`` (``paused_since`` for a resume outside an update) to
+    the answer of its last resume (None: not resumed since ``new_update``)."""
     last_error: str | None = field(default=None, repr=False)
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     """Monotonic seconds (injectable for tests)."""
@@ -149,6 +157,10 @@ class EngineUpdate:
 
     # -- the update steps ----------------------------------------------------------------------
 
+    def new_update(self) -> None:
+        """An update begins: forget the last one's pause figures."""
+        self.paused_s = self.pause_began = self.pause_made = None
+
     def open(self, pause_mode: str, version: str, snapshot: bool = False) -> None:
         """Pause (if running), show ``p2pweights-updating:<version>`` until the update
         completes here, optionally snapshot and reset for the weight check (once per
@@ -157,9 +169,13 @@ class EngineUpdate:
         The version says "updating" before anything changes the weights or opens a
         session, so an engine a failure leaves open or reset always shows it.
         """
+        began = self.clock()
         self._probe_if_unknown()
-        if self.phase in (Phase.RUNNING, Phase.UNKNOWN):
+        self.pause_made = self.phase in (Phase.RUNNING, Phase.UNKNOWN)
+        if self.pause_made:
             self._pause(pause_mode)
+        else:  # paused by an earlier update or session: this update's pause starts now
+            self.pause_began = began
         self._version = version
         self.shows_updating = True  # even if the answer is lost, it may show it
         # sglang refuses to flush while requests run, as they do after an in_place pause
@@ -270,8 +286,10 @@ class EngineUpdate:
             self._call(lambda c: c.pause_generation(pause_mode))
         except EngineUnreachable:
             self._note_paused()  # it may have paused: from here on, as far as we can tell
+            self.pause_began = self.clock()
             raise
         self._note_paused()
+        self.pause_began = self.clock()
         if self.phase is Phase.RUNNING:
             self.phase = Phase.PAUSED
 
@@ -339,9 +357,10 @@ class EngineUpdate:
 
     def _resume(self) -> None:
         self._call(lambda c: c.continue_generation())
-        if self.paused_since is not None:
-            self.paused_s = self.clock() - self.paused_since
-        self.paused_since = None
+        began = self.pause_began if self.pause_began is not None else self.paused_since
+        if began is not None:
+            self.paused_s = self.clock() - began
+        self.paused_since = self.pause_began = None
         self.phase = Phase.RUNNING
         self.paused_by_us = False
 

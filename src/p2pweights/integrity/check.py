@@ -10,14 +10,19 @@ where the rank reports the weight version it must be this update's
 ``p2pweights-updating:<v>``.
 
 Direct loads (CUDA IPC into the trainer's own GPU: the replica's loaders wrote the
-engine's memory themselves, no bytes in transit) stage nothing and are not checked.
+engine's memory themselves) are checked the same way, by the digest of the bytes the
+loaders left at the addresses this rank mapped.
+
+Whether an engine's writes were checked, and if not why and what turns it on, goes into
+every ``UpdateReport`` (``WriteCheck.verification``); an engine whose writes were not
+checked is warned about once per session (``WriteCheck.warn_unverified``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +30,11 @@ from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
 from p2pweights.integrity.digest import SCHEME
+from p2pweights.report import EngineReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Mismatch", "Runner", "WriteCheck", "serves_digests"]
+__all__ = ["Mismatch", "Runner", "WriteCheck", "serves_digests", "why_unverified"]
 
 Runner = tuple[str, int, str]
 """(engine URL, engine rank, role): one model runner of an engine rank."""
@@ -38,6 +44,30 @@ def serves_digests(engine: ConnectedEngine) -> bool:
     """Whether the engine's ranks record write digests (local engine, p2pweights plugin)."""
     return bool(engine.server_info.get("p2pweights_write_digests")) or any(
         pub.write_digests for pub in engine.publications
+    )
+
+
+def why_unverified(engine: ConnectedEngine, mode: str) -> str | None:
+    """Why the engine's writes are not verified by write digests under ``verify_writes``
+    ``mode``, naming the setting that is missing; None where they are."""
+    if mode == "off":
+        return "SyncConfig(verify_writes='off'); 'auto' verifies every engine that digests"
+    if serves_digests(engine):
+        return None
+    if "p2pweights_engine_state" in engine.server_info:  # the local engine
+        return (
+            "it records no write digests (a local engine started with "
+            "P2PWEIGHTS_WRITE_DIGESTS=0); start it without that setting"
+        )
+    if any(pub.live for pub in engine.publications):  # the p2pweights plugin publishes live
+        return (
+            "it runs the p2pweights plugin but records no write digests; start it with "
+            "P2PWEIGHTS_WRITE_DIGESTS=1 in its environment"
+        )
+    return (
+        "it records no write digests (released sglang's own publication); start it with "
+        "SGLANG_PLUGINS=p2pweights_nixl and P2PWEIGHTS_WRITE_DIGESTS=1 and write over "
+        "NixlConfig (docs/nixl-plugin.md)"
     )
 
 
@@ -62,33 +92,71 @@ class WriteCheck:
     last_update: dict[Runner, int] = field(default_factory=dict)
     engine_digest_s: float = 0.0
     """The longest an engine rank took for its digests in the last check."""
+    unverified: dict[str, str] = field(default_factory=dict)
+    """Engine URL -> why its writes are not checked (``why_unverified``), for each
+    connected engine that is not."""
+    warned: set[str] = field(default_factory=set)
+    """Engine URLs already warned about as unverified; the session passes the same set to
+    every connect, so each engine is warned about once per session."""
+    off: bool = False
+    """``verify_writes="off"``: nothing is checked, and no warning says so."""
 
     @classmethod
-    def connect(cls, engines: Sequence[ConnectedEngine], mode: str) -> WriteCheck:
+    def connect(
+        cls, engines: Sequence[ConnectedEngine], mode: str, warned: set[str] | None = None
+    ) -> WriteCheck:
         """The engines to check under ``SyncConfig.verify_writes`` ``mode``; "always"
         refuses an engine that serves no digests (``EngineError``, before anything)."""
-        if mode == "off":
-            return cls()
-        serving: list[ConnectedEngine] = []
-        others: list[ConnectedEngine] = []
+        check = cls(warned=set() if warned is None else warned, off=mode == "off")
         for engine in engines:
-            (serving if serves_digests(engine) else others).append(engine)
-        for engine in others:
+            why = why_unverified(engine, mode)
+            if why is None:
+                check.engines[engine.url] = engine
+                continue
             if mode == "always":
                 raise EngineError(
-                    f"engine {engine.url} records no write digests (released sglang's own "
-                    f"publication), so its writes cannot be verified; start it with the "
-                    f"p2pweights plugin (SGLANG_PLUGINS=p2pweights_nixl), or use "
+                    f"engine {engine.url}: its writes cannot be verified: {why}; or use "
                     f"SyncConfig(verify_writes='auto') to update it unverified"
                 )
-            logger.info(
-                "p2pweights: engine %s records no write digests; its writes are not verified",
-                engine.url,
-            )
-        return cls({engine.url: engine for engine in serving})
+            check.unverified[engine.url] = why
+        return check
 
     def __bool__(self) -> bool:
         return bool(self.engines)
+
+    def verification(
+        self,
+        url: str,
+        written: Collection[tuple[str, int]],
+        digests: Mapping[Runner, Mapping[str, str]],
+    ) -> str | None:
+        """Why this trainer rank's writes into ``url`` (``written``: the (URL, rank) it
+        wrote) went unchecked by write digests in a passed update; None if they were checked.
+
+        An engine rank it wrote without a digest of what it wrote there was not checked."""
+        if url not in self.engines:
+            return self.unverified.get(url, "it was not connected for verification")
+        digested = {(u, rank) for (u, rank, _), staged in digests.items() if staged}
+        missed = sorted(rank for u, rank in written if u == url and (u, rank) not in digested)
+        if missed:
+            ranks = ", ".join(str(rank) for rank in missed)
+            return f"this trainer rank digested nothing it wrote into engine rank(s) {ranks}"
+        return None
+
+    def warn_unverified(self, engines: Iterable[EngineReport]) -> None:
+        """Warn, once per session and engine, about each engine written without any check."""
+        if self.off:
+            return
+        for engine in engines:
+            if engine.verified or engine.url in self.warned or not engine.num_ranks_written:
+                continue
+            self.warned.add(engine.url)
+            logger.warning(
+                "p2pweights: engine %s: writes are not verified: %s (warned once per session; "
+                "every UpdateReport says how each engine was verified)",
+                engine.url,
+                engine.unverified_reason,
+            )
 
     def check(self, expected: Mapping[Runner, Mapping[str, str]], marker: str) -> list[Mismatch]:
         """Compare every checked runner's record with ``expected``: each runner whose

@@ -1,0 +1,293 @@
+"""What a user sees of an update: the report says, per engine, whether and how its writes
+were verified, what it was written over and how long this update kept it paused; a
+delta update says what went as deltas; an unverified engine is warned about once per
+session with the setting that turns verification on; ``api_key`` never shows.
+
+The engines, client, replica and transport are test_session_sequence's fakes (sglang's
+update rules), with test_verified_writes' engines that record digests."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import pytest
+import test_verified_writes
+from test_session_sequence import FakeEngine, _holds, _tensors
+from test_verified_writes import DigestEngine
+
+from p2pweights import SyncConfig, WeightSyncSession
+from p2pweights.config import MooncakeConfig
+from p2pweights.engines.client import EngineClient
+from p2pweights.engines.endpoint import EngineEndpoint
+from p2pweights.engines.fleet import ConnectOptions
+from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.errors import EngineError
+from p2pweights.report import DeltaReport, EngineReport, UpdateReport
+
+engines = test_verified_writes.engines  # the fixture: fake engines, digesting or not
+CONFIG = SyncConfig(buffer_bytes="1MiB")
+CHECK_LOGGER = "p2pweights.integrity.check"
+
+
+def _plugin_engine(url: str) -> FakeEngine:
+    """An sglang server with the p2pweights plugin but without ``P2PWEIGHTS_WRITE_DIGESTS=1``:
+    its publication is live (the plugin's; the fakes publish live where storage moves) and
+    says no write digests."""
+    return FakeEngine(url, moves_storage=True)
+
+
+def _unverified_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == CHECK_LOGGER and r.levelno == logging.WARNING
+    ]
+
+
+# -- verification, per engine ------------------------------------------------------------------
+
+
+def test_the_report_says_which_engines_were_verified_and_how(engines):
+    engines.setdefault("http://checked", DigestEngine("http://checked"))
+    engines.setdefault("http://plain", FakeEngine("http://plain"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://checked", "http://plain"])
+        report = session.update(_tensors(3))
+    checked, plain = report.engines["http://checked"], report.engines["http://plain"]
+    assert checked.verified_by == ("write_digests",) and checked.verified
+    assert checked.unverified_reason is None
+    assert plain.verified_by == () and not plain.verified
+    assert plain.unverified_reason is not None
+    assert "SGLANG_PLUGINS=p2pweights_nixl" in plain.unverified_reason
+    assert "P2PWEIGHTS_WRITE_DIGESTS=1" in plain.unverified_reason
+    summary = report.summary()
+    assert "verified by write digests: 1 engine" in summary
+    assert "NOT verified: http://plain" in summary
+
+
+def test_the_engines_weight_check_counts_as_verification_on_the_update_it_ran(engines):
+    engines.setdefault("http://plain", FakeEngine("http://plain"))
+    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    with WeightSyncSession(config) as session:
+        session.connect(["http://plain"])
+        first = session.update(_tensors(0))  # the engine's own weights: the check passes
+        second = session.update(_tensors(1))
+    assert first.engines["http://plain"].verified_by == ("weight_check",)
+    assert second.engines["http://plain"].verified_by == ()
+
+
+def test_write_digests_and_the_weight_check_both_count(engines):
+    engines.setdefault("http://e0", DigestEngine("http://e0"))
+    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    with WeightSyncSession(config) as session:
+        session.connect(["http://e0"])
+        report = session.update(_tensors(0))
+    assert report.engines["http://e0"].verified_by == ("write_digests", "weight_check")
+
+
+def test_an_unverified_engine_is_warned_about_once_per_session_with_the_fix(engines, caplog):
+    caplog.set_level(logging.INFO, logger=CHECK_LOGGER)
+    engines.setdefault("http://plain", FakeEngine("http://plain"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://plain"])
+        session.update(_tensors(1))
+        session.update(_tensors(2))
+        session.connect(["http://plain"])  # a reconnect is the same session
+        session.update(_tensors(3))
+    warnings = _unverified_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert "http://plain" in warnings[0] and "not verified" in warnings[0]
+    assert "P2PWEIGHTS_WRITE_DIGESTS=1" in warnings[0]
+    with WeightSyncSession(CONFIG) as session:  # a new session warns again
+        session.connect(["http://plain"])
+        session.update(_tensors(4))
+    assert len(_unverified_warnings(caplog)) == 2
+
+
+def test_verify_writes_off_is_reported_and_not_warned_about(engines, caplog):
+    caplog.set_level(logging.INFO, logger=CHECK_LOGGER)
+    engines.setdefault("http://e0", DigestEngine("http://e0"))
+    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB", verify_writes="off")) as session:
+        session.connect(["http://e0"])
+        report = session.update(_tensors(1))
+    reason = report.engines["http://e0"].unverified_reason
+    assert reason is not None and "verify_writes='off'" in reason
+    assert _unverified_warnings(caplog) == []
+
+
+def test_a_plugin_engine_without_digests_is_told_the_setting_it_lacks(engines, caplog):
+    caplog.set_level(logging.INFO, logger=CHECK_LOGGER)
+    engines.setdefault("http://plugin", _plugin_engine("http://plugin"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://plugin"])
+        report = session.update(_tensors(1))
+    reason = report.engines["http://plugin"].unverified_reason
+    assert reason is not None and "P2PWEIGHTS_WRITE_DIGESTS=1" in reason
+    assert "SGLANG_PLUGINS" not in reason  # it runs the plugin already
+    always = SyncConfig(buffer_bytes="1MiB", verify_writes="always")
+    with WeightSyncSession(always) as session, pytest.raises(EngineError) as refused:
+        session.connect(["http://plugin"])
+    assert "P2PWEIGHTS_WRITE_DIGESTS=1" in str(refused.value)
+    assert "SGLANG_PLUGINS" not in str(refused.value)
+
+
+def test_a_released_sglang_engine_refused_on_always_is_told_both_settings(engines):
+    engines.setdefault("http://plain", FakeEngine("http://plain"))
+    always = SyncConfig(buffer_bytes="1MiB", verify_writes="always")
+    with WeightSyncSession(always) as session, pytest.raises(EngineError) as refused:
+        session.connect(["http://plain"])
+    message = str(refused.value)
+    assert "SGLANG_PLUGINS=p2pweights_nixl" in message and "P2PWEIGHTS_WRITE_DIGESTS=1" in message
+
+
+# -- what the update did -----------------------------------------------------------------------
+
+
+def test_the_report_names_the_transport_and_protocol_of_each_engine(engines):
+    engines.setdefault("http://e0", DigestEngine("http://e0"))
+    config = SyncConfig(buffer_bytes="1MiB", transport=MooncakeConfig(protocol="tcp"))
+    with WeightSyncSession(config) as session:
+        session.connect(["http://e0"])
+        report = session.update(_tensors(1))
+    engine = report.engines["http://e0"]
+    assert (engine.transport, engine.protocol) == ("mooncake", "tcp")
+    assert engine.num_ranks_written == 1 and engine.bytes_written == report.bytes_written
+    assert "over mooncake (tcp)" in report.summary()
+
+
+def test_a_delta_summary_says_what_went_as_deltas_and_never_shows_zero_throughput():
+    report = UpdateReport(
+        version="7",
+        bytes_by_target={("http://e0", 0): 5_200_000},
+        seconds=0.116,
+        delta=DeltaReport(
+            num_delta_params=30,
+            num_full_params=2,
+            num_unchanged_params=4,
+            full_bytes=103_000_000,
+            sent_bytes=5_200_000,
+            store_bytes=103_000_000,
+        ),
+    )
+    summary = report.summary()
+    assert "30 parameter(s) as deltas, 2 in full, 4 unchanged" in summary
+    assert "5.0 % of the 103.0 MB a full update writes" in summary
+    assert "0.00 GB/s" not in summary and "44.8 MB/s" in summary
+    assert report.delta is not None and report.delta.fraction == pytest.approx(5.2 / 103)
+
+
+def test_every_report_field_has_a_docstring():
+    import ast
+    import inspect
+
+    from p2pweights import report as report_module
+
+    tree = ast.parse(inspect.getsource(report_module))
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or node.name not in {
+            "UpdateReport",
+            "EngineReport",
+            "DeltaReport",
+        }:
+            continue
+        body = node.body
+        for i, item in enumerate(body):
+            if isinstance(item, ast.AnnAssign):
+                following = body[i + 1] if i + 1 < len(body) else None
+                documented = isinstance(following, ast.Expr) and isinstance(
+                    getattr(following, "value", None), ast.Constant
+                )
+                assert documented, f"{node.name}.{ast.unparse(item.target)} has no docstring"
+
+
+# -- paused seconds ----------------------------------------------------------------------------
+
+
+def test_an_engine_adopted_torn_counts_its_pause_from_this_update_not_from_connect(engines):
+    torn = FakeEngine("http://torn", paused=True, version=f"{UPDATING_PREFIX}3")
+    engines["http://torn"] = torn
+    engines.setdefault("http://fresh", FakeEngine("http://fresh"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://fresh", "http://torn"])
+        time.sleep(0.3)  # the trainer's step between connect and its first update
+        started = time.monotonic()
+        report = session.update(_tensors(2))
+        took = time.monotonic() - started
+    assert torn.running and _holds(torn, 2)
+    assert report.engines["http://torn"].pause_made is False
+    assert report.engines["http://fresh"].pause_made is True
+    assert report.paused_s["http://torn"] <= took
+    assert "http://torn was paused already when this update began" in report.summary()
+
+
+# -- the api key is a secret -------------------------------------------------------------------
+
+
+def test_the_api_key_never_shows_in_a_repr_or_a_dump():
+    config = SyncConfig(api_key="s3cret-key")
+    endpoint = EngineEndpoint("http://e0", api_key="s3cret-key")
+    options = ConnectOptions("mooncake", 1.0, 1.0, config.api_key)
+    for shown in (
+        repr(config),
+        str(config),
+        config.model_dump_json(),
+        repr(endpoint),
+        repr(options),
+        repr(SyncConfig(api_key=config.api_key)),
+    ):
+        assert "s3cret-key" not in shown, shown
+    assert config.api_key is not None and config.api_key.get_secret_value() == "s3cret-key"
+    assert endpoint.api_key is not None and endpoint.api_key.get_secret_value() == "s3cret-key"
+    assert SyncConfig().api_key is None and EngineEndpoint("http://e0").api_key is None
+
+
+def test_the_api_key_is_sent_as_the_bearer_token(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"weight_version": "1"})
+
+    config = SyncConfig(api_key="s3cret-key")
+    client = EngineClient(
+        "http://e0", api_key=config.api_key, transport=httpx.MockTransport(answer)
+    )
+    client.weight_version()
+    client.close()
+    assert seen[0].headers["Authorization"] == "Bearer s3cret-key"
+    assert "s3cret-key" not in repr(client._http.headers)
+    assert "s3cret-key" not in caplog.text
+
+
+def test_a_report_without_engines_still_reads_well():
+    report = UpdateReport(version="1", bytes_by_target={})
+    assert report.paused_s == {} and report.engines == {} and report.delta is None
+    assert report.summary().startswith("version 1: 0.0 MB")
+
+
+def test_engine_report_of_a_rank_that_does_not_drive_the_engines():
+    engine = EngineReport(
+        url="http://e0",
+        transport="nixl",
+        protocol="UCX",
+        num_ranks_written=2,
+        bytes_written=10,
+        verified_by=("write_digests",),
+    )
+    assert engine.paused_s is None and engine.pause_made is None and engine.verified
+
+
+def test_an_engine_rank_written_without_a_digest_is_not_counted_as_verified():
+    from p2pweights.integrity.check import WriteCheck
+
+    check = WriteCheck(engines={"http://e0": object()})  # type: ignore[dict-item]
+    written = {("http://e0", 0), ("http://e0", 1)}
+    digests = {("http://e0", 0, "target"): {"w": "d0"}, ("http://e0", 1, "target"): {}}
+    why = check.verification("http://e0", written, digests)
+    assert why is not None and "engine rank(s) 1" in why
+    digests[("http://e0", 1, "target")] = {"w": "d1"}
+    assert check.verification("http://e0", written, digests) is None
+    assert check.verification("http://other", written, digests) is not None
