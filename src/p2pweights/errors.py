@@ -4,6 +4,8 @@
 
     P2PWeightsError
     ├── ConfigError            bad configuration or bad input, raised before any byte is written
+    │   ├── SessionBusyError     another call of the session runs in another thread: nothing done
+    │   └── InputChangedError    an input tensor changed after update() received it
     ├── PlanError              no valid assignment of trainer ranks to engine ranks
     ├── EngineError            an engine's HTTP API failed or answered something unusable
     │   ├── EngineUnreachable    no answer at all (refused connection, timeout): state unknown
@@ -28,6 +30,19 @@ class P2PWeightsError(Exception):
 
 class ConfigError(P2PWeightsError, ValueError):
     """The configuration or the input tensors are not usable."""
+
+
+class SessionBusyError(ConfigError):
+    """``update()`` or ``connect()`` was called while another call of the same session
+    (``update``, ``connect``, ``abort``, ``close``) runs; nothing was done. The message
+    names the running call."""
+
+
+class InputChangedError(ConfigError):
+    """An input tensor changed after ``update()`` received it and before its bytes were
+    loaded (its version counter moved, or its data pointer did); the message names it.
+    Raised while the update writes, before any engine resumes under the new version:
+    engines already opened stay paused and torn until an update completes."""
 
 
 class PlanError(P2PWeightsError):

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -55,6 +54,7 @@ from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet
 from p2pweights.engines.update_session import AbortReport, EngineUpdate, updating_version
 from p2pweights.errors import ConfigError, TransferError
 from p2pweights.integrity.check import Mismatch, WriteCheck
+from p2pweights.one_call import OneCall
 from p2pweights.plan.byte_plan import BytePlan
 from p2pweights.plan.prepare import (
     Prepared,
@@ -140,10 +140,9 @@ class WeightSyncSession:
         self._orphans: dict[str, EngineUpdate] = {}
         """Engines of an earlier connect not connected now, until abort() releases them."""
         self._last_run: RunResult | None = None
-        self._running = threading.Lock()
-        """Held while update() runs; abort() from another thread waits for it."""
-        self._updating_thread: int | None = None
-        self._cancel = threading.Event()
+        self._one_call = OneCall()
+        """connect, update, abort and close run one at a time (``one_call``)."""
+        self._cancel = self._one_call.cancel
         """Set by abort() while an update runs: it stops before its writes or at its next group."""
 
     @classmethod
@@ -209,7 +208,14 @@ class WeightSyncSession:
         are kept, and an engine rank no longer listed, or listed with other addresses,
         loses its writer and its transport connection: nothing is written to a stale
         registration.
+
+        Raises ``SessionBusyError`` (doing nothing) while another call of this session
+        (``update``, ``connect``, ``abort``, ``close``) runs, in any thread.
         """
+        with self._one_call.refusing("connect"):
+            self._connect(engines)
+
+    def _connect(self, engines: Sequence[str | EngineEndpoint]) -> None:
         if not engines:
             raise ConfigError("connect() needs at least one engine URL")
         endpoints = sorted((EngineEndpoint.of(e) for e in engines), key=lambda e: e.url)
@@ -301,21 +307,17 @@ class WeightSyncSession:
         and resumes them, or ``abort()`` gives up. ``abort()`` from another thread
         cancels a running update: it stops before its writes or at its next
         parameter group and raises ``TransferError``, and then ``abort()`` does its work
-        (an update past its writes completes first).
+        (an update past its writes completes first). While another call of this session
+        (``update``, ``connect``, ``abort``, ``close``) runs, in any thread, ``update``
+        raises ``SessionBusyError`` and does nothing.
         """
-        if not self._running.acquire(blocking=False):
-            raise ConfigError("update() is already running in another thread of this session")
-        self._updating_thread = threading.get_ident()
-        try:
-            return self._update(named_tensors, version)
-        except BaseException:
-            if self._executor is not None:
-                self._executor.forget_deltas()  # failed after its writes too: next is full
-            raise
-        finally:
-            self._updating_thread = None
-            self._cancel.clear()
-            self._running.release()
+        with self._one_call.refusing("update"):
+            try:
+                return self._update(named_tensors, version)
+            except BaseException:
+                if self._executor is not None:
+                    self._executor.forget_deltas()  # failed after its writes too: next is full
+                raise
 
     def _update(self, named_tensors: NamedTensors, version: str | None) -> UpdateReport:
         if not self._fleet.engines or self._executor is None:
@@ -335,8 +337,7 @@ class WeightSyncSession:
                 if first:  # every rank probes again next time: they must gather alike
                     self._prepared = None
                 raise
-        prepared = self._prepared
-        assert prepared is not None
+        _, prepared = self._ready()
         version = version or str(self._next_version)
         # Streamed into several ranks, the input may run collectives as it is read: the
         # ranks open together before reading it, not each at its own first flush.
@@ -430,7 +431,11 @@ class WeightSyncSession:
             if tensors is not None:
                 self._prepared.source.check_whole(tensors)
             return
-        assert tensors is not None or described is not None, "a first update is known whole"
+        if tensors is None and described is None:
+            raise ConfigError(
+                "a first update must be read whole or say what it will yield (specs()) "
+                "before it is planned"
+            )
         own: dict[str, InputSpec] | None = None
         error: Exception | None = None
         try:
@@ -454,7 +459,8 @@ class WeightSyncSession:
         )
         if tensors is not None:
             prepared.source.check_whole(tensors)
-        assert self._executor is not None
+        if self._executor is None:
+            raise _not_connected()
         if self._targets:
             self._executor.reserve(prepared.plan.buffer_bytes)
         self._prepared = prepared
@@ -478,7 +484,7 @@ class WeightSyncSession:
 
         Every rank takes the open step exactly once, also when it failed before its
         first buffer was loaded (then with its error), so ranks agree alike."""
-        assert self._executor is not None and self._prepared is not None
+        _, prepared = self._ready()
         self._last_run = None
         opened = not stream_first
 
@@ -500,7 +506,7 @@ class WeightSyncSession:
         try:
             if not self._targets:  # an idle trainer rank writes nothing, but reads its input
                 before_writes()
-                for _ in self._prepared.source.ready(tensors, self._prepared.plan, checked=checked):
+                for _ in prepared.source.ready(tensors, prepared.plan, checked=checked):
                     pass
                 return RunResult()
             result = self._run(tensors, checked, before_writes)
@@ -517,8 +523,8 @@ class WeightSyncSession:
                     pass
             raise
         finally:
-            if self._prepared.source.convert_s:
-                stages["convert"] = self._prepared.source.convert_s
+            if prepared.source.convert_s:
+                stages["convert"] = prepared.source.convert_s
         return result
 
     def _run(
@@ -527,11 +533,10 @@ class WeightSyncSession:
         checked: bool,
         before_writes: Callable[[], BytePlan | None],
     ) -> RunResult:
-        assert self._executor is not None and self._prepared is not None
-        prepared = self._prepared
+        executor, prepared = self._ready()
         total = sum(prepared.plan.bytes_by_target.values())
         with progress("p2pweights update", total, unit="B", unit_scale=True) as advance:
-            result = self._executor.run(
+            result = executor.run(
                 prepared.plan,
                 prepared.source.ready(tensors, prepared.plan, checked=checked),
                 self._replicas,
@@ -551,14 +556,20 @@ class WeightSyncSession:
         its session opened): connect and plan into the new addresses; the new plan, or
         None if nothing moved. Connected and planned first, then kept: a failure here
         leaves the old targets, so the next update sees the move again and retries it."""
-        assert self._executor is not None and self._prepared is not None
+        executor, prepared = self._ready()
         targets = moved(self._targets, self._fleet.engines, self._replicas)
         if targets is None:
             return None
-        self._executor.connect([pub for pubs in targets.values() for pub in pubs])
-        plan = build_plan(self._prepared.groups, self._replicas, targets, self.config.buffer_bytes)
-        self._targets, self._prepared.plan = targets, plan
+        executor.connect([pub for pubs in targets.values() for pub in pubs])
+        plan = build_plan(prepared.groups, self._replicas, targets, self.config.buffer_bytes)
+        self._targets, prepared.plan = targets, plan
         return plan
+
+    def _ready(self) -> tuple[TransferExecutor, Prepared]:
+        """The executor and the prepared update an update's steps work with."""
+        if self._executor is None or self._prepared is None:  # only a bug gets here now
+            raise _not_connected()
+        return self._executor, self._prepared
 
     def _raise_if_cancelled(self, where: str) -> None:
         if self._cancel.is_set():
@@ -619,25 +630,14 @@ class WeightSyncSession:
         report. Called from another thread while ``update()`` runs, it cancels that
         update (which raises ``TransferError`` before its writes or at its next parameter
         group) and waits for it to stop (writes in flight are bounded by ``transfer_timeout_s``,
-        engine calls by their time limits) before giving up as above.
+        engine calls by their time limits) before giving up as above. While ``connect``,
+        ``abort`` or ``close`` runs in another thread it waits for that to return. Called
+        on the thread of a running call (from ``update()``'s input iterator, a signal
+        handler) it raises ``SessionBusyError`` instead of waiting forever (a running
+        update is still cancelled).
         """
-        with self._stopped_update():
+        with self._one_call.waiting("abort"):
             return self._abort(resume_incomplete)
-
-    @contextmanager
-    def _stopped_update(self) -> Iterator[None]:
-        """Inside: no update runs (one running in another thread is cancelled and waited for)."""
-        if self._running.locked():
-            self._cancel.set()
-            if self._updating_thread == threading.get_ident():
-                raise ConfigError(
-                    "abort() or close() was called inside update() on its own thread (from "
-                    "a signal handler?): the update is cancelled and raises TransferError; "
-                    "call abort() once it returned"
-                )
-        with self._running:
-            self._cancel.clear()
-            yield
 
     def _abort(self, resume_incomplete: bool) -> AbortReport:
         report = AbortReport()
@@ -670,8 +670,9 @@ class WeightSyncSession:
 
     def close(self) -> None:
         """``abort()``, then release connections, writer threads and the transport (an
-        update running in another thread is cancelled and waited for first)."""
-        with self._stopped_update():
+        update running in another thread is cancelled and waited for first, any other
+        call waited for, as ``abort()`` does). ``connect()`` opens the session again."""
+        with self._one_call.waiting("close"):
             try:
                 self._abort(resume_incomplete=False)
             except Exception as exc:  # closing must not hide the error that led here
@@ -723,6 +724,10 @@ def _timed(stages: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         stages[name] = stages.get(name, 0.0) + time.perf_counter() - started
+
+
+def _not_connected() -> ConfigError:
+    return ConfigError("call connect(engines) before update() (or again, after close())")
 
 
 def _raise(error: Exception) -> None:

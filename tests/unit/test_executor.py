@@ -385,3 +385,37 @@ def test_a_refused_direct_view_fails_its_engine_rank_alone():
     for name, value in source.items():
         assert torch.equal(remote[name].view(torch.uint8), value.view(torch.uint8)), name
     assert all(not t.any() for t in mapped.values())  # not even p0: its rank had failed
+
+
+def test_a_write_whose_writer_was_closed_mid_run_fails_its_rank_as_a_transfer_error():
+    """A queued write cancelled by its writer's close (a reconnect or close under a run)
+    fails its engine rank with a TransferError naming it, not a bare CancelledError, and
+    a flush after the close is refused the same way (issue 28, item 3)."""
+    source = _params(5)
+    sink = {n: torch.zeros_like(t) for n, t in source.items()}
+    targets = [_engine("http://a", 0, sink)]
+    transport = CopyingTransport(delay_s=0.3)
+    closer = threading.Timer(0.1, lambda: executor.disconnect())
+    loads: list = []
+
+    def load(key, inputs, views):
+        if len(loads) == 1:  # the second flush: its batch queues behind the first's
+            closer.start()
+        loads.append(key)
+        for name, value in inputs:
+            views[name].copy_(value.view(torch.uint8))
+
+    plan = build_byte_plan(
+        {"replica": [(frozenset({n}), (n,)) for n in source]},
+        {"replica": {n: _nbytes(t) for n, t in source.items()}},
+        {"replica": targets},
+        4 * aligned(600),
+    )
+    executor = TransferExecutor(transport, torch.device("cpu"), 5.0)
+    executor.connect(targets)
+    executor.reserve(plan.buffer_bytes)
+    ready = ((plan.group("replica", i), [(n, source[n])]) for i, n in enumerate(source))
+    with pytest.raises(TransferError, match=r"http://a rank 0 .*writer was closed"):
+        executor.run(plan, ready, {"replica": FnLoader("replica", load)}).raise_if_failed()
+    closer.join()
+    executor.close()

@@ -52,7 +52,13 @@ from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
 from p2pweights.transfer.intra_op import one_intra_op_thread
 from p2pweights.transfer.late_writes import LateWrites, still_in_flight
 from p2pweights.transfer.transports.base import Transport, Write, quarantine
-from p2pweights.transfer.writers import FailedTargets, RankWriter, TargetKey, WriteBatch
+from p2pweights.transfer.writers import (
+    FailedTargets,
+    RankWriter,
+    TargetKey,
+    WriteBatch,
+    closed_writer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -722,6 +728,8 @@ class _Run:
                         f"transfer_timeout_s={self._timeout_s}"
                     ),
                 )
+            elif future.cancelled():  # never ran: its writer was closed meanwhile
+                self._failed.record(batch.key, closed_writer(batch))
             elif future.exception() is not None:
                 if isinstance(future.exception(), UnsettledWrite):
                     self.late.add(future, batch, buffer)  # it may still read the buffer

@@ -14,6 +14,7 @@ the rank could otherwise be overwritten by the stale one landing after it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +50,15 @@ class WriteBatch:
         return f"{self.target.where} parameters {some_of(self.params, ', ')}"
 
 
+def closed_writer(batch: WriteBatch) -> TransferError:
+    """A batch its writer never ran: the writer was closed (the session reconnected or
+    closed while the update ran)."""
+    return TransferError(
+        f"write to {batch.describe()} was not made: its writer was closed before it ran "
+        f"(the session reconnected or closed while the update ran)"
+    )
+
+
 class FailedTargets:
     """The engine ranks whose writes failed in this update, with the first error of each."""
 
@@ -78,11 +88,25 @@ class RankWriter:
         self._timeout_s = timeout_s
         url, rank = key
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"p2pw-writer-{url}-r{rank}")
+        self._queued: list[Future[None]] = []
+        """Batches submitted and maybe not run yet (pruned at each submit)."""
         self._unsettled: UnsettledWrite | None = None
         """This rank's last write given up on while in flight, until it settled."""
 
     def submit(self, batch: WriteBatch, failed: FailedTargets) -> Future[None]:
-        return self._thread.submit(self._run, batch, failed)
+        """Queue ``batch``; once the writer was closed, a future failed with
+        ``TransferError`` (recorded in ``failed``) instead."""
+        try:
+            future = self._thread.submit(self._run, batch, failed)
+        except RuntimeError:  # shut down: closed by a reconnect or close under a run
+            error = closed_writer(batch)
+            failed.record(self.key, error)
+            refused: Future[None] = Future()
+            refused.set_exception(error)
+            return refused
+        self._queued = [f for f in self._queued if not f.done()]
+        self._queued.append(future)
+        return future
 
     def _run(self, batch: WriteBatch, failed: FailedTargets) -> None:
         earlier = failed.get(self.key)
@@ -112,5 +136,14 @@ class RankWriter:
 
     def close(self) -> None:
         """Cancel queued batches and wait for the running one (transports bound it by
-        ``timeout_s``); a write it gave up on unsettled is the executor's to keep track of."""
+        ``timeout_s``); a write it gave up on unsettled is the executor's to keep track of.
+
+        A cancelled batch's future is marked done for ``concurrent.futures.wait`` (which a
+        plain cancel does not wake: a run waiting for it would wait out its timeout and
+        take it for a write still in flight)."""
         self._thread.shutdown(wait=True, cancel_futures=True)
+        for future in self._queued:
+            if future.cancelled():
+                with contextlib.suppress(RuntimeError):  # already notified
+                    future.set_running_or_notify_cancel()
+        self._queued = []
