@@ -41,6 +41,39 @@ BroadcastManifest = list[tuple[str, list[int], str, int]]
 """(HF name, shape, torch dtype name, byte offset in the broadcast area) per tensor."""
 
 
+def broadcast_views(area: torch.Tensor, manifest: Any) -> list[tuple[str, torch.Tensor]]:
+    """Each manifest entry ``[name, shape, dtype name, byte offset]`` (from the network)
+    as a view of ``area``; ``ConfigError`` for an entry that is not one, or whose bytes
+    (non-negative dimensions, a torch dtype, an offset aligned to it) leave the area."""
+    if not isinstance(manifest, list):
+        raise ConfigError(f"the broadcast manifest must be a list, got {manifest!r:.60}")
+    views = []
+    for entry in manifest:
+        if not isinstance(entry, list | tuple) or len(entry) != 4:
+            raise ConfigError(
+                f"a broadcast manifest entry is [name, shape, dtype, offset], not {entry!r:.60}"
+            )
+        name, shape, dtype_name, offset = entry
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"{name!r}: dtype {dtype_name!r:.40} is not a torch dtype")
+        if not isinstance(shape, list) or not all(_whole(d) and d >= 0 for d in shape):
+            raise ConfigError(f"{name!r}: shape {shape!r:.60} is not a list of sizes")
+        if not _whole(offset) or offset < 0 or offset % dtype.itemsize:
+            raise ConfigError(
+                f"{name!r}: offset {offset!r:.40} is not a byte offset of whole {dtype} elements"
+            )
+        num_bytes = dtype.itemsize * int(torch.Size(shape).numel())
+        if offset + num_bytes > area.numel():
+            raise ConfigError(f"{name!r} at offset {offset} leaves the broadcast area")
+        views.append((str(name), area[offset : offset + num_bytes].view(dtype).view(shape)))
+    return views
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def move_into_arena(
     model: torch.nn.Module, keep: Iterable[torch.nn.Parameter] = ()
 ) -> torch.Tensor:
@@ -245,6 +278,8 @@ class EngineRank:
 
     def publish_broadcast_area(self, num_bytes: int) -> Any:
         """Allocate (once) and register the broadcast area; its publication, as for weights."""
+        if num_bytes <= 0:
+            raise ConfigError(f"a broadcast area of {num_bytes} bytes; ask for at least one")
         if self.broadcast_area is None:
             self.broadcast_area = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
             self.publisher.register({BROADCAST_AREA: self.broadcast_area})
@@ -261,13 +296,7 @@ class EngineRank:
         area = self.broadcast_area
         if area is None:
             raise ConfigError("no broadcast area; POST /p2pweights/broadcast_area first")
-        views = []
-        for name, shape, dtype_name, offset in manifest:
-            dtype = getattr(torch, dtype_name)
-            num_bytes = dtype.itemsize * int(torch.Size(shape).numel())
-            if offset < 0 or offset + num_bytes > area.numel():
-                raise ConfigError(f"{name!r} at offset {offset} leaves the broadcast area")
-            views.append((name, area[offset : offset + num_bytes].view(dtype).view(shape)))
+        views = broadcast_views(area, manifest)
         with facade.rank_scope(self.spec):
             self.model.load_weights(iter(views))  # type: ignore[operator]
 

@@ -110,6 +110,8 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
         """Test only: ``{"rank", "param"}``: at the next end, after the writes and before
         the digests, flip one bit of that parameter (what a write gone wrong leaves)."""
         rank, param = int(body["rank"]), str(body["param"])
+        if not 0 <= rank < len(ranks):  # a negative index would pick another rank
+            return _error(400, f"rank {rank} not found; this engine has ranks 0..{len(ranks) - 1}")
         runner = ranks[rank].runners["target"]
         if param not in runner.params:
             return _error(400, f"rank {rank} publishes no parameter {param!r}")
