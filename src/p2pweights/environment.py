@@ -36,6 +36,11 @@
                                          Default: off in the sglang plugin (the digest sits
                                          in the engine's pause: about 25 ms per 8 GB on an
                                          H200), on in the local engine (a test stand-in).
+``P2PWEIGHTS_MILES_TRANSPORT``           miles' trainers (``p2pweights.integrations.miles``):
+                                         ``mooncake-rdma`` (default), ``mooncake-tcp`` or
+                                         ``nixl``; ``--p2p-transport nixl`` does the same.
+``P2PWEIGHTS_MILES_HOSTNAME``            The address miles' trainers are reached at over
+                                         Mooncake (default: Ray's node address).
 ``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
                                          (demo, doctor) when unset: NIXL logs INFO lines to
                                          stdout otherwise. Read, never overridden.
@@ -64,11 +69,23 @@ __all__ = [
     "copy_kernel_allowed",
     "digest_kernel_allowed",
     "quiet_nixl_info",
+    "miles_transport",
+    "miles_hostname",
 ]
 
 
 def nixl_backend() -> str:
     return os.environ.get("SGLANG_REMOTE_INSTANCE_NIXL_BACKEND", "UCX")
+
+
+def miles_transport() -> str | None:
+    """``P2PWEIGHTS_MILES_TRANSPORT`` as given (lower case), or None when unset."""
+    value = os.environ.get("P2PWEIGHTS_MILES_TRANSPORT", "").strip().lower()
+    return value or None
+
+
+def miles_hostname() -> str | None:
+    return os.environ.get("P2PWEIGHTS_MILES_HOSTNAME") or None
 
 
 def write_digests(default: bool) -> bool:

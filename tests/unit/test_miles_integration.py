@@ -268,11 +268,20 @@ def test_fields_a_config_sets_win_over_miles_flags():
 
 @pytest.fixture
 def miles_actor(monkeypatch) -> types.ModuleType:
-    """An empty stand-in for miles' actor module (where install rebinds the class)."""
+    """A miles before the protocol, as far as install looks: its actor module (where
+    install rebinds the class) and its bucketed mixin."""
     actor = types.ModuleType("miles.backends.megatron_utils.actor")
-    for name in ("miles", "miles.backends", "miles.backends.megatron_utils"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    actor.UpdateWeightP2P = object
+    mixin = types.ModuleType(miles._MIXIN)
+    mixin.DistBucketedWeightUpdateMixin = object
+    parts = miles._MIXIN.split(".")
+    for depth in range(1, len(parts)):
+        name = ".".join(parts[:depth])
+        package = types.ModuleType(name)
+        package.__path__ = []
+        monkeypatch.setitem(sys.modules, name, package)
     monkeypatch.setitem(sys.modules, actor.__name__, actor)
+    monkeypatch.setitem(sys.modules, mixin.__name__, mixin)
     return actor
 
 

@@ -1,4 +1,13 @@
-"""A stand-in for miles' ``DistBucketedWeightUpdateMixin`` where miles is not installed.
+"""Stand-ins for miles' seams where miles is not installed.
+
+``WeightTransferProtocol``: the base class of miles' transports after PR 2752
+(``miles/backends/training_utils/weight_update/protocol.py``), with the members
+``p2pweights.integrations.miles_protocol`` relies on: the class attributes, the
+attributes ``__init__`` sets and the optional hooks. miles' factory checks
+``isinstance(protocol, WeightTransferProtocol)`` against its own class, so where miles
+is installed the protocol derives from miles' class, never from this one.
+
+``DistBucketedWeightUpdateMixin``: miles' mixin before the protocol.
 
 miles (radixark/miles) is not on PyPI. ``p2pweights.integrations.miles`` derives its
 updater from miles' own mixin
@@ -14,15 +23,56 @@ here it raises. It lets the module import, type-check and be unit-tested without
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from p2pweights.errors import ConfigError
 
-__all__ = ["DistBucketedWeightUpdateMixin"]
+__all__ = ["DistBucketedWeightUpdateMixin", "WeightTransferProtocol", "WeightUpdatePlacement"]
 
 BucketFunc = Callable[[list[tuple[str, torch.Tensor]], Any], None]
+
+
+@dataclass(frozen=True)
+class WeightUpdatePlacement:
+    """miles' ``WeightUpdatePlacement``: whether the weight iterator gathers pipeline
+    stages onto every rank (``gather_pp``)."""
+
+    gather_pp: bool = False
+
+
+class WeightTransferProtocol:
+    """miles' transport base class, as far as p2pweights' protocol uses it."""
+
+    required_placement: ClassVar[WeightUpdatePlacement] = WeightUpdatePlacement(gather_pp=False)
+    supports_lora: ClassVar[bool] = False
+    use_weight_update_session: ClassVar[bool] = True
+    needs_base_resync_for_lora: bool = False
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.rollout_engines: Sequence[Any] | None = None
+        self.is_sender: bool | None = None
+        self.group_name = "miles"
+        self.update_weight_metrics: dict[str, float] = {}
+
+    def begin_sync(self, weight_version: int, iter_buckets: Callable[..., Any]) -> bool:
+        return True
+
+    def after_base_weights(self) -> None:
+        pass
+
+    def finalize(self, weight_version: int) -> None:
+        pass
+
+    def after_engines_resumed(self) -> None:
+        pass
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.update_weight_metrics = self.update_weight_metrics, {}
+        return metrics
 
 
 class DistBucketedWeightUpdateMixin:

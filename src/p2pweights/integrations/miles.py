@@ -38,12 +38,14 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 
-from p2pweights.config import MooncakeConfig, SyncConfig
+from p2pweights import environment
+from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, TransportConfig
 from p2pweights.errors import ConfigError
+from p2pweights.integrations import FrameworkMismatchError
 from p2pweights.integrations.streamed_update import StreamedUpdate
 from p2pweights.report import UpdateReport
 from p2pweights.session import WeightSyncSession
@@ -55,6 +57,10 @@ __all__ = [
     "config_from_args",
     "engine_urls",
     "install",
+    "installed_miles",
+    "miles_seam",
+    "missing_module",
+    "transport_from_args",
     "update_metrics",
 ]
 
@@ -63,16 +69,28 @@ MILES_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
 _MIXIN = "miles.backends.megatron_utils.update_weight.update_weight_from_distributed.mixin"
 _ACTOR = "miles.backends.megatron_utils.actor"
 _PARALLEL = "miles.backends.training_utils.parallel"
+_PROTOCOL = "miles.backends.training_utils.weight_update.protocol"
+_UPDATER = "miles.backends.training_utils.weight_update.updater"
 METRIC_PREFIX = "perf/update_weights_p2pweights"
+MIN_BUFFER_BYTES = 2**20
+"""SyncConfig's smallest staging buffer."""
+
+
+def missing_module(exc: ModuleNotFoundError, module: str) -> bool:
+    """Whether ``exc`` says ``module`` or a package above it does not exist (as opposed
+    to ``module`` existing and failing on an import of its own)."""
+    missing = exc.name or ""
+    return module == missing or module.startswith(missing + ".")
 
 
 def _miles_base() -> type:
-    """miles' ``DistBucketedWeightUpdateMixin``; p2pweights' stand-in without miles."""
+    """miles' ``DistBucketedWeightUpdateMixin``; p2pweights' stand-in where miles has none
+    (no miles, or a miles after the protocol, which ``install`` routes elsewhere)."""
     try:
-        return importlib.import_module(_MIXIN).DistBucketedWeightUpdateMixin
+        return cast(type, importlib.import_module(_MIXIN).DistBucketedWeightUpdateMixin)
     except ModuleNotFoundError as exc:
-        if exc.name != "miles":
-            raise  # miles is there but does not import: say why, do not hide it
+        if not missing_module(exc, _MIXIN):
+            raise  # miles has the mixin but it does not import: say why, do not hide it
     from p2pweights.integrations._miles_stand_in import DistBucketedWeightUpdateMixin
 
     return DistBucketedWeightUpdateMixin
@@ -238,16 +256,37 @@ def config_from_args(
     session's check (a snapshot when it opens the engines) would snapshot the reset ones.
     """
     fields: dict[str, Any] = {
-        "buffer_bytes": args.update_weight_buffer_size,
+        # miles' bucket size may be below the staging buffer's 1 MiB floor; the buckets
+        # stay miles' own, the session stages them in buffers of at least 1 MiB
+        "buffer_bytes": max(int(args.update_weight_buffer_size), MIN_BUFFER_BYTES),
         "transfer_timeout_s": args.p2p_transfer_timeout,
         "pause_mode": args.pause_generation_mode,
     }
     if config is None or "transport" not in config.model_fields_set:
-        fields["transport"] = MooncakeConfig(protocol="rdma", local_hostname=_node_address())
+        fields["transport"] = transport_from_args(args)
     if config is not None:
         fields.update({name: getattr(config, name) for name in config.model_fields_set})
     fields["pipeline_stage"], fields["num_pipeline_stages"] = pipeline_stage, num_pipeline_stages
     return SyncConfig(**fields)
+
+
+def transport_from_args(args: Any) -> TransportConfig:
+    """The transport from ``P2PWEIGHTS_MILES_TRANSPORT`` (``mooncake-rdma``, the default,
+    ``mooncake-tcp`` or ``nixl``), else miles' ``--p2p-transport`` where miles has it.
+    Mooncake listens at ``P2PWEIGHTS_MILES_HOSTNAME``, else at Ray's node address."""
+    choice = environment.miles_transport()
+    if choice is None:
+        choice = "nixl" if getattr(args, "p2p_transport", None) == "nixl" else "mooncake-rdma"
+    if choice == "nixl":
+        return NixlConfig()
+    if choice not in ("mooncake-rdma", "mooncake-tcp"):
+        raise ConfigError(
+            f"P2PWEIGHTS_MILES_TRANSPORT={choice!r} is not a transport p2pweights knows; "
+            "use mooncake-rdma, mooncake-tcp or nixl"
+        )
+    hostname = environment.miles_hostname() or _node_address()
+    protocol: Literal["rdma", "tcp"] = "tcp" if choice == "mooncake-tcp" else "rdma"
+    return MooncakeConfig(protocol=protocol, local_hostname=hostname)
 
 
 def engine_urls(rollout_engines: Sequence[Any]) -> list[str]:
@@ -258,18 +297,26 @@ def engine_urls(rollout_engines: Sequence[Any]) -> list[str]:
     return [info["url"] for info in infos]
 
 
-def install(args: Any = None, *, config: SyncConfig | None = None) -> type[P2PWeightsUpdater]:
-    """Make miles' ``--update-weight-transfer-mode p2p`` build ``P2PWeightsUpdater``.
+def install(args: Any = None, *, config: SyncConfig | None = None) -> type:
+    """Make miles' ``--update-weight-transfer-mode p2p`` write with p2pweights.
 
     For ``--custom-megatron-init-path p2pweights.integrations.miles.install`` (miles
     calls it with its args on every trainer rank, before it builds the updater), or
-    from your own init function with a ``config``. Returns the class installed.
+    from your own init function with a ``config``. Picks the seam the installed miles
+    has: its ``WeightTransferProtocol`` (miles after PR 2752: ``p2p`` then builds
+    ``P2PWeightsProtocol``) or, before it, the updater class (``UpdateWeightP2P``
+    becomes ``P2PWeightsUpdater``). Returns the class installed; raises
+    ``FrameworkMismatchError`` naming the installed miles when it has neither.
     """
     if args is not None and args.update_weight_transfer_mode != "p2p":
         raise ConfigError(
             f"p2pweights replaces miles' p2p updater, but --update-weight-transfer-mode is "
             f"{args.update_weight_transfer_mode!r}; add --update-weight-transfer-mode p2p"
         )
+    if miles_seam() == "protocol":
+        from p2pweights.integrations.miles_protocol import install_protocol
+
+        return install_protocol(config)
     actor: Any = importlib.import_module(_ACTOR)
     cls = P2PWeightsUpdater
     if config is not None:
@@ -280,6 +327,48 @@ def install(args: Any = None, *, config: SyncConfig | None = None) -> type[P2PWe
     actor.UpdateWeightP2P = cls
     logger.info("miles' p2p weight transfer now writes with p2pweights (%s)", cls.__qualname__)
     return cls
+
+
+def miles_seam() -> str:
+    """Which seam the installed miles has: ``"protocol"`` (``WeightTransferProtocol``,
+    miles after PR 2752) or ``"mixin"`` (the updater class, miles before it). Raises
+    ``FrameworkMismatchError`` naming the installed miles when it has neither."""
+    if _has(_PROTOCOL, "WeightTransferProtocol") and _has(_UPDATER, "get_weight_transfer_protocol"):
+        return "protocol"
+    if _has(_MIXIN, "DistBucketedWeightUpdateMixin") and _has(_ACTOR, "UpdateWeightP2P"):
+        return "mixin"
+    raise FrameworkMismatchError(
+        f"p2pweights cannot plug into the installed miles ({installed_miles()}): it has "
+        f"neither {_PROTOCOL}.WeightTransferProtocol with {_UPDATER}.get_weight_transfer_protocol "
+        f"(miles after PR 2752) nor {_MIXIN}.DistBucketedWeightUpdateMixin with "
+        f"{_ACTOR}.UpdateWeightP2P (miles up to {MILES_COMMIT[:9]}). Nothing was installed; "
+        "run a miles with one of them, or miles' own --update-weight-transfer-mode"
+    )
+
+
+def installed_miles() -> str:
+    """The installed miles in words: its version where pip knows it, and where it is."""
+    from importlib import metadata
+
+    try:
+        module = importlib.import_module("miles")
+    except ModuleNotFoundError:
+        return "miles is not importable"
+    try:
+        version = f"miles {metadata.version('miles')}"
+    except metadata.PackageNotFoundError:
+        version = "miles of unknown version"
+    where = getattr(module, "__file__", None) or list(getattr(module, "__path__", []))
+    return f"{version} at {where or 'an unknown place'}"
+
+
+def _has(module: str, attribute: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), attribute)
+    except ModuleNotFoundError as exc:
+        if missing_module(exc, module):
+            return False
+        raise
 
 
 def _pipeline() -> tuple[int, int]:
