@@ -197,10 +197,14 @@ def _engine_lines(engines: Iterable[EngineReport]) -> list[str]:
         f"verified by {' and '.join(_VERIFIED_BY[v] for v in how)}: {n} engine(s)"
         for how, n in checked.items()
     ]
-    unverified = [f"{e.url} ({e.unverified_reason})" for e in engines if not e.verified]
-    if unverified:
-        parts.append(f"NOT verified: {some_of(unverified)}")
-    lines.append(f"  {'; '.join(parts)}")
+    if parts:
+        lines.append(f"  {'; '.join(parts)}")
+    unverified: dict[str, list[str]] = {}
+    for engine in engines:
+        if not engine.verified:
+            unverified.setdefault(engine.unverified_reason or "", []).append(engine.url)
+    for reason, urls in unverified.items():
+        lines.append(f"  NOT verified: {some_of(urls, ', ')}: {reason}")
     paused = {e.url: e.paused_s for e in engines if e.paused_s is not None}
     if paused:
         longest = max(paused, key=lambda url: paused[url])
@@ -222,16 +226,16 @@ _VERIFIED_BY: Mapping[Verification, str] = {
 
 
 def _size(num_bytes: float) -> str:
+    """Decimal units that show a small (delta) size as more than zero."""
     if num_bytes >= 1e9:
         return f"{num_bytes / 1e9:.2f} GB"
-    return f"{num_bytes / 1e6:.1f} MB"
+    if num_bytes >= 1e6 or num_bytes == 0:
+        return f"{num_bytes / 1e6:.1f} MB"
+    return f"{num_bytes / 1e3:.1f} kB"
 
 
 def _rate(num_bytes: int, seconds: float) -> str:
-    """Bytes per second in units that show a small (delta) update as more than zero."""
+    """Bytes per second, in units that show a small (delta) update as more than zero."""
     if seconds <= 0:
         return "no time measured"
-    per_s = num_bytes / seconds
-    if per_s >= 1e9:
-        return f"{per_s / 1e9:.2f} GB/s"
-    return f"{per_s / 1e6:.1f} MB/s"
+    return f"{_size(num_bytes / seconds)}/s"

@@ -74,6 +74,10 @@ def test_deltas_over_several_updates_are_bit_exact(kind, model_dir, start_engine
             tensors = trainer.step()
             report = session.update(tensors)
             assert 0 < _sent(report, engine) < full / 4, (_sent(report, engine), full)
+            assert report.delta is not None and report.delta.num_delta_params > 0
+            assert report.delta.sent_bytes == _sent(report, engine) < report.delta.full_bytes
+            assert report.engines[engine.url].verified_by == ("write_digests",)
+            assert "as deltas" in report.summary() and " 0.00 GB/s" not in report.summary()
             _bit_exact([engine], tensors)
 
 

@@ -162,6 +162,10 @@ def test_interrupted_trainer_leaves_a_visible_torn_engine_the_next_session_repai
         session.connect([engine.url])
         report = session.update(_weights(folder, 7))
     assert _state(engine.url) == (RUNNING, report.version)
+    # it found the engine paused: the pause it reports counts from its own start, not connect
+    assert report.engines[engine.url].pause_made is False
+    assert 0 < report.paused_s[engine.url] < report.seconds
+    assert "was paused already when this update began" in report.summary()
     assert _bit_exact(engine, folder, 7)
 
 

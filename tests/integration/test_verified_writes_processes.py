@@ -30,7 +30,16 @@ def test_a_parameter_changed_after_the_writes_fails_the_update(kind, model_dir, 
     config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB")
     with WeightSyncSession(config) as session:
         session.connect([engine.url, other.url])
-        session.update(seed_weights(folder, 1))  # verified, and passes
+        first = session.update(seed_weights(folder, 1))  # verified, and passes
+        protocol = "tcp" if kind == "mooncake" else "UCX"
+        for local, num_ranks in ((engine, 2), (other, 1)):
+            seen = first.engines[local.url]
+            assert seen.verified_by == ("write_digests",) and seen.unverified_reason is None
+            assert (seen.transport, seen.protocol) == (kind, protocol)
+            assert seen.num_ranks_written == num_ranks and seen.bytes_written > 0
+            assert seen.pause_made and seen.paused_s is not None
+            assert 0 < seen.paused_s < first.seconds
+        assert "verified by write digests: 2 engine(s)" in first.summary()
         answer = httpx.post(
             f"{engine.url}/p2pweights/corrupt_at_end", json={"rank": 1, "param": PARAM}
         )

@@ -291,3 +291,36 @@ def test_an_engine_rank_written_without_a_digest_is_not_counted_as_verified():
     digests[("http://e0", 1, "target")] = {"w": "d1"}
     assert check.verification("http://e0", written, digests) is None
     assert check.verification("http://other", written, digests) is not None
+
+
+def test_a_fleet_summary_groups_engines_by_what_happened_to_them():
+    why = "it records no write digests (released sglang's own publication); start it with ..."
+    engines = {
+        f"http://e{i}": EngineReport(
+            f"http://e{i}",
+            "mooncake",
+            "rdma",
+            1,
+            100_000,
+            verified_by=("write_digests",) if i < 6 else (),
+            unverified_reason=None if i < 6 else why,
+            paused_s=0.1 * i,
+            pause_made=i != 3,
+        )
+        for i in range(8)
+    }
+    report = UpdateReport(
+        version="2",
+        bytes_by_target={(url, 0): 100_000 for url in engines},
+        seconds=0.25,
+        engines=engines,
+    )
+    lines = report.summary().splitlines()
+    assert lines[0] == (
+        "version 2: 800.0 kB to 8 engine rank(s) of 8 engine(s) in 0.250 s (3.2 MB/s)"
+    )
+    assert lines[1] == "  written over mooncake (rdma)"
+    assert lines[2] == "  verified by write digests: 6 engine(s)"
+    assert lines[3] == f"  NOT verified: http://e6, http://e7: {why}"
+    assert lines[4].startswith("  paused up to 0.700 s (http://e7); http://e3 was paused already")
+    assert len(lines) == 6  # and the stages
