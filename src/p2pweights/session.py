@@ -70,6 +70,7 @@ from p2pweights.replica.registry import ReplicaHandle, replica_for
 from p2pweights.report import DeltaReport, UpdateReport, Verification
 from p2pweights.source.expected import ExpectedCheckpoint
 from p2pweights.source.inputs import InputSpec, describe_inputs, described_inputs
+from p2pweights.source.receipts import Receipts, checked_loaders
 from p2pweights.transfer.executor import RunHooks, RunResult, TransferExecutor
 from p2pweights.transfer.staging_device import staging_device_for
 from p2pweights.transfer.transports import create_transport
@@ -140,6 +141,8 @@ class WeightSyncSession:
         self._orphans: dict[str, EngineUpdate] = {}
         """Engines of an earlier connect not connected now, until abort() releases them."""
         self._last_run: RunResult | None = None
+        self._receipts = Receipts()
+        """The running update's inputs as received (``source.receipts``)."""
         self._one_call = OneCall()
         """connect, update, abort and close run one at a time (``one_call``)."""
         self._cancel = self._one_call.cancel
@@ -294,8 +297,20 @@ class WeightSyncSession:
         did not answer an update-session call within ``control_timeout_s``. A
         Mapping or a sequence is checked whole before any byte is written (the first
         update also against the engine's checkpoint); an iterator is checked tensor
-        by tensor. Tensors must stay unchanged until ``update`` returns: bytes are
-        loaded from them when their staging buffer is flushed.
+        by tensor.
+
+        Every tensor must keep its bytes from when ``update`` receives it (the call, for a
+        mapping or sequence; its yield, for an iterator) until ``update`` returns: bytes
+        are read when their staging buffer is flushed, after later tensors were read. An
+        iterator must not refill a buffer whose tensors it already yielded (yield a fresh
+        buffer per bucket, or copies). Writes through torch are detected (each tensor's
+        version counter and data pointer, recorded on receipt, are checked right before
+        its bytes are read: in-place ops on it, its base or any view of its storage, even
+        of another part of a shared bucket buffer; ``copy_``; ``out=``; ``.data =``;
+        ``set_``) and fail the update with ``InputChangedError`` naming the tensor, before
+        any engine resumes under the new version. Writes that bypass torch's version
+        counter (through ``.numpy()`` or DLPack views, a kernel or transport writing by
+        address) are not detected.
 
         Engines are paused only once the first staging buffer is loaded: reading and
         checking the inputs, converting them (fp8) and staging the first buffer happen
@@ -325,7 +340,8 @@ class WeightSyncSession:
         started = time.perf_counter()
         stages: dict[str, float] = {}
         first = self._prepared is None
-        tensors, described = _read_input(named_tensors, first)
+        self._receipts = Receipts()
+        tensors, described = _read_input(named_tensors, first, self._receipts)
         given = tensors if isinstance(tensors, list) else None
         whole = given is not None  # checked whole in prepare, not again as it streams
         # every rank takes this step (an iterator is checked as it streams): ranks must
@@ -506,7 +522,10 @@ class WeightSyncSession:
         try:
             if not self._targets:  # an idle trainer rank writes nothing, but reads its input
                 before_writes()
-                for _ in prepared.source.ready(tensors, prepared.plan, checked=checked):
+                inputs = prepared.source.ready(
+                    tensors, prepared.plan, checked=checked, receipts=self._receipts
+                )
+                for _ in inputs:
                     pass
                 return RunResult()
             result = self._run(tensors, checked, before_writes)
@@ -538,8 +557,10 @@ class WeightSyncSession:
         with progress("p2pweights update", total, unit="B", unit_scale=True) as advance:
             result = executor.run(
                 prepared.plan,
-                prepared.source.ready(tensors, prepared.plan, checked=checked),
-                self._replicas,
+                prepared.source.ready(
+                    tensors, prepared.plan, checked=checked, receipts=self._receipts
+                ),
+                checked_loaders(self._replicas, self._receipts),
                 RunHooks(
                     progress=advance,
                     before_writes=before_writes,
@@ -699,21 +720,22 @@ class WeightSyncSession:
 
 
 def _read_input(
-    named_tensors: NamedTensors, first: bool
+    named_tensors: NamedTensors, first: bool, receipts: Receipts
 ) -> tuple[Iterable[tuple[str, torch.Tensor]], dict[str, InputSpec] | None]:
     """The update's pairs, as a list where they are read whole (a mapping or sequence;
     a first update's iterator that does not say what it will yield, which must be known
     whole before it is planned), else the iterator; and what a first update's iterator
-    says it will yield (``specs()``)."""
+    says it will yield (``specs()``). What is read whole is recorded in ``receipts`` as
+    it is read (an iterator's tensors as each is yielded)."""
     if isinstance(named_tensors, torch.Tensor):
         raise ConfigError("update() takes (hf_name, tensor) pairs or a name -> tensor mapping")
     if isinstance(named_tensors, Mapping):
-        return list(named_tensors.items()), None
+        return list(receipts.recording(named_tensors.items())), None
     if not isinstance(named_tensors, Iterator):
-        return list(named_tensors), None
+        return list(receipts.recording(named_tensors)), None
     described = described_inputs(named_tensors) if first else None
     if first and described is None:
-        return list(named_tensors), None
+        return list(receipts.recording(named_tensors)), None
     return named_tensors, described
 
 

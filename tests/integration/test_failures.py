@@ -15,6 +15,7 @@ import signal
 
 import pytest
 import torch
+from _bit_exact import assert_bit_exact
 
 from p2pweights import (
     ConfigError,
@@ -27,6 +28,8 @@ from p2pweights import (
     WeightSyncSession,
 )
 from p2pweights.engines.client import EngineClient
+from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.errors import InputChangedError
 from p2pweights.testing import synthetic_weights
 
 pytestmark = pytest.mark.integration
@@ -187,3 +190,50 @@ def test_engine_check_fails_the_update_on_a_mismatch(model_dir, start_engines):
         # The engine snapshots its start weights (seed 0); these differ, so compare must fail.
         with pytest.raises(EngineError, match="weights_checker"):
             session.update(_weights(folder, 99))
+
+
+def _through_one_buffer(pairs, bucket_bytes=128 * 1024):
+    """A trainer's reused refit buffer: bucket after bucket copied into one flat buffer,
+    each bucket's tensors yielded as views of it (the next bucket overwrites them)."""
+    sizes = [t.numel() * t.element_size() for _, t in pairs]
+    buffer = torch.empty(max(bucket_bytes, *sizes), dtype=torch.uint8)
+    bucket: list = []
+    filled = 0
+    for (name, tensor), size in [*zip(pairs, sizes, strict=True), ((None, None), 0)]:
+        if name is None or (bucket and filled + size > bucket_bytes):
+            offset = 0
+            for b_name, b_tensor in bucket:
+                n = b_tensor.numel() * b_tensor.element_size()
+                view = buffer[offset : offset + n]
+                view.copy_(b_tensor.reshape(-1).view(torch.uint8))
+                yield b_name, view.view(b_tensor.dtype).view(b_tensor.shape)
+                offset += n
+            bucket, filled = [], 0
+        if name is not None:
+            bucket.append((name, tensor))
+            filled += size
+
+
+def test_inputs_changed_after_they_were_yielded_fail_the_first_and_a_warm_update(engine, model_dir):
+    """Issue 28 item 2: an iterator reusing its bucket buffer made update() report
+    success with bytes other than those yielded (the digests agreed: both ends digested
+    the same wrong bytes). Now the update fails naming the tensor, before the engine is
+    resumed under the new version; the next update repairs it, bit-exact."""
+    folder = model_dir("qwen3-tiny")
+    before, version = _checksum(engine.url), EngineClient(engine.url).weight_version()
+    with WeightSyncSession(_config()) as session:
+        session.connect([engine.url])
+        # first update: read whole before planning, so the overwrite happened before any load
+        with pytest.raises(InputChangedError, match=r"HF tensor 'model\..*' changed after"):
+            session.update(_through_one_buffer(_weights(folder, 4)))
+        assert _checksum(engine.url) == before  # caught before the engine was touched
+        assert EngineClient(engine.url).weight_version() == version
+        warm = session.update(_weights(folder, 5)).version
+        # a warm update streams: caught at the flush that loads an overwritten tensor
+        with pytest.raises(InputChangedError, match=r"HF tensor 'model\..*' changed after"):
+            session.update(_through_one_buffer(_weights(folder, 6)))
+        shown = EngineClient(engine.url).weight_version()  # never resumed under the new one
+        assert shown == warm or shown.startswith(UPDATING_PREFIX), shown
+        report = session.update(_weights(folder, 7))
+    assert EngineClient(engine.url).weight_version() == report.version
+    assert_bit_exact([engine], folder, 7)

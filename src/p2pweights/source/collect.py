@@ -16,7 +16,7 @@ it completes are released.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -107,7 +107,12 @@ class ConvertingCollector:
         self,
         groups: Mapping[Hashable, Sequence[Iterable[str]]],
         formats: Mapping[Hashable, CheckpointFormat],
+        *,
+        before_read: Callable[[str, torch.Tensor], None] | None = None,
     ):
+        """``before_read(name, tensor)`` is called right before a tensor's bytes are
+        converted (it may raise: the input changed since it arrived)."""
+        self._before_read = before_read
         by_format: dict[Hashable, dict[Hashable, Sequence[Iterable[str]]]] = {}
         converters: dict[Hashable, CheckpointFormat] = {}
         for key, key_groups in groups.items():
@@ -131,6 +136,8 @@ class ConvertingCollector:
                     ready += self._convert_held(lane)
                 continue
             if lane.fmt.converts(name):
+                if self._before_read is not None:
+                    self._before_read(name, tensor)
                 started = time.perf_counter()
                 converted = lane.fmt.convert(name, tensor)
                 self.convert_s += time.perf_counter() - started
@@ -148,6 +155,9 @@ class ConvertingCollector:
         held, lane.held, lane.held_bytes = lane.held, [], 0
         if not held:
             return []
+        if self._before_read is not None:
+            for name, tensor in held:
+                self._before_read(name, tensor)
         started = time.perf_counter()
         converted = lane.fmt.convert_many(held)
         self.convert_s += time.perf_counter() - started

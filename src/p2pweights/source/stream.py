@@ -6,6 +6,11 @@ later update must send the same. A sequence or mapping is checked whole before a
 byte moves; an iterator is checked tensor by tensor as it streams (the first bad
 tensor then stops the update after some bytes were written; the engines stay paused
 and show the update as incomplete until a later update completes).
+
+Every input must stay unchanged from the moment it is received (the call, for a
+sequence or mapping; its yield, for an iterator) until its bytes were read: each
+tensor's version counter and data pointer are recorded on receipt and checked right
+before its bytes are read (``receipts``; ``receipts.checked_loaders`` wraps the replicas for that).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from p2pweights.source.finite import check_finite
 from p2pweights.source.fp8_block import SCALE_SUFFIX
 from p2pweights.source.fp8_regions import Read, block_box
 from p2pweights.source.inputs import InputSpec, check_input
+from p2pweights.source.receipts import Receipts
 
 __all__ = ["UpdateSource"]
 
@@ -147,13 +153,32 @@ class UpdateSource:
             )
 
     def ready(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], plan: BytePlan, *, checked: bool
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        plan: BytePlan,
+        *,
+        checked: bool,
+        receipts: Receipts | None = None,
     ) -> Iterator[ReadyGroup]:
         """The planned groups with their inputs, as the tensors complete them.
 
         ``checked``: the tensors went through ``check_whole`` already.
+        ``receipts``: where each tensor is recorded as it arrives from an iterator (a
+        sequence's tensors were recorded by whoever read them; without ``receipts``, here,
+        at once), to be checked before its bytes are converted (here) or loaded (the
+        loaders ``checked_loaders`` makes with the same receipts).
         """
-        collector = ConvertingCollector(self._groups, self._formats)  # type: ignore[arg-type]
+        if receipts is None:
+            receipts = Receipts()
+            if isinstance(tensors, Sequence):
+                receipts.record_all(tensors)
+        if not isinstance(tensors, Sequence):
+            tensors = receipts.recording(tensors)
+        collector = ConvertingCollector(
+            self._groups,
+            self._formats,  # type: ignore[arg-type]
+            before_read=receipts.check,
+        )
         try:
             for name, tensor in tensors:
                 if not checked:
