@@ -44,9 +44,12 @@ def region_lanes(
     offsets = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.int64)
     runs = tl.zeros((BLOCK,), dtype=tl.int64)
-    for block in range(0, full):
-        acc += tl.load(base + block * BLOCK + offsets)
-        runs += acc
+    # a constant trip count with the bound tested inside (not ``range(0, full)``): Triton
+    # 3.6's interpreter cannot take a loaded value as a loop bound under numpy 2.4+
+    for block in range(0, BLOCKS):
+        if block < full:
+            acc += tl.load(base + block * BLOCK + offsets)
+            runs += acc
     num_blocks = full.to(tl.int64)
     if full < BLOCKS:
         at = full * BLOCK + offsets
