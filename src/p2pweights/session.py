@@ -33,6 +33,11 @@ needs tensors of two stages; nothing else crosses stages.
 After a failed update the engines stay paused: the next ``update`` rewrites every
 weight and resumes them, ``abort()`` gives up (ends open sessions, resumes the
 engines whose weights are whole), and ``close()`` does the same as ``abort()``.
+
+One call runs at a time (``one_call``): ``update()`` and ``connect()`` while another
+call runs, in any thread, raise ``SessionBusyError``; ``abort()`` and ``close()`` cancel a
+running update and wait for any running call. An input written through torch after the
+update received it fails the update with ``InputChangedError`` (``source.receipts``).
 """
 
 from __future__ import annotations

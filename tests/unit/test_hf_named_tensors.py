@@ -136,3 +136,17 @@ def test_fsdp2_sharded_models_give_the_full_tensors_on_every_rank(model_name):
     for p in procs:
         p.join(timeout=60)
     assert [r[:3] for r in results] == [(0, "DTensor", True), (1, "DTensor", True)]
+
+
+@pytest.mark.parametrize("model_name", ["qwen3-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_yielded_tensors_stay_unchanged_while_later_buckets_are_made(model_name, dtype):
+    """update()'s contract (issue 28 item 2): nothing the adapter does for a later bucket
+    writes into a tensor it already yielded, so none fails the input check at the end."""
+    from p2pweights.source.receipts import Receipts
+
+    receipts = Receipts()
+    pairs = list(
+        receipts.recording(hf_named_tensors(_model(model_name), bucket_bytes=1, dtype=dtype))
+    )
+    receipts.check_all(pairs)

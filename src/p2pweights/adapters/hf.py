@@ -17,6 +17,11 @@ go of them; ``WeightSyncSession.update`` keeps them until their staging buffer i
 written, so a streamed update holds about one bucket plus two staging buffers (for an
 fp8 engine fed from GPU tensors, plus up to 1 GiB of weights held to be quantized in
 one batch, ``source/collect.py``).
+
+It meets ``update()``'s input contract: every bucket is gathered (or cast) into fresh
+tensors and nothing is written into a tensor once yielded; an unsharded model without
+``dtype`` yields its own parameters, so an optimizer step while the update runs (another
+thread) fails the update with ``InputChangedError`` instead of sending a mix.
 """
 
 from __future__ import annotations

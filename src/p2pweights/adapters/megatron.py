@@ -29,6 +29,11 @@ stage (``broadcast_from_pp_rank``, which every local tensor would skip anyway) i
 a collective across stages. That holds only for the duration of each export step, on
 the exporting thread's watch: do not run another bridge export concurrently in the
 same process.
+
+``update()``'s input contract (no yielded tensor changes until the update returns):
+the bridge gathers and converts each parameter into tensors of its own, and ``cpu`` /
+``dtype`` make new ones; should a bridge version refill a buffer it already yielded,
+the update fails with ``InputChangedError`` naming the tensor, never sends other bytes.
 """
 
 from __future__ import annotations
