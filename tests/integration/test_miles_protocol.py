@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from argparse import Namespace
 
 import pytest
@@ -41,7 +42,9 @@ def _stage_of(name: str, num_stages: int) -> int:
     return 0 if name.startswith(("model.embed_tokens.", "model.layers.0.")) else 1
 
 
-def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos) -> None:
+def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos, counts=True) -> None:
+    """One miles trainer rank; ``counts=False``: miles passes no engine GPU counts (every
+    rank sends, for the benchmark of that choice)."""
     os.environ["P2PWEIGHTS_MILES_TRANSPORT"] = "mooncake-tcp"
     os.environ["P2PWEIGHTS_MILES_HOSTNAME"] = "127.0.0.1"
     dist_init = f"tcp://127.0.0.1:{port}"
@@ -75,7 +78,7 @@ def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos) ->
     clients = [_miles_main.SGLangApiClient(url) for url, _ in engines]
     updater.connect_rollout_engines(
         clients,
-        engine_gpu_counts=[tp for _, tp in engines],
+        engine_gpu_counts=[tp for _, tp in engines] if counts else None,
         engine_gpu_offsets=[sum(tp for _, tp in engines[:i]) for i in range(len(engines))],
     )
     protocol = updater.protocol
@@ -87,8 +90,10 @@ def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos) ->
                 for name, tensor in synthetic_weights(folder, seed=seed, dtype=torch.bfloat16)
                 if _stage_of(name, num_stages) == stage
             )
+            started = time.perf_counter()
             updater.update_weights()
-            info = (type(protocol).__name__, protocol.is_sender, updater.weight_version)
+            wall_s = time.perf_counter() - started
+            info = (type(protocol).__name__, protocol.is_sender, updater.weight_version, wall_s)
             iterator = updater._hf_weight_iterator
             out.put((index, rank, info, updater.pop_metrics(), iterator.materialized))
             gos[index].wait(timeout=240)  # the test checks the engines in between
@@ -97,13 +102,16 @@ def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos) ->
         dist.destroy_process_group()
 
 
-def _run(folder, engines, *, world, num_stages, seeds, check):
+def _run(folder, engines, *, world, num_stages, seeds, check, counts=True):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     gos = [ctx.Event() for _ in seeds]
     layout = [(e.url, e.tp) for e in engines]
     args = (world, num_stages, free_port(), layout, str(folder), seeds, out, gos)
-    trainers = [ctx.Process(target=_trainer, args=(rank, *args)) for rank in range(world)]
+    trainers = [
+        ctx.Process(target=_trainer, args=(rank, *args), kwargs={"counts": counts})
+        for rank in range(world)
+    ]
     for p in trainers:
         p.start()
     try:
@@ -132,7 +140,7 @@ def engines(model_dir, start_module_engines):
 
 
 def _assert_updated(results, engines, folder, seed, version, senders):
-    for _, rank, (kind, is_sender, weight_version), metrics, materialized in results:
+    for _, rank, (kind, is_sender, weight_version, _), metrics, materialized in results:
         assert kind == "P2PWeightsProtocol"
         assert weight_version == version
         assert is_sender == (rank in senders), rank
