@@ -192,6 +192,12 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
         for step, seed in enumerate(SEEDS, start=1):
             report = session.update(dict(synthetic_weights(CONFIG, seed)))
             assert report.version == str(step)
+            # P2PWEIGHTS_WRITE_DIGESTS=1 (the servers inherit it): every rank's digests of
+            # its written weights compared with what was staged, each update
+            verified = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS") == "1"
+            assert report.engines[server.url].verified_by == (
+                ("write_digests",) if verified else ()
+            )
             assert client.weight_version() == str(step)
             actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
             assert len(actual) == server.tp
