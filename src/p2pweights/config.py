@@ -66,8 +66,11 @@ class MooncakeConfig(_Config):
     model_config = _FROZEN
 
     kind: Literal["mooncake"] = "mooncake"
-    protocol: Literal["rdma", "tcp"] = "rdma"
-    """"rdma" on clusters with RDMA NICs; "tcp" where there are none (tests, one host)."""
+    protocol: Literal["rdma", "tcp", "auto"] = "rdma"
+    """"rdma" on clusters with RDMA NICs (a host where Mooncake finds none is refused when
+    the transport starts, at connect); "tcp" where there are none (tests, one host);
+    "auto" takes RDMA where Mooncake finds a device and TCP elsewhere, with a warning.
+    ``UpdateReport`` names the protocol used."""
     device_name: str = ""
     """RDMA device(s), e.g. "mlx5_0"; empty lets Mooncake choose."""
     local_hostname: str = "127.0.0.1"

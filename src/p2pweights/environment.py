@@ -44,6 +44,23 @@
 ``NIXL_LOG_LEVEL``                       Set to ``WARN`` by the command line's quiet output
                                          (demo, doctor) when unset: NIXL logs INFO lines to
                                          stdout otherwise. Read, never overridden.
+``P2PWEIGHTS_LOG``                       The level of the ``p2pweights`` loggers (``debug``,
+                                         ``info``, ``warning``, ...), set on the first
+                                         session; unset: left as the process configured it.
+                                         No handler is added (``p2pweights.logs``).
+``P2PWEIGHTS_THIRD_PARTY_LOGS``          ``1`` lets every line of sglang, megatron, torch and
+                                         Mooncake through; unset or ``0``, the known noise
+                                         they print on import and start is kept out
+                                         (``p2pweights.logs``), and ``MC_LOG_LEVEL``
+                                         defaults to ``ERROR``.
+``MC_LOG_LEVEL``                         Mooncake's log level (``TRACE``, ``INFO``, ``WARNING``,
+                                         ``ERROR``): set to ``ERROR`` before a Mooncake
+                                         engine starts, unless set or third-party logs are
+                                         on. Read, never overridden.
+``MC_FORCE_TCP``                         Read: Mooncake then installs TCP whatever RDMA
+                                         devices there are (its binding ignores the protocol
+                                         it is given), so ``MooncakeConfig(protocol="rdma")``
+                                         is refused and a transport says it writes over TCP.
 =====================================  =====================================================
 
 Read when used, not at import, so a value set before the first session counts.
@@ -71,6 +88,10 @@ __all__ = [
     "quiet_nixl_info",
     "miles_transport",
     "miles_hostname",
+    "log_level",
+    "third_party_logs",
+    "quiet_mooncake_logs",
+    "mooncake_force_tcp",
 ]
 
 
@@ -141,3 +162,28 @@ def keep_ucx_efa_module_out() -> None:
         return
     os.environ["UCX_MODULES"] = "^efa"
     logger.debug("set UCX_MODULES=^efa (no EFA devices) to avoid a crash at process exit")
+
+
+def log_level() -> str | None:
+    """``P2PWEIGHTS_LOG`` in upper case (``"INFO"``), or None when unset."""
+    value = os.environ.get("P2PWEIGHTS_LOG", "").strip().upper()
+    return value or None
+
+
+def third_party_logs() -> bool:
+    """Whether ``P2PWEIGHTS_THIRD_PARTY_LOGS`` asks for every third-party line (see the table)."""
+    return os.environ.get("P2PWEIGHTS_THIRD_PARTY_LOGS", "0").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+    )
+
+
+def quiet_mooncake_logs() -> None:
+    """``MC_LOG_LEVEL=ERROR`` unless set or third-party logs are on (see the table above)."""
+    if not third_party_logs():
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def mooncake_force_tcp() -> bool:
+    return os.environ.get("MC_FORCE_TCP", "") not in ("", "0")

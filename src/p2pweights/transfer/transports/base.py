@@ -73,6 +73,17 @@ class Transport(ABC):
         release what ``connect`` set up for it. Idempotent; a later write needs ``connect``."""
 
     @property
+    def protocol(self) -> str:
+        """What this transport writes over, as set up (not as configured): Mooncake's
+        "rdma" or "tcp", NIXL's backend, "device copy" for CUDA IPC."""
+        return ""
+
+    def describe(self) -> str:
+        """``"mooncake/tcp"``: the transport's name and the protocol it writes over, for
+        reports and logs."""
+        return f"{self.name}/{self.protocol}" if self.protocol else self.name
+
+    @property
     def peers(self) -> frozenset[str]:
         """The engine ranks connected now, by transport-level name (``RankPublication.peer``)."""
         return frozenset()

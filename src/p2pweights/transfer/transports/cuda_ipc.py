@@ -109,6 +109,10 @@ class CudaIpcTransport(Transport):
 
     name = "cuda_ipc"
 
+    @property
+    def protocol(self) -> str:
+        return "device copy"
+
     def __init__(self, config: CudaIpcConfig) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(

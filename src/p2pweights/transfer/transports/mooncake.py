@@ -23,14 +23,17 @@ read registered (``close`` keeps the engine itself, whose threads still move the
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from p2pweights import environment
 from p2pweights.config import MooncakeConfig
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import (
@@ -61,7 +64,84 @@ _SUBMIT_FAILED = {0, -1, 2**64 - 1}
 _DONE, _PENDING, _FAILED, _TIMED_OUT = 1, 0, -1, -2
 
 
+_RDMA_SYSFS = Path("/sys/class/infiniband")
+
+
+def installed_protocol(
+    device_name: str,
+    topology: Callable[[str], str],
+    *,
+    root: Path = _RDMA_SYSFS,
+    force_tcp: bool | None = None,
+) -> str:
+    """What Mooncake installs on this host: "rdma" or "tcp".
+
+    Its Python binding ignores the protocol it is given. It installs RDMA when its
+    topology discovery finds an RDMA device (among ``device_name``'s, comma-separated,
+    when given) and ``MC_FORCE_TCP`` is unset, and TCP otherwise. The kernel's device
+    list answers for a host with none; where it lists some, Mooncake's own discovery
+    (``topology``: ``TransferEngine.get_local_topology``, about 1 s) says whether it can
+    use them (a container's libibverbs may not).
+    """
+    if environment.mooncake_force_tcp() if force_tcp is None else force_tcp:
+        return "tcp"
+    wanted = [name for name in device_name.split(",") if name]
+    listed = [d.name for d in root.glob("*") if not wanted or d.name in wanted]
+    if not listed:
+        return "tcp"
+    found: dict[str, list[list[str]]] = json.loads(topology(device_name))
+    hcas = {hca for entry in found.values() for group in entry for hca in group}
+    return "rdma" if hcas else "tcp"
+
+
+def choose_protocol(
+    protocol: str,
+    device_name: str,
+    topology: Callable[[str], str],
+    *,
+    root: Path = _RDMA_SYSFS,
+    force_tcp: bool | None = None,
+) -> str:
+    """The protocol a transport configured with ``protocol`` writes over; raises
+    ``TransportError`` for "rdma" where Mooncake would install TCP. "tcp" on a host where
+    Mooncake finds a device gives "rdma" (it ignores the protocol asked; ``MC_FORCE_TCP=1``
+    on trainer and engines keeps them on TCP)."""
+    found = installed_protocol(device_name, topology, root=root, force_tcp=force_tcp)
+    if found == "rdma" or protocol == "tcp":
+        if found != protocol and protocol != "auto":
+            logger.info(
+                "MooncakeConfig(protocol=%r): Mooncake finds RDMA devices and writes over "
+                "RDMA (MC_FORCE_TCP=1 keeps it on TCP)",
+                protocol,
+            )
+        return found
+    devices = f" named by device_name={device_name!r}" if device_name else ""
+    why = (
+        "MC_FORCE_TCP is set"
+        if (environment.mooncake_force_tcp() if force_tcp is None else force_tcp)
+        else f"Mooncake finds no RDMA device{devices} on this host"
+    )
+    if protocol == "rdma":
+        raise TransportError(
+            f'MooncakeConfig(protocol="rdma"): {why} (no RDMA device it can use), so it '
+            f'would write over TCP. Set MooncakeConfig(protocol="tcp") to write over TCP, '
+            f'or protocol="auto" to take RDMA where there is a device and TCP elsewhere; '
+            f"`p2pweights doctor` lists this host's RDMA devices"
+        )
+    logger.warning("MooncakeConfig(protocol=%r): %s; writing over TCP", protocol, why)
+    return found
+
+
+def _local_topology(device_name: str) -> str:
+    from mooncake.engine import TransferEngine
+
+    return str(TransferEngine().get_local_topology(device_name))
+
+
 def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
+    """A Mooncake ``TransferEngine`` (``protocol`` is passed on, as sglang does; Mooncake
+    picks what ``installed_protocol`` says)."""
+    environment.quiet_mooncake_logs()
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
@@ -94,13 +174,19 @@ class MooncakeTransport(Transport):
 
     def __init__(self, config: MooncakeConfig) -> None:
         self._config = config
-        self._engine = _new_engine(config.local_hostname, config.protocol, config.device_name)
+        self._protocol = choose_protocol(config.protocol, config.device_name, _local_topology)
+        self._engine = _new_engine(config.local_hostname, self._protocol, config.device_name)
         self._lock = threading.Lock()
         self._registered: list[tuple[int, int]] = []
         self._local = RegionIndex([])
         self._peers: set[str] = set()
         self._in_flight: list[InFlight] = []
         """Batches writes gave up on that had not ended: their memory stays registered."""
+
+    @property
+    def protocol(self) -> str:
+        """ "rdma" or "tcp": what Mooncake writes over (also under protocol="auto")."""
+        return self._protocol
 
     @property
     def session_id(self) -> str:

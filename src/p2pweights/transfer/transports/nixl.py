@@ -163,6 +163,11 @@ class NixlTransport(Transport):
 
     name = "nixl"
 
+    @property
+    def protocol(self) -> str:
+        """The NIXL backend it writes through ("UCX", ...)."""
+        return str(self._backend)
+
     def __init__(self, config: NixlConfig) -> None:
         self._backend = config.backend
         _ensure_cuda_context()
