@@ -131,6 +131,13 @@ class DeltaConfig(_Config):
     max_fraction: float = 0.3
     """A parameter with more than this share of its elements changed is written in full
     (bf16 deltas take 6 bytes per changed element: at a third they are no smaller)."""
+    mode: Literal["auto", "always"] = "auto"
+    """``"auto"``: each update goes as a delta only where the costs earlier updates measured
+    (comparing per byte, writing per byte, the share a delta sent) predict it faster than
+    writing every byte, else in full without comparing (a delta is probed again now and
+    then; ``delta.policy``); ``UpdateReport.delta`` says what was decided and why.
+    ``"always"``: every update after the first is a delta wherever an engine rank holds
+    the previous update, whatever it costs."""
 
     @field_validator("max_fraction")
     @classmethod

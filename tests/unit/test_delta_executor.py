@@ -3,6 +3,9 @@ the engine side applies each rank's payload from its scratch region, bit-exact."
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 from test_executor import CopyingTransport, _engine
 
@@ -68,7 +71,7 @@ def test_deltas_land_bit_exact_over_several_updates_and_send_less():
     source = _source()
     engines = [_Engine("http://a", source, 1 << 16), _Engine("http://b", source, 1 << 16)]
     executor = TransferExecutor(
-        CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig(max_fraction=0.3)
+        CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig(max_fraction=0.3, mode="always")
     )
     executor.connect([e.pub for e in engines])
     full = _update(executor, source, [e.pub for e in engines])
@@ -210,3 +213,126 @@ def test_a_payload_whose_sender_died_before_end_is_not_applied_by_a_full_update(
     engine.end()
     assert engine.holds(fresh)
     full.close()
+
+
+class _Link(CopyingTransport):
+    """A slow link: each write takes ``s_per_byte`` per byte it moves."""
+
+    def __init__(self, s_per_byte: float) -> None:
+        super().__init__()
+        self.s_per_byte = s_per_byte
+
+    def write(self, target, writes, timeout_s):
+        time.sleep(self.s_per_byte * sum(w.num_bytes for w in writes))
+        super().write(target, writes, timeout_s)
+
+
+@pytest.fixture
+def slow_compare(monkeypatch):
+    """Every flush's compare takes ``seconds`` longer; ``calls`` counts the compares."""
+    import p2pweights.delta.store as store
+
+    real = store.encode_flush
+
+    class Slow:
+        seconds = 0.1
+        calls = 0
+
+        def __call__(self, *args, **kwargs):
+            Slow.calls += 1
+            time.sleep(Slow.seconds)
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "encode_flush", Slow())
+    return Slow
+
+
+def _full_bytes(source, num_engines: int) -> int:
+    return sum(t.numel() * 2 for t in source.values()) * num_engines
+
+
+def test_a_delta_whose_compare_costs_more_than_its_writes_save_is_sent_in_full(slow_compare):
+    """Auto: the first update full (keeping a copy), the second a delta measuring what it
+    costs; its compare (0.1 s a flush) against writes that take microseconds: full from
+    then on, without comparing or copying, until the update before a probe keeps a copy
+    and the probe compares again. Every engine byte exact all along."""
+    source = _source(5)
+    engines = [_Engine("http://a", source, 1 << 16), _Engine("http://b", source, 1 << 16)]
+    executor = TransferExecutor(CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig())
+    targets = [e.pub for e in engines]
+    executor.connect(targets)
+    decisions = []
+    for step in range(8):
+        if step:
+            source = _step(source, 0.02, 20 + step)
+        calls = slow_compare.calls
+        result = _update(executor, source, targets)
+        for e in engines:
+            e.end()
+            assert e.holds(source), step
+        decision = result.delta.decision
+        decisions.append((decision.mode, decision.keep_copy, decision.reason))
+        if decision.mode == "full":
+            assert slow_compare.calls == calls  # nothing compared
+            assert result.bytes_written >= _full_bytes(source, 2)
+            assert result.delta.num_delta_slots == 0
+        else:
+            assert slow_compare.calls > calls
+            assert result.bytes_written < _full_bytes(source, 2) / 4
+    assert decisions == [
+        ("full", True, "no_base"),  # nothing stored yet
+        ("delta", True, "probe"),  # nothing measured yet
+        ("full", False, "predicted"),
+        ("full", False, "predicted"),
+        ("full", False, "predicted"),
+        ("full", True, "predicted"),  # the next one probes
+        ("delta", True, "probe"),  # against the copy kept by the one before: exact
+        ("full", False, "predicted"),
+    ]
+    last = result.delta.decision
+    assert last.predicted_delta_s > last.predicted_full_s
+    assert "in full" in last.describe()
+    executor.close()
+
+
+def test_always_sends_a_delta_however_much_its_compare_costs(slow_compare):
+    source = _source(6)
+    engine = _Engine("http://a", source, 1 << 16)
+    executor = TransferExecutor(
+        CopyingTransport(), torch.device("cpu"), 5.0, DeltaConfig(mode="always")
+    )
+    executor.connect([engine.pub])
+    slow_compare.seconds = 0.02
+    for step in range(4):
+        if step:
+            source = _step(source, 0.02, 30 + step)
+        result = _update(executor, source, [engine.pub])
+        engine.end()
+        assert engine.holds(source)
+        assert result.delta.decision.reason == "always"
+        assert result.delta.num_delta_slots == (8 if step else 0)
+    executor.close()
+
+
+def test_a_slow_link_keeps_deltas():
+    """Writes at 2 us a byte (a full update waits about 70 ms a rank) against a compare of
+    a millisecond: deltas every update after the first, predicted faster."""
+    source = _source(7)
+    engine = _Engine("http://a", source, 1 << 16)
+    executor = TransferExecutor(_Link(2e-6), torch.device("cpu"), 5.0, DeltaConfig())
+    executor.connect([engine.pub])
+    reasons = []
+    for step in range(4):
+        if step:
+            source = _step(source, 0.02, 40 + step)
+        result = _update(executor, source, [engine.pub])
+        engine.end()
+        assert engine.holds(source)
+        reasons.append((result.delta.decision.mode, result.delta.decision.reason))
+    assert reasons == [
+        ("full", "no_base"),
+        ("delta", "probe"),
+        ("delta", "predicted"),
+        ("delta", "predicted"),
+    ]
+    executor.close()

@@ -12,6 +12,12 @@ slot whose bytes did not change is not written at all. The last flush carries ea
 rank's header (``headers``): the update's sequence, the update its entries change,
 their number and size. A rank whose publication has no scratch region gets full
 writes.
+
+Whether an update is a delta at all is ``DeltaPolicy``'s decision (``DeltaConfig.mode``),
+made as the run begins from what earlier runs measured (``finish``): a run decided full
+compares nothing and writes every slot whole; it stores its bytes only where the
+policy wants the next update to be able to go as a delta (``Decision.keep_copy``), and
+otherwise leaves the stored copy stale (no rank holds it: the next update is full).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.flush_compare import FlushSlot
+from p2pweights.delta.policy import Decision, DeltaPolicy, Measured
 from p2pweights.delta.store import FlushLayout, PreviousBytes
 from p2pweights.delta.wire import HEADER_BYTES, SCRATCH_NAME, DeltaEntry, PayloadHeader
 from p2pweights.engines.published import RankPublication
@@ -58,6 +65,9 @@ class DeltaSummary:
     num_unchanged_slots: int = 0
     store_bytes: int = 0
     """Memory the copy of the previous update's bytes takes."""
+    decision: Decision | None = None
+    """Whether the update went as a delta or in full, why, and the seconds predicted
+    for each (``DeltaConfig.mode``; ``Decision.describe`` says it in a line)."""
 
     @property
     def fraction(self) -> float:
@@ -79,18 +89,42 @@ class DeltaSender:
     def __init__(self, config: DeltaConfig) -> None:
         self.config = config
         self.store = PreviousBytes(torch.device("cpu") if config.store == "host" else None)
+        self.policy = DeltaPolicy(config.mode)
 
     def begin(self, connected: Mapping[Runner, RankPublication]) -> DeltaRun:
-        return DeltaRun(self, connected)
+        """A run, as a delta or in full as the policy decides (a delta only where some
+        rank publishing a scratch region holds the stored bytes)."""
+        can_delta = any(self.store.holds(runner) for runner in with_scratch(connected))
+        return DeltaRun(self, connected, decision=self.policy.decide(can_delta))
 
-    def finish(self, run: DeltaRun, failed: Iterable[tuple[str, int]]) -> None:
+    def finish(
+        self,
+        run: DeltaRun,
+        failed: Iterable[tuple[str, int]],
+        *,
+        compare_s: float = 0.0,
+        wait_s: float = 0.0,
+    ) -> None:
         """The run ended: ranks that failed get full writes next time; with any failure
-        the update failed, and everything is forgotten."""
+        the update failed, and everything is forgotten. What it measured (``compare_s``
+        comparing its flushes, ``wait_s`` waiting for its writes) goes to the policy."""
         if any(True for _ in failed):
             self.forget()
             return
-        self.store.finish(run.sequence, run.scratch, run.num_flushes)
+        if run.decision.keep_copy:
+            self.store.finish(run.sequence, run.scratch, run.num_flushes)
+        else:
+            self.store.stale()
         run.summary.store_bytes = self.store.num_bytes
+        self.policy.observe(
+            Measured(
+                run.decision.mode,
+                full_bytes=run.summary.full_bytes,
+                sent_bytes=run.summary.sent_bytes,
+                compare_s=compare_s + run.pack_s,
+                wait_s=wait_s,
+            )
+        )
 
     def forget(self) -> None:
         """An update failed: the next one is written in full."""
@@ -108,6 +142,8 @@ class DeltaRun:
 
     sender: DeltaSender
     connected: Mapping[Runner, RankPublication]
+    decision: Decision = field(default_factory=lambda: Decision("delta", True, "always"))
+    """Whether this update compares and sends deltas (``DeltaPolicy.decide``)."""
     sequence: int = 0
     base: int = 0
     scratch: dict[Runner, RankPublication] = field(default_factory=dict)
@@ -121,6 +157,8 @@ class DeltaRun:
 
     num_flushes: int = 0
     """Flushes compared so far (a flush's position in the update)."""
+    pack_s: float = 0.0
+    """Seconds ``place`` took (deciding and packing entries)."""
     _started: bool = False
     _pending: list[tuple[tuple[int, int], DeltaEntry | None, frozenset[Runner], int, int]] = field(
         default_factory=list
@@ -129,6 +167,7 @@ class DeltaRun:
     def __post_init__(self) -> None:
         store = self.sender.store
         self.sequence, self.base = store.next_sequence(), store.sequence
+        self.summary.decision = self.decision
 
     @property
     def max_headers(self) -> int:
@@ -142,7 +181,8 @@ class DeltaRun:
         self._started = True
         store = self.sender.store
         self.scratch = with_scratch(self.connected)
-        self._holders = {r for r in self.scratch if store.holds(r)}
+        if self.decision.mode == "delta":  # else every slot is written whole
+            self._holders = {r for r in self.scratch if store.holds(r)}
         self._offsets = dict.fromkeys(self.scratch, HEADER_BYTES)
 
     def compare(
@@ -163,6 +203,11 @@ class DeltaRun:
             for index, (param, offset, num_bytes) in enumerate(group_slots)
         ]
         if not listed:
+            return
+        if not self.decision.keep_copy:  # in full, and nothing stored: nothing to compare
+            self.num_flushes += 1
+            for _, _, offset, num_bytes, runners, slot_id in listed:
+                self._pending.append((slot_id, None, runners, offset, num_bytes))
             return
         listed.sort(key=lambda slot: slot[2])  # by offset in the buffer
         start = min(offset for _, _, offset, _, _, _ in listed)
@@ -194,6 +239,11 @@ class DeltaRun:
         """Decide the slots ``compare`` saw, against the publications current now (the
         engines opened: a rank that published afresh takes full writes); a delta's entry
         is packed over its slot's bytes. The decisions hold until the next call (``slot``)."""
+        started = time.perf_counter()
+        self._place(view)
+        self.pack_s += time.perf_counter() - started
+
+    def _place(self, view: Callable[[int, int], torch.Tensor]) -> None:
         self._refresh()
         self._slots = {}  # one flush's: ids of its groups may be reused by the next
         pending, self._pending = self._pending, []

@@ -183,6 +183,14 @@ class PreviousBytes:
         self.sequence = sequence
         self._holders = set(holders)
 
+    def stale(self) -> None:
+        """An update was sent in full without storing its bytes: no engine rank holds the
+        stored ones (the next update is full). Their memory is kept: the next update that
+        stores its bytes copies them there."""
+        self._seen.clear()
+        self._holders.clear()
+        self.sequence = 0
+
     def forget_target(self, target: TargetKey) -> None:
         """``target`` no longer holds the stored bytes (its next update is full)."""
         self._holders.discard(target)

@@ -109,7 +109,8 @@ class RunResult:
     """With ``SyncConfig.delta``: comparing staged slots with the previous update's."""
     delta: DeltaSummary | None = None
     """With ``SyncConfig.delta``: the bytes a full update would have written, those
-    written instead, and the memory the previous update's copy takes."""
+    written instead, the memory the previous update's copy takes, and whether the update
+    went as a delta or in full and why (``DeltaSummary.decision``, ``DeltaConfig.mode``)."""
 
     @property
     def bytes_written(self) -> int:
@@ -290,11 +291,14 @@ class TransferExecutor:
         finally:
             self._late.extend(update.late)  # they may still read the buffers
         if self._delta is not None and delta is not None:
-            self._delta.finish(delta, result.failures)
+            self._delta.finish(
+                delta, result.failures, compare_s=result.delta_s, wait_s=result.wait_s
+            )
             result.delta = summary = delta.summary
             logger.info(
                 "p2pweights delta update: %d of %d bytes written (%.1f %%): %d parameter(s) "
-                "as deltas, %d in full, %d unchanged; the previous update's copy takes %d bytes",
+                "as deltas, %d in full, %d unchanged; the previous update's copy takes %d "
+                "bytes; %s",
                 summary.sent_bytes,
                 summary.full_bytes,
                 100 * summary.fraction,
@@ -302,6 +306,7 @@ class TransferExecutor:
                 summary.num_full_slots,
                 summary.num_unchanged_slots,
                 summary.store_bytes,
+                delta.decision.describe(),
             )
         return result
 
@@ -504,7 +509,10 @@ class _Run:
             self._compare_deltas(buffer)
         self._open()  # the first write, or load into an engine's memory, comes next
         if self._delta is not None:  # decided against the publications current now
-            self._delta.place(buffer.view)
+            with contextlib.ExitStack() as scope:
+                if not buffer.tensor.is_cuda:
+                    scope.enter_context(one_intra_op_thread())
+                self._delta.place(buffer.view)
             if buffer.tensor.is_cuda:  # entries are packed by device copies; writers (own
                 # streams, or the network) must read them finished
                 torch.cuda.current_stream(buffer.tensor.device).synchronize()
@@ -543,6 +551,16 @@ class _Run:
         """Delta entries of the slots just loaded (``DeltaRun.place`` packs them)."""
         assert self._delta is not None
         started = time.perf_counter()
+        with contextlib.ExitStack() as scope:
+            if not buffer.tensor.is_cuda:  # beside the writer threads: see intra_op
+                scope.enter_context(one_intra_op_thread())
+            self._compare(buffer)
+        if buffer.tensor.is_cuda:
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
+        self.result.delta_s += time.perf_counter() - started
+
+    def _compare(self, buffer: StagingBuffer) -> None:
+        assert self._delta is not None
         self._delta.compare(
             (
                 (
@@ -556,9 +574,6 @@ class _Run:
             buffer.view,
             self._elem_size,
         )
-        if buffer.tensor.is_cuda:
-            torch.cuda.current_stream(buffer.tensor.device).synchronize()
-        self.result.delta_s += time.perf_counter() - started
 
     def _elem_size(self, key: Hashable, param: str) -> int:
         """Bytes per element of ``param`` as the replica lays it out (1 if unknown)."""

@@ -1,0 +1,181 @@
+"""Whether an update goes as a delta or in full, from what earlier updates measured.
+
+A delta saves link time (the bytes it does not write) and costs compare time (every
+staged byte compared with the stored copy of the previous update's, the entries
+packed). Which wins depends on the link: over RDMA between hosts the compare on a GPU
+is cheap beside the writes it saves; into an engine on the trainer's own GPU, or over
+loopback on a CPU, writing every byte is faster than comparing them. Per update of
+``B`` bytes a full update writes, the policy predicts::
+
+    full  = w * B
+    delta = c * B + w * f * B
+
+``w``: seconds an update waited for its writes per byte written, measured on updates
+written in full; ``c``: seconds comparing and packing per byte a full update writes,
+measured on delta updates; ``f``: the share of those bytes the last delta sent. What
+both share (loading, the control plane, digests) cancels. Rates are medians of the
+last few updates (a noisy neighbour does not flip the choice); the fraction is the
+latest (it moves as the learning rate does). A delta is chosen only where it is
+predicted ``margin`` faster: the engine's apply, not measured here, costs a delta too.
+
+While full is predicted faster, the stored copy is left out (no copy, no compare);
+every so often (``probe_after`` full updates, doubling up to ``max_probe_after`` while
+probes confirm full) one full update keeps a copy and the next is a delta again, to
+measure the fraction anew (a learning-rate schedule changes it). The first update, and
+any after which no engine rank holds the previous update (a failure, a restart), is
+full whatever the policy predicts.
+
+The policy is pure: ``decide`` before an update, ``observe`` after it; no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Decision", "DeltaPolicy", "Measured", "Mode", "Reason"]
+
+Mode = Literal["auto", "always"]
+"""``DeltaConfig.mode``."""
+
+Reason = Literal["always", "no_base", "probe", "predicted"]
+"""Why a decision was made: ``"always"`` (``DeltaConfig(mode="always")``), ``"no_base"`` (no
+engine rank holds the previous update: the first update, or after a failure or restart),
+``"probe"`` (a delta to measure its costs: nothing measured yet, or full has run for a
+while) or ``"predicted"`` (faster by the measured costs)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one update is sent."""
+
+    mode: Literal["delta", "full"]
+    """``"delta"``: slots compared with the stored copy, changed elements sent where that is
+    smaller; ``"full"``: every byte written, nothing compared."""
+    keep_copy: bool
+    """Whether this update's bytes are stored for the next one to compare with (always,
+    for a delta; a full update keeps them where the next may be a delta)."""
+    reason: Reason
+    predicted_delta_s: float | None = None
+    """Seconds the delta's compare and writes were predicted to take (None: no prediction)."""
+    predicted_full_s: float | None = None
+    """Seconds a full update's writes were predicted to take."""
+
+    def describe(self) -> str:
+        """One line saying what was decided and why."""
+        predicted = (
+            ""
+            if self.predicted_delta_s is None or self.predicted_full_s is None
+            else f" (predicted: delta {self.predicted_delta_s:.3f} s, full "
+            f"{self.predicted_full_s:.3f} s)"
+        )
+        what = {
+            "always": 'as a delta where an engine rank holds the previous update (mode "always")',
+            "no_base": "in full: no engine rank holds the previous update",
+            "probe": "as a delta, to measure what a delta costs now",
+            "predicted": f"{'as a delta' if self.mode == 'delta' else 'in full'}: faster",
+        }[self.reason]
+        return f"sent {what}{predicted}"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What one update measured."""
+
+    mode: Literal["delta", "full"]
+    full_bytes: int
+    """Bytes a full update writes (every staged slot to each of its ranks)."""
+    sent_bytes: int
+    """Bytes written."""
+    compare_s: float
+    """Seconds comparing with the stored copy and packing entries (a delta's)."""
+    wait_s: float
+    """Seconds the update waited for its writes."""
+
+
+class DeltaPolicy:
+    """Delta or full, update by update, from the costs measured (module docstring)."""
+
+    def __init__(
+        self,
+        mode: Mode = "auto",
+        *,
+        margin: float = 0.1,
+        probe_after: int = 4,
+        max_probe_after: int = 64,
+        window: int = 3,
+    ) -> None:
+        if mode not in ("auto", "always"):
+            raise ValueError(f'mode must be "auto" or "always", got {mode!r}')
+        if probe_after < 1 or max_probe_after < probe_after or window < 1:
+            raise ValueError(
+                f"probe_after ({probe_after}) must be at least 1 and at most max_probe_after "
+                f"({max_probe_after}), window ({window}) at least 1"
+            )
+        self.mode = mode
+        self.margin = margin
+        self.probe_after = probe_after
+        self.max_probe_after = max_probe_after
+        self._write_s_per_byte: deque[float] = deque(maxlen=window)
+        self._compare_s_per_byte: deque[float] = deque(maxlen=window)
+        self._fraction: float | None = None
+        self._full_bytes = 0
+        self._num_full = 0
+        """Full updates since the last delta."""
+        self._wait = probe_after
+        """Full updates before the next probe."""
+        self._reprobe = False
+        """Whether the last decision probed while full was predicted faster."""
+
+    def decide(self, can_delta: bool) -> Decision:
+        """How the next update goes; ``can_delta``: some engine rank holds the previous
+        update (the stored copy is theirs)."""
+        self._reprobe = False
+        if self.mode == "always":
+            return Decision("delta" if can_delta else "full", True, "always")
+        predicted = self.predict()
+        if predicted is None:  # nothing to predict with: measure a delta
+            if can_delta:
+                return Decision("delta", True, "probe")
+            return Decision("full", True, "no_base")
+        delta_s, full_s = predicted
+        if delta_s < full_s * (1 - self.margin):
+            mode: Literal["delta", "full"] = "delta" if can_delta else "full"
+            return Decision(mode, True, "predicted" if can_delta else "no_base", delta_s, full_s)
+        if can_delta and self._num_full >= self._wait:
+            self._reprobe = True
+            return Decision("delta", True, "probe", delta_s, full_s)
+        keep = self._num_full + 1 >= self._wait  # the next update probes
+        return Decision("full", keep, "predicted", delta_s, full_s)
+
+    def predict(self) -> tuple[float, float] | None:
+        """(delta seconds, full seconds) for the bytes of the last update, or None where a
+        rate is not measured yet."""
+        if not self._write_s_per_byte or not self._compare_s_per_byte or self._fraction is None:
+            return None
+        write = statistics.median(self._write_s_per_byte)
+        compare = statistics.median(self._compare_s_per_byte)
+        num_bytes = self._full_bytes
+        return (compare + write * self._fraction) * num_bytes, write * num_bytes
+
+    def observe(self, measured: Measured) -> None:
+        """What the update just decided measured (one that staged nothing measures nothing)."""
+        if measured.full_bytes <= 0:
+            return
+        self._full_bytes = measured.full_bytes
+        if measured.mode == "full":
+            self._num_full += 1
+            if measured.sent_bytes > 0:
+                self._write_s_per_byte.append(measured.wait_s / measured.sent_bytes)
+            return
+        self._num_full = 0
+        self._compare_s_per_byte.append(measured.compare_s / measured.full_bytes)
+        self._fraction = measured.sent_bytes / measured.full_bytes
+        predicted = self.predict()
+        if predicted is not None and predicted[0] < predicted[1] * (1 - self.margin):
+            self._wait = self.probe_after  # deltas again: probe soon after the next switch
+        elif self._reprobe:
+            self._wait = min(2 * self._wait, self.max_probe_after)
+        self._reprobe = False
