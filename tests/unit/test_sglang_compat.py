@@ -133,3 +133,73 @@ def test_a_text_whose_function_is_gone_is_reported() -> None:
     text = SglangText("hello", "sglang.srt.server_args", "no_such_function", "a test")
     [(missing, why)] = compat.missing_texts([text])
     assert missing is text and "AttributeError" in why
+
+
+# -- branch builds: miles' sglang-miles -----------------------------------------------------
+
+# What a build from a git checkout reports (setuptools_scm, sglang's python/pyproject.toml:
+# ``git describe --tags --long --match v*``): the next release, ``.devN`` commits past the
+# tag, ``+g<commit>``, ``.d<date>`` when the tree is dirty. miles' image checks out the
+# ``sglang-miles`` branch over the base image's tag and runs ``pip install -e python``:
+# the v0.5.19 stack (61 commits, head c9660a7e11 per miles PR 3321) and the v0.5.20 stack
+# (54 commits; the CUDA 12 image edits pyproject.toml, so its tree is dirty).
+SGLANG_MILES_V0519 = "0.5.20.dev61+gc9660a7e11"
+SGLANG_MILES_V0520_CU12 = "0.5.21.dev54+g0123abcd.d20260919"
+
+
+@pytest.mark.parametrize(
+    ("version", "tested", "source_build", "commit"),
+    [
+        ("0.5.23", True, False, None),
+        ("0.5.23.post1", True, False, None),
+        ("0.5.22", False, False, None),
+        ("0.5.24", False, False, None),
+        (SGLANG_MILES_V0519, False, True, "c9660a7e11"),
+        (SGLANG_MILES_V0520_CU12, False, True, "0123abcd"),
+        # a branch on the 0.5.22 tag is numbered 0.5.23.devN: not the tested 0.5.23
+        ("0.5.23.dev7+g89abcdef", False, True, "89abcdef"),
+        # a branch on the 0.5.23 tag is numbered 0.5.24.devN: past the tested range
+        ("0.5.24.dev3+g1a2b3c4", False, True, "1a2b3c4"),
+        ("0.0.0.dev0", False, True, None),  # sglang's fallback without git metadata
+    ],
+)
+def test_a_version_string_is_read_as_sglangs_build_writes_it(
+    version: str, tested: bool, source_build: bool, commit: str | None
+) -> None:
+    build = compat.sglang_build(version)
+    assert compat.is_tested(version) is tested
+    assert build.is_source_build is source_build
+    assert build.commit == commit
+
+
+def test_sglang_miles_is_described_as_a_branch_build() -> None:
+    build = compat.sglang_build(SGLANG_MILES_V0519)
+    assert build.release == (0, 5, 20) and build.commits_past_tag == 61
+    assert str(build) == (
+        "0.5.20.dev61+gc9660a7e11 (a build from a git checkout at commit c9660a7e11, 61 "
+        "commits past the release tag before 0.5.20: a branch such as miles' sglang-miles, "
+        "not a published sglang release)"
+    )
+
+
+def test_sglang_miles_lacking_a_symbol_is_refused_naming_the_build_and_the_symbol(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(compat, "SGLANG_VERSION", SGLANG_MILES_V0519)
+    lacking = compat.Symbol("sglang.srt.runtime_context", "no_such_accessor", "a test")
+    with pytest.raises(ConfigError) as info:
+        compat.check_sglang((lacking,), ())
+    message = str(info.value)
+    assert "sglang.srt.runtime_context.no_such_accessor (used by a test" in message
+    assert "at commit c9660a7e11" in message and "sglang-miles" in message
+    assert "a branch build that carries every name above" in message
+
+
+def test_sglang_miles_with_every_symbol_is_accepted_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(compat, "SGLANG_VERSION", SGLANG_MILES_V0519)
+    with caplog.at_level("WARNING", logger=compat.__name__):
+        compat.check_sglang()  # the installed sglang's symbols, under the branch's version
+    assert "outside the tested range" in caplog.text
+    assert "at commit c9660a7e11" in caplog.text

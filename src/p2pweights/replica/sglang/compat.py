@@ -20,9 +20,11 @@ import functools
 import importlib
 import inspect
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from p2pweights import logs
 from p2pweights.errors import ConfigError
 from p2pweights.replica.sglang.messages import TEXTS, SglangText
 from p2pweights.sglang_plugin import HOOK_TARGETS
@@ -41,6 +43,8 @@ __all__ = [
     "SGLANG_VERSION",
     "TESTED_SGLANG",
     "is_tested",
+    "SglangBuild",
+    "sglang_build",
     "Symbol",
     "REQUIRED",
     "PLUGIN_REQUIRED",
@@ -212,24 +216,32 @@ def check_sglang(
 
     A release outside ``TESTED_SGLANG`` that has them all is logged, not refused.
     """
+    logs.keep_third_party_noise_out()  # before sglang and megatron are imported
     missing = [
         f"{symbol} (used by {symbol.used_by}; {why})" for symbol, why in missing_symbols(symbols)
     ] + [
         f"the text {text} (matched by {text.used_by}; {why})" for text, why in missing_texts(texts)
     ]
     low, high = TESTED_SGLANG
+    build = sglang_build(SGLANG_VERSION)
     if missing:
         raise ConfigError(
-            f"the installed sglang {SGLANG_VERSION} lacks what p2pweights relies on: "
+            f"the installed sglang {build} lacks what p2pweights relies on: "
             + "; ".join(missing)
             + f". p2pweights is tested with sglang {low} to {high}: install one of those "
             f"(pip install 'sglang>={low},<={high}')"
+            + (
+                ", or a branch build that carries every name above (the engines must run "
+                "the same build)"
+                if build.is_source_build
+                else ""
+            )
         )
     if not is_tested():
         logger.warning(
             "sglang %s is outside the tested range %s to %s; its symbols check out, but a "
             "replica's bytes are only verified for the tested releases",
-            SGLANG_VERSION,
+            build,
             low,
             high,
         )
@@ -258,16 +270,98 @@ def api_error(exc: BaseException, doing: str) -> SglangApiError | None:
     return SglangApiError(
         f"sglang's code did not behave as p2pweights expects while {doing}: "
         f"{type(exc).__name__}: {exc}. This is not a problem of the tensor: the installed "
-        f"sglang {SGLANG_VERSION} ({tested} the tested range) changed an API p2pweights "
-        f"relies on. p2pweights is tested with sglang {low} to {high}: install one of those "
-        f"(pip install 'sglang>={low},<={high}') or report the traceback"
+        f"sglang {sglang_build(SGLANG_VERSION)} ({tested} the tested range) changed an API "
+        f"p2pweights relies on. p2pweights is tested with sglang {low} to {high}: install "
+        f"one of those (pip install 'sglang>={low},<={high}') or report the traceback"
     )
 
 
-def is_tested() -> bool:
-    """Whether the installed sglang is within ``TESTED_SGLANG``."""
+def is_tested(version: str | None = None) -> bool:
+    """Whether ``version`` (the installed sglang by default) is within ``TESTED_SGLANG``.
+
+    A development build of a release precedes it (PEP 440): ``0.5.24.dev3+g1a2b3c4``,
+    a branch three commits past the 0.5.23 tag, is not 0.5.24, and ``0.5.23.dev3`` is
+    not 0.5.23. A post release counts as its release.
+    """
     low, high = TESTED_SGLANG
-    return _release(low) <= _release(SGLANG_VERSION) <= _release(high)
+    found = sglang_build(SGLANG_VERSION if version is None else version)
+    return sglang_build(low).order <= found.order <= sglang_build(high).order
+
+
+_VERSION = re.compile(
+    r"^v?(?P<release>\d+(?:\.\d+)*)"
+    r"(?P<pre>(?:a|b|rc)\d+)?"
+    r"(?:\.post(?P<post>\d+))?"
+    r"(?:\.dev(?P<dev>\d+))?"
+    r"(?:\+(?P<local>[0-9A-Za-z.]+))?$"
+)
+
+
+@dataclass(frozen=True)
+class SglangBuild:
+    """An sglang version string, read the way sglang's own build writes it.
+
+    sglang numbers itself with setuptools_scm from the nearest ``v*`` tag (``git describe
+    --tags --long --match v*``, python/pyproject.toml). A checkout N commits past a tag
+    ``vX.Y.Z`` is ``X.Y.(Z+1).devN+g<commit>`` (``.d<date>`` added when the tree is
+    dirty): the form a branch build such as miles' ``sglang-miles``, rebased onto a
+    release tag and installed with ``pip install -e python``, reports.
+    """
+
+    version: str
+    release: tuple[int, ...]
+    """The leading numeric parts (``0.5.24.dev3`` -> ``(0, 5, 24)``)."""
+    is_prerelease: bool
+    """A ``.devN`` (without ``.postN``) or ``aN`` / ``bN`` / ``rcN`` version: before ``release``."""
+    commits_past_tag: int | None
+    """N of ``.devN``: commits since the tag the build was numbered from."""
+    commit: str | None
+    """The abbreviated git commit of a source build (``+g<commit>``)."""
+
+    @property
+    def is_source_build(self) -> bool:
+        """Built from a git checkout past a release tag, not a published release."""
+        return self.commits_past_tag is not None or self.commit is not None
+
+    @property
+    def order(self) -> tuple[tuple[int, ...], int]:
+        """Sort key: a pre-release or development build of a release sorts before it."""
+        padded = self.release + (0,) * (4 - len(self.release))
+        return padded, -1 if self.is_prerelease else 0
+
+    def __str__(self) -> str:
+        if not self.is_source_build:
+            return self.version
+        past = (
+            f"{self.commits_past_tag} commits past the release tag before "
+            f"{'.'.join(map(str, self.release))}"
+            if self.commits_past_tag is not None and self.is_prerelease
+            else "past a release tag"
+        )
+        at = f" at commit {self.commit}" if self.commit else ""
+        return (
+            f"{self.version} (a build from a git checkout{at}, {past}: a branch such as "
+            f"miles' sglang-miles, not a published sglang release)"
+        )
+
+
+def sglang_build(version: str) -> SglangBuild:
+    """``version`` read as an sglang version string (see ``SglangBuild``)."""
+    match = _VERSION.match(version.strip())
+    if match is None:
+        return SglangBuild(version, _release(version), False, None, None)
+    local = match["local"] or ""
+    commit = next(
+        (part[1:] for part in local.split(".") if re.fullmatch(r"g[0-9a-f]{7,40}", part)), None
+    )
+    dev = None if match["dev"] is None else int(match["dev"])
+    return SglangBuild(
+        version=version,
+        release=tuple(int(part) for part in match["release"].split(".")),
+        is_prerelease=match["pre"] is not None or (dev is not None and match["post"] is None),
+        commits_past_tag=dev,
+        commit=commit,
+    )
 
 
 def _release(version: str) -> tuple[int, ...]:
