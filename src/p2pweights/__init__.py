@@ -8,7 +8,9 @@
         session.connect(["http://127.0.0.1:30000"])
         report = session.update(model.named_parameters_in_hf_names())
 
-Importing this package imports neither sglang nor a transport; they load when used.
+Importing this package imports neither torch, sglang nor a transport: each public name
+is imported from its module when first used (``__getattr__`` below), and a module loads
+its heavy dependencies when it needs them.
 
 The public API is ``__all__`` here and in these modules (each pinned by a test):
 
@@ -21,21 +23,27 @@ The public API is ``__all__`` here and in these modules (each pinned by a test):
   a ``p2pweights engine --seed S`` engine starts from.
 """
 
-from p2pweights.config import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig
-from p2pweights.engines.client import EngineClient
-from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.errors import (
-    ConfigError,
-    EngineError,
-    LayoutMismatchError,
-    P2PWeightsError,
-    PlanError,
-    TransferError,
-    TransportError,
-)
-from p2pweights.report import UpdateReport
-from p2pweights.session import WeightSyncSession
-from p2pweights.verify import verify_engine
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from p2pweights.config import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig
+    from p2pweights.engines.client import EngineClient
+    from p2pweights.engines.endpoint import EngineEndpoint
+    from p2pweights.errors import (
+        ConfigError,
+        EngineError,
+        LayoutMismatchError,
+        P2PWeightsError,
+        PlanError,
+        TransferError,
+        TransportError,
+    )
+    from p2pweights.report import UpdateReport
+    from p2pweights.session import WeightSyncSession
+    from p2pweights.verify import verify_engine
 
 __version__ = "0.1.0"
 
@@ -58,3 +66,37 @@ __all__ = [
     "__version__",
     "verify_engine",
 ]
+
+_WHERE = {
+    "ConfigError": "p2pweights.errors",
+    "CudaIpcConfig": "p2pweights.config",
+    "EngineClient": "p2pweights.engines.client",
+    "EngineEndpoint": "p2pweights.engines.endpoint",
+    "EngineError": "p2pweights.errors",
+    "LayoutMismatchError": "p2pweights.errors",
+    "MooncakeConfig": "p2pweights.config",
+    "NixlConfig": "p2pweights.config",
+    "P2PWeightsError": "p2pweights.errors",
+    "PlanError": "p2pweights.errors",
+    "SyncConfig": "p2pweights.config",
+    "TransferError": "p2pweights.errors",
+    "TransportError": "p2pweights.errors",
+    "UpdateReport": "p2pweights.report",
+    "WeightSyncSession": "p2pweights.session",
+    "verify_engine": "p2pweights.verify",
+}
+"""Public name -> the module that defines it (imported on first use of the name)."""
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then kept here)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'p2pweights' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -256,8 +256,9 @@ class SyncConfig(_Config):
 
     @property
     def protocol(self) -> str:
-        """What the transport was configured to write over, for reports: Mooncake's
-        protocol, NIXL's backend, or "device copy" for CUDA IPC."""
+        """What the transport was configured to write over: Mooncake's protocol (maybe
+        "auto"), NIXL's backend, or "device copy" for CUDA IPC. Reports name what the
+        transport writes over once set up (``Transport.protocol``), this where it says none."""
         transport = self.transport
         if isinstance(transport, MooncakeConfig):
             return transport.protocol

@@ -36,8 +36,9 @@ class EngineReport:
     transport: str
     """What its bytes were written over: "mooncake", "nixl" or "cuda_ipc"."""
     protocol: str
-    """The transport's protocol: Mooncake's ("rdma", "tcp"), NIXL's backend ("UCX", ...)
-    or "device copy" for CUDA IPC, as the session's transport was configured."""
+    """What the transport writes over, as it set itself up (Mooncake's ``protocol="auto"``
+    resolved): Mooncake's "rdma" or "tcp", NIXL's backend ("UCX", ...), or "device copy"
+    for CUDA IPC."""
     num_ranks_written: int
     """Engine ranks (speculative draft runners not counted apart) this trainer rank wrote."""
     bytes_written: int
@@ -81,6 +82,9 @@ class DeltaReport:
     """Bytes written instead: full parameters, delta entries and their headers."""
     store_bytes: int
     """Memory the trainer keeps for the previous update's bytes (what deltas compare with)."""
+    decision: str | None = None
+    """Whether the update went as deltas or in full, why, and the seconds predicted for
+    each where ``DeltaConfig.mode`` predicted them, in a line; None where not decided."""
 
     @classmethod
     def of(cls, summary: DeltaSummary) -> DeltaReport:
@@ -92,6 +96,7 @@ class DeltaReport:
             full_bytes=summary.full_bytes,
             sent_bytes=summary.sent_bytes,
             store_bytes=summary.store_bytes,
+            decision=None if summary.decision is None else summary.decision.describe(),
         )
 
     @property
@@ -173,9 +178,11 @@ class UpdateReport:
 
 
 def _delta_line(delta: DeltaReport) -> str:
+    decided = "" if delta.decision is None else f"{delta.decision}; "
     return (
-        f"  deltas: {delta.num_delta_params} parameter(s) as deltas, {delta.num_full_params} "
-        f"in full, {delta.num_unchanged_params} unchanged; {_size(delta.sent_bytes)} sent, "
+        f"  deltas: {decided}{delta.num_delta_params} parameter(s) as deltas, "
+        f"{delta.num_full_params} in full, {delta.num_unchanged_params} unchanged; "
+        f"{_size(delta.sent_bytes)} sent, "
         f"{100 * delta.fraction:.1f} % of the {_size(delta.full_bytes)} a full update writes "
         f"(the previous update's copy takes {_size(delta.store_bytes)})"
     )

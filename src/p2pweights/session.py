@@ -421,10 +421,13 @@ class WeightSyncSession:
             by: tuple[Verification, ...] = () if why else ("write_digests",)
             return by + (("weight_check",) if weight_checked else ()), why
 
+        assert self._executor is not None
+        # what the transport writes over, as set up (Mooncake's "auto" resolved)
+        protocol = self._executor.transport.protocol or self.config.protocol
         engines = self._fleet.engine_reports(
             result.bytes_by_target,
             self.config.transport.kind,
-            self.config.protocol,
+            protocol,
             verification,
             drives=self._leader,
         )

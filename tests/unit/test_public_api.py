@@ -3,6 +3,7 @@ users to import imports, and importing p2pweights loads no heavy dependency."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import re
@@ -127,11 +128,44 @@ def test_package_data_ships_with_the_package() -> None:
     assert (here / "models" / "qwen3-demo.json").is_file()
 
 
-def test_import_loads_no_sglang_or_transport() -> None:
+HEAVY = ("torch", "sglang", "mooncake", "nixl", "transformers", "triton", "numpy")
+
+
+def _loaded_after(code: str) -> list[str]:
+    """The heavy top-level modules a fresh interpreter holds after running ``code``."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_loads_no_heavy_dependency() -> None:
+    """``import p2pweights`` loads neither torch nor sglang nor a transport (issue 31)."""
+    assert _loaded_after("import p2pweights") == []
+
+
+def test_cli_help_loads_no_heavy_dependency() -> None:
+    """``p2pweights --help`` (and each command's help) starts without torch or sglang."""
+    for argv in (["--help"], ["plan", "--help"], ["doctor", "--help"], ["engine", "--help"]):
+        code = (
+            "import contextlib, io\n"
+            "from p2pweights.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            f"    main({argv!r})"
+        )
+        assert _loaded_after(code) == [], argv
+
+
+def test_public_names_resolve_lazily() -> None:
+    """Each name of ``__all__`` resolves on first use, ``dir()`` lists them, and an unknown
+    name is an AttributeError (what ``hasattr`` and ``from p2pweights import X`` rely on)."""
     code = (
-        "import sys, p2pweights; "
-        "print(sorted(m for m in ('sglang', 'mooncake', 'nixl', 'transformers') "
-        "if m in sys.modules))"
+        "import p2pweights\n"
+        "assert set(p2pweights.__all__) <= set(dir(p2pweights))\n"
+        "assert not hasattr(p2pweights, 'NoSuchName')\n"
+        "from p2pweights import SyncConfig, ConfigError\n"
+        "assert SyncConfig.__module__ == 'p2pweights.config'"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _loaded_after(code) == []  # the configs and errors need no torch either
+    namespace: dict[str, object] = {}
+    exec("from p2pweights import *", namespace)
+    assert set(p2pweights.__all__) <= set(namespace)

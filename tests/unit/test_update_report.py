@@ -324,3 +324,38 @@ def test_a_fleet_summary_groups_engines_by_what_happened_to_them():
     assert lines[3] == f"  NOT verified: http://e6, http://e7: {why}"
     assert lines[4].startswith("  paused up to 0.700 s (http://e7); http://e3 was paused already")
     assert len(lines) == 6  # and the stages
+
+
+def test_the_protocol_reported_is_the_one_the_transport_writes_over(engines, monkeypatch):
+    from test_session_sequence import FakeTransport
+
+    from p2pweights import session as session_module
+
+    class TcpTransport(FakeTransport):
+        @property
+        def protocol(self) -> str:
+            return "tcp"  # asked for "auto", Mooncake found no RDMA device
+
+    monkeypatch.setattr(session_module, "create_transport", lambda config: TcpTransport(engines))
+    engines.setdefault("http://e0", DigestEngine("http://e0"))
+    config = SyncConfig(buffer_bytes="1MiB", transport=MooncakeConfig(protocol="auto"))
+    with WeightSyncSession(config) as session:
+        session.connect(["http://e0"])
+        report = session.update(_tensors(1))
+    assert report.engines["http://e0"].protocol == "tcp"
+
+
+def test_a_delta_report_says_whether_the_update_went_as_deltas_and_why():
+    from p2pweights.delta.policy import Decision
+    from p2pweights.delta.sender import DeltaSummary
+
+    summary = DeltaSummary(
+        full_bytes=100,
+        sent_bytes=100,
+        num_full_slots=3,
+        decision=Decision("full", False, "predicted", 0.2, 0.1),
+    )
+    delta = DeltaReport.of(summary)
+    assert delta.decision == "sent in full: faster (predicted: delta 0.200 s, full 0.100 s)"
+    report = UpdateReport(version="1", bytes_by_target={("http://e0", 0): 100}, delta=delta)
+    assert "sent in full: faster" in report.summary()
