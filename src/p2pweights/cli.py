@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+from typing import IO
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -72,6 +73,28 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     import contextlib
+    import tempfile
+    from pathlib import Path
+
+    from p2pweights.console import quiet_console
+
+    if args.verbose:
+        return _print_plan(args, sys.stderr)
+    handle, name = tempfile.mkstemp(prefix="p2pweights-plan-", suffix=".log")
+    os.close(handle)
+    with quiet_console(Path(name), args.log_level) as terminal:
+        code = _print_plan(args, terminal)
+    with contextlib.suppress(OSError):
+        if os.path.getsize(name) == 0:
+            os.remove(name)
+            return code
+    print(f"log (replica builds, sglang): {name}; --verbose shows it here", file=sys.stderr)
+    return code
+
+
+def _print_plan(args: argparse.Namespace, errors: IO[str]) -> int:
+    """Build and print the plan (stdout); a bad argument goes to ``errors``, exit code 2."""
+    import contextlib
 
     from p2pweights.config import parse_bytes
     from p2pweights.errors import ConfigError
@@ -103,7 +126,7 @@ def _plan(args: argparse.Namespace) -> int:
                 delta_fraction=args.delta_fraction,
             )
     except (ConfigError, ValueError) as exc:
-        print(f"p2pweights plan: {exc}", file=sys.stderr)
+        print(f"p2pweights plan: {exc}", file=errors)
         return 2
     print(json.dumps(plan.to_json(), indent=1) if args.json else plan.render())
     return 0
@@ -167,6 +190,9 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
         help="also cost the update as a delta with this fraction of values changed (0.02)",
     )
     plan.add_argument("--json", action="store_true", help="the plan as JSON")
+    plan.add_argument(
+        "--verbose", action="store_true", help="sglang's log lines here instead of a log file"
+    )
     plan.set_defaults(run=_plan)
 
 
@@ -246,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from p2pweights import logs
+
     args = build_parser().parse_args(argv)
+    logs.configure()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from p2pweights import logs
 from p2pweights.collective import Collective
 from p2pweights.config import SyncConfig
 from p2pweights.engines.calls import ControlCalls
@@ -107,6 +108,7 @@ class WeightSyncSession:
         transport reads GPU memory); by default the GPU of a ``CudaIpcConfig`` transport,
         else pinned host memory. ``from_torch_distributed`` fills all of this in.
         """
+        logs.configure()  # P2PWEIGHTS_LOG, and third-party noise kept out
         self.config = config or SyncConfig()
         if self.config.num_senders > 1 and agree is None:
             raise ConfigError(

@@ -42,6 +42,8 @@ def test_tp4_beside_tp2_bytes_are_the_replicas(tmp_path):
         "--model", str(folder), "--engine", "tp=4", "--engine", "tp=2", "--senders", "4", "--json"
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # sglang's, megatron's and torch's lines stay out of the terminal: at most the log's path
+    assert [line for line in done.stderr.splitlines() if not line.startswith("log (")] == []
     out = json.loads(done.stdout)
     assert [e["layout"] for e in out["engines"]] == [{"tp": 4}, {"tp": 2}]
     for engine, tp in zip(out["engines"], (4, 2), strict=True):

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from p2pweights import logs
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.local_engine.server import create_app
 from p2pweights.replica.ranks import RankSpec
@@ -67,6 +68,7 @@ def serve(
 ) -> None:
     import uvicorn
 
+    logs.configure()
     folder = model_folder(model)
     engine_device = torch.device(device)
     if engine_device.type == "cuda":

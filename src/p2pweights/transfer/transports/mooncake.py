@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from p2pweights import environment
+from p2pweights import environment, logs
 from p2pweights.config import MooncakeConfig
 from p2pweights.engines.published import RankPublication
 from p2pweights.errors import (
@@ -141,6 +141,7 @@ def _local_topology(device_name: str) -> str:
 def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
     """A Mooncake ``TransferEngine`` (``protocol`` is passed on, as sglang does; Mooncake
     picks what ``installed_protocol`` says)."""
+    logs.configure()
     environment.quiet_mooncake_logs()
     try:
         from mooncake.engine import TransferEngine
