@@ -45,8 +45,9 @@ def _changed(
     return new
 
 
+@pytest.mark.parametrize("max_fraction", [0.9, 0.3, 0.04])
 @pytest.mark.parametrize("device", DEVICES)
-def test_every_slot_gets_the_entry_encode_gives_it_alone(device: str) -> None:
+def test_every_slot_gets_the_entry_encode_gives_it_alone(device: str, max_fraction: float) -> None:
     generator = torch.Generator().manual_seed(7)
     # bf16 weights, fp32 scales, fp8 blocks, int64 ids; odd lengths; one slot unchanged,
     # one nearly all changed (a full write), one with a single change
@@ -57,7 +58,7 @@ def test_every_slot_gets_the_entry_encode_gives_it_alone(device: str) -> None:
     new = _changed(previous, slots, fractions, generator)
     previous, new = previous.to(device), new.to(device)
 
-    entries = encode_flush(previous, new, slots, max_fraction=0.9)
+    entries = encode_flush(previous, new, slots, max_fraction=max_fraction)
 
     for slot, entry in zip(slots, entries, strict=True):
         part = slice(slot.offset, slot.offset + slot.num_bytes)
@@ -66,7 +67,7 @@ def test_every_slot_gets_the_entry_encode_gives_it_alone(device: str) -> None:
             new[part],
             slot.elem_size,
             param_index=slot.param_index,
-            max_fraction=0.9,
+            max_fraction=max_fraction,
         )
         if alone is None:
             assert entry is None, slot

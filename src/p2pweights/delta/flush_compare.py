@@ -11,6 +11,13 @@ The flush is a range of the staging buffer (8-aligned, whole 8-byte words) holdi
 slots at offsets from its start; bytes between slots (alignment padding) are compared
 too but belong to no slot and are dropped. An entry is the same as ``wire.encode``
 makes of the slot alone (the tests compare them), including where it gives None.
+
+Where most elements changed (a large learning rate) nearly every word differs, and
+finding each changed element of every word costs far more than the compare itself
+(35 s against 1.3 s for 100 MB at 60 % and 2 % changed, on the loaded 2-core machine):
+the changed words of each slot are counted first, a slot with more of them than a delta
+can take (``max_fraction``, or an entry no smaller than the slot) is given None there,
+and only the other slots' elements are looked for.
 """
 
 from __future__ import annotations
@@ -63,7 +70,11 @@ def encode_flush(
         end = slot.offset + slot.num_bytes
         typed(new[:0], slot.elem_size)  # 1, 2, 4 or 8
     device = new.device
-    words = torch.ne(previous.view(torch.int64), new.view(torch.int64)).nonzero().flatten()
+    differ = torch.ne(previous.view(torch.int64), new.view(torch.int64))
+    full = _too_many_changed(previous, new, differ, slots, max_fraction)
+    for i in full:  # no element of theirs is looked for
+        differ[slots[i].offset // 8 : -(-(slots[i].offset + slots[i].num_bytes) // 8)] = False
+    words = differ.nonzero().flatten()
     starts = torch.tensor([s.offset for s in slots], dtype=torch.int64, device=device)
     found: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(slots)
     for elem_size in sorted({s.elem_size for s in slots}):
@@ -79,9 +90,56 @@ def encode_flush(
             )
             begin += count
     entries: list[DeltaEntry | None] = []
-    for slot, (indices, values) in zip(slots, found, strict=True):  # type: ignore[misc]
-        entries.append(_entry(slot, indices, values, max_fraction))
+    for i, (slot, (indices, values)) in enumerate(zip(slots, found, strict=True)):  # type: ignore[misc]
+        entries.append(None if i in full else _entry(slot, indices, values, max_fraction))
     return entries
+
+
+def _too_many_changed(
+    previous: torch.Tensor,
+    new: torch.Tensor,
+    differ: torch.Tensor,
+    slots: Sequence[FlushSlot],
+    max_fraction: float,
+) -> set[int]:
+    """The slots ``_entry`` would give None for their number of changed elements alone:
+    bounded by the changed words wholly inside each (at least one element each, at most
+    a word's), and counted element by element only where the bounds do not decide."""
+    if not slots:
+        return set()
+
+    def too_many(slot: FlushSlot, count: int) -> bool:
+        return (
+            count > max_fraction * (slot.num_bytes // slot.elem_size)
+            or entry_bytes(count, slot.elem_size) >= slot.num_bytes
+        )
+
+    words = torch.stack(
+        [differ[s.offset // 8 : (s.offset + s.num_bytes) // 8].sum() for s in slots]
+    ).tolist()
+    full, unsure = set(), []
+    for i, (slot, num_words) in enumerate(zip(slots, words, strict=True)):
+        per_word = 8 // slot.elem_size
+        most = num_words * per_word + (per_word if slot.num_bytes % 8 else 0)
+        if slot.num_bytes % slot.elem_size or slot.num_bytes // slot.elem_size > MAX_ELEMENTS:
+            continue  # ``_entry`` gives None whatever changed
+        if too_many(slot, num_words):
+            full.add(i)
+        elif too_many(slot, most):
+            unsure.append(i)
+    if unsure:
+        counts = torch.stack(
+            [
+                torch.ne(
+                    typed(previous[slots[i].offset : slots[i].offset + slots[i].num_bytes], e),
+                    typed(new[slots[i].offset : slots[i].offset + slots[i].num_bytes], e),
+                ).sum()
+                for i in unsure
+                for e in (slots[i].elem_size,)
+            ]
+        ).tolist()
+        full.update(i for i, count in zip(unsure, counts, strict=True) if too_many(slots[i], count))
+    return full
 
 
 def _changed_of_size(
