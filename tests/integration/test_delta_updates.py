@@ -4,6 +4,8 @@ sglang's own model code, every update checked bit-exact against sglang's own
 
 The trainer's tensors change as an optimizer step changes them: fp32 master weights
 moved a little, cast to bf16, so a few percent of the bf16 values differ per update.
+Most tests send deltas whatever they cost (``DeltaConfig(mode="always")``); one checks
+that what ``mode="auto"`` decides lands bit-exact too, on an engine another test used.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from _bit_exact import seed_weights
 
 from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
 from p2pweights.config import DeltaConfig
+from p2pweights.delta.policy import DeltaPolicy
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import LocalEngine
 from p2pweights.verify import verify_engine
@@ -60,11 +63,29 @@ def _sent(report, engine: LocalEngine) -> int:
     return sum(n for (url, _), n in report.bytes_by_target.items() if url == engine.url)
 
 
+@pytest.fixture(scope="module")
+def shared_engine(model_dir, start_module_engines):
+    """``shared_engine(kind)``: one TP-2 engine per transport for the tests of this module
+    that leave it healthy (a session's first update is full whatever the engine held)."""
+    engines: dict[str, LocalEngine] = {}
+
+    def get(kind: str) -> LocalEngine:
+        if kind not in engines:
+            folder = model_dir("qwen3-tiny")
+            (engines[kind],) = start_module_engines(folder, [2], transport=kind, seed=0)
+        return engines[kind]
+
+    return get
+
+
+ALWAYS = DeltaConfig(mode="always")
+
+
 @pytest.mark.parametrize("kind", list(TRANSPORTS))
-def test_deltas_over_several_updates_are_bit_exact(kind, model_dir, start_engines):
+def test_deltas_over_several_updates_are_bit_exact(kind, model_dir, shared_engine):
     folder = model_dir("qwen3-tiny")
-    (engine,) = start_engines(folder, [2], transport=kind, seed=0)
-    config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB", delta=DeltaConfig())
+    engine = shared_engine(kind)
+    config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB", delta=ALWAYS)
     trainer = _Trainer(folder)
     with WeightSyncSession(config) as session:
         session.connect([engine.url])
@@ -86,7 +107,7 @@ def test_a_failed_update_is_followed_by_a_full_one(model_dir, start_engines):
     the next update must not send a delta against bytes the engine does not hold."""
     folder = model_dir("qwen3-tiny")
     (engine,) = start_engines(folder, [1], transport="mooncake", seed=0)
-    config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", delta=DeltaConfig())
+    config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", delta=ALWAYS)
     trainer = _Trainer(folder)
     param = "model.layers.1.mlp.down_proj.weight"
     with WeightSyncSession(config) as session:
@@ -111,7 +132,7 @@ def test_an_engine_restarted_between_updates_gets_full_writes(model_dir, start_e
     layout share staged bytes, and take a slot as a delta only together."""
     folder = model_dir("qwen3-tiny")
     kept, restarted = start_engines(folder, [2, 1], transport="nixl", seed=0)
-    config = SyncConfig(transport=TRANSPORTS["nixl"], buffer_bytes="1MiB", delta=DeltaConfig())
+    config = SyncConfig(transport=TRANSPORTS["nixl"], buffer_bytes="1MiB", delta=ALWAYS)
     trainer = _Trainer(folder)
     with WeightSyncSession(config) as session:
         session.connect([kept.url, restarted.url])
@@ -129,3 +150,51 @@ def test_an_engine_restarted_between_updates_gets_full_writes(model_dir, start_e
         assert _sent(report, kept) < full / 4
         assert _sent(report, again) >= full_restarted  # seed weights: a delta would be wrong
         _bit_exact([kept, again], tensors)
+
+
+class _FullOnceMeasured(DeltaPolicy):
+    """Full predicted faster as soon as a delta was measured; a probe every 2 full updates
+    (real costs on this machine would make the test depend on its load)."""
+
+    def __init__(self, mode):
+        super().__init__(mode, probe_after=2)
+
+    def predict(self):
+        return None if super().predict() is None else (1.0, 0.5)
+
+
+def test_auto_sends_in_full_without_a_copy_and_probes_deltas_bit_exact(
+    model_dir, shared_engine, monkeypatch
+):
+    """Every kind of update auto makes against a real engine, each checked bit-exact: the
+    first (full, a copy kept), a delta measuring its cost, full without a copy (the
+    engine's next delta would be refused against it), full keeping a copy, the probe."""
+    monkeypatch.setattr("p2pweights.delta.sender.DeltaPolicy", _FullOnceMeasured)
+    folder = model_dir("qwen3-tiny")
+    engine = shared_engine("mooncake")
+    config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", delta=DeltaConfig())
+    trainer = _Trainer(folder, seed=2)
+    seen = []
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        tensors = trainer.tensors()
+        for _ in range(6):
+            report = session.update(tensors)
+            _bit_exact([engine], tensors)
+            assert report.delta is not None
+            decision = session._last_run.delta.decision
+            seen.append((decision.mode, decision.keep_copy))
+            if decision.mode == "delta":
+                assert 0 < report.delta.sent_bytes < report.delta.full_bytes / 4
+            else:
+                assert report.delta.num_delta_params == 0
+                assert report.delta.sent_bytes >= report.delta.full_bytes
+            tensors = trainer.step()
+    assert seen == [
+        ("full", True),
+        ("delta", True),
+        ("full", False),
+        ("full", True),
+        ("delta", True),
+        ("full", False),
+    ]
