@@ -208,16 +208,25 @@ def _add_inspect_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="p2pweights", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser = argparse.ArgumentParser(prog="p2pweights", description=_plain(__doc__))
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="level of the command's own log lines (P2PWEIGHTS_LOG for the library's)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     engine = commands.add_parser("engine", help="serve a local sglang-compatible rollout engine")
     engine.add_argument("--model", required=True, help="HF config.json or a folder holding one")
-    engine.add_argument("--tp", type=int, default=1)
-    engine.add_argument("--port", type=int, required=True)
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--transport", choices=["mooncake", "nixl", "cuda_ipc"], default="mooncake")
+    engine.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to serve")
+    engine.add_argument("--port", type=int, required=True, help="HTTP port of the engine's API")
+    engine.add_argument("--host", default="127.0.0.1", help="address to serve and publish on")
+    engine.add_argument(
+        "--transport",
+        choices=["mooncake", "nixl", "cuda_ipc"],
+        default="mooncake",
+        help="what the ranks publish their weights for (SyncConfig.transport must match)",
+    )
     engine.add_argument(
         "--device",
         default="cpu",
@@ -226,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = engine.add_mutually_exclusive_group()
     source.add_argument("--weights", help="a folder of *.safetensors with HF checkpoint names")
     source.add_argument("--seed", type=int, default=0, help="deterministic random HF weights")
-    engine.add_argument("--dtype", default="bfloat16")
+    engine.add_argument(
+        "--dtype", default="bfloat16", help="torch dtype of the weights (bfloat16, float16, ...)"
+    )
     engine.add_argument(
         "--server-args",
         default="{}",
@@ -259,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also check an engine: its sglang, update API, publications, state (repeatable)",
     )
     doctor.add_argument(
-        "--buffer", default="1GiB", help="SyncConfig.buffer_bytes to check memory for"
+        "--buffer",
+        default="512MiB",
+        help="SyncConfig.buffer_bytes to check memory for (512MiB: its default)",
     )
     doctor.add_argument(
         "--no-loopback", action="store_true", help="skip the loopback write per transport"
@@ -269,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(commands)
     _add_inspect_parser(commands)
     return parser
+
+
+def _plain(text: str | None) -> str:
+    """A docstring as help text: without reStructuredText's double backticks."""
+    return (text or "").replace("``", "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 from p2pweights import environment
 from p2pweights.errors import ConfigError
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+"""Frozen, no unknown fields, and each field's docstring as its ``description``."""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "b": 1,
@@ -51,13 +52,30 @@ class _Config(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ConfigError(f"invalid {type(self).__name__}: {exc}") from exc
+            raise ConfigError(f"invalid {type(self).__name__}: {_without_links(exc)}") from exc
 
     def __setattr__(self, name: str, value: object) -> None:
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
-            raise ConfigError(f"{type(self).__name__} is frozen: {exc}") from exc
+            raise ConfigError(f"{type(self).__name__} is frozen: {_without_links(exc)}") from exc
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: object) -> None:
+        """Each field and its docstring under the class's own, for ``help()``."""
+        super().__pydantic_init_subclass__(**kwargs)
+        fields = [
+            f"{name}\n    " + (field.description or "").replace("\n", "\n    ")
+            for name, field in cls.model_fields.items()
+            if name != "kind"
+        ]
+        cls.__doc__ = (cls.__doc__ or "") + "\n\nFields:\n\n" + "\n\n".join(fields)
+
+
+def _without_links(exc: ValidationError) -> str:
+    """pydantic's message without its "For further information visit <url>" lines."""
+    lines = str(exc).splitlines()
+    return "\n".join(line for line in lines if "For further information visit" not in line)
 
 
 class MooncakeConfig(_Config):

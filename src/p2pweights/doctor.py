@@ -306,7 +306,7 @@ def _loopback(kind: str) -> Finding:
     return Finding(check, OK, detail)
 
 
-def host_findings(buffer_bytes: int = 1 << 30, loopback: bool = True) -> list[Finding]:
+def host_findings(buffer_bytes: int = 512 << 20, loopback: bool = True) -> list[Finding]:
     """Every check of this host (``loopback``: also one write per importable transport)."""
     found = [_python(), *_sglang()]
     transports = {kind: _transport_import(kind) for kind in ("mooncake", "nixl")}
@@ -415,10 +415,11 @@ def _publication(check: str, client: EngineClient, rank: int) -> Finding:
         publication = client.publication(rank)
     except P2PWeightsError as exc:
         return Finding(name, FAIL, str(exc))
-    detail = (
-        f"publishes {len(publication.regions)} weights for {publication.backend} "
-        f"({publication.peer})"
-    )
+    from p2pweights.delta.wire import SCRATCH_NAME
+
+    # the parameters, as inspect counts them: a delta scratch region is no weight
+    num_params = sum(1 for name in publication.regions if name != SCRATCH_NAME)
+    detail = f"publishes {num_params} parameters for {publication.backend} ({publication.peer})"
     if publication.backend == "cuda_ipc":
         return _cuda_ipc_reach(name, detail, publication.host_id)
     usable = _transport_import(publication.backend)
@@ -480,7 +481,7 @@ def format_findings(findings: Iterable[Finding]) -> str:
 
 
 def run_doctor(
-    engine_urls: Iterable[str] = (), buffer_bytes: int = 1 << 30, loopback: bool = True
+    engine_urls: Iterable[str] = (), buffer_bytes: int = 512 << 20, loopback: bool = True
 ) -> int:
     """Print every finding; 1 if any is a blocker, else 0."""
     findings = host_findings(buffer_bytes, loopback)

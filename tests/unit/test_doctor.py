@@ -209,3 +209,21 @@ def test_the_fix_doctor_suggests_replaces_a_build_that_does_not_load() -> None:
     assert (
         install_hint("nixl", ImportError("x"), ["nixl"]) == "pip install --no-deps nixl nixl-cu13"
     )
+
+
+def test_doctor_counts_parameters_as_inspect_does_without_the_delta_scratch() -> None:
+    from p2pweights.delta.wire import SCRATCH_NAME
+
+    url = "http://10.0.0.5:30000"
+    table = {"a": [4096, 4, 2], "b": [8192, 4, 2], SCRATCH_NAME: [16384, 64, 1]}
+    client, http = _engine(url, publication=["10.0.0.5:15000", table])
+    finding = _by_check(engine_findings(url, client=client, http=http))["rank 0"]
+    assert "publishes 2 parameters" in finding.detail
+
+
+def test_doctor_checks_memory_for_the_buffers_sync_config_uses_by_default() -> None:
+    from p2pweights.cli import build_parser
+    from p2pweights.config import SyncConfig, parse_bytes
+
+    args = build_parser().parse_args(["doctor"])
+    assert parse_bytes(args.buffer) == SyncConfig().buffer_bytes
