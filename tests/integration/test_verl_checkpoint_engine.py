@@ -1,4 +1,4 @@
-"""verl 0.9.1 drives the p2pweights backend: two actor ranks write two rollout replicas.
+"""verl 0.9.1 (PyPI) drives p2pweights: two actor ranks write two replicas, three updates.
 
 The calls, in verl 0.9.1's order:
 
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _bit_exact import assert_bit_exact
+from _bit_exact import assert_bit_exact, seed_weights
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs, load_class_from_fqn
 from verl.workers.config import CheckpointEngineConfig
@@ -116,6 +116,7 @@ def _actor_rank(rank: int, world_size: int, init_file: str, conn, folder: str) -
         actor=SimpleNamespace(engine=_TrainingEngine(folder)),
         checkpoint_engine=checkpoint_engine,
     )
+    _record_bytes_per_engine_rank()
     while (command := conn.recv()) is not None:
         name, args, kwargs = command
         try:
@@ -133,6 +134,22 @@ def _actor_rank(rank: int, world_size: int, init_file: str, conn, folder: str) -
     dist.destroy_process_group()
 
 
+def _record_bytes_per_engine_rank() -> None:
+    """Add each engine rank's bytes to this actor rank's metrics (``target:<url>#<rank>``),
+    for the numbers on docs/integrations/verl.md; the manager's merge drops these keys."""
+    from p2pweights.integrations import verl as verl_integration
+
+    rank_metrics = verl_integration._rank_metrics
+
+    def with_targets(report):
+        metrics = rank_metrics(report)
+        for (url, engine_rank), num_bytes in report.bytes_by_target.items():
+            metrics[f"target:{url}#{engine_rank}"] = float(num_bytes)
+        return metrics
+
+    verl_integration._rank_metrics = with_targets
+
+
 # -- the Ray layer's double ------------------------------------------------------------------
 
 
@@ -145,6 +162,7 @@ class _Answer:
 
 class _Ray:
     errors: list[Exception] = []
+    answers: list = []  # the last call's answers, every rank's
 
     @staticmethod
     def get(refs):
@@ -152,6 +170,7 @@ class _Ray:
         for ref in refs:
             assert ref.conn.poll(ANSWER_WAIT_S), "an actor rank did not answer"
             answers.append(ref.conn.recv())
+        _Ray.answers = [value for ok, value in answers if ok]
         _Ray.errors = [value for ok, value in answers if not ok]
         if _Ray.errors:
             raise _Ray.errors[0]  # Ray raises the failed task's error (as a RayTaskError)
@@ -249,17 +268,46 @@ def test_verl_updates_two_replicas_from_two_actor_ranks_bit_exact(
     folder = model_dir("qwen3-tiny")
     engines = start_engines(folder, [2, 1], seed=0)
     manager, actors, replicas = verl_actors(folder, engines)
-    for step in (1, 2):
+    steps = (1, 2, 3)
+    for step in steps:
         actors.train(seed=20 + step)
         metrics = manager.update_weights(step)
         assert metrics["p2pweights/bytes"] > 0
+        per_target = _bytes_per_engine_rank(_Ray.answers)
+        _report_step(step, metrics, per_target, folder)
+        # each engine rank takes its own shard; verl's nixl / mooncake / nccl backends hand
+        # every rollout worker the whole model (the TP 1 engine's one rank takes about that)
+        model_bytes = sum(t.nbytes for _, t in seed_weights(folder, 20 + step))
+        tp2 = [b for (url, _), b in per_target.items() if url == engines[0].url]
+        assert len(tp2) == 2 and all(b < model_bytes for b in tp2)
     for engine in engines:
         client = EngineClient(engine.url)
-        assert client.weight_version() == "2"
+        assert client.weight_version() == str(steps[-1])
         client.close()
     for replica in replicas:  # nothing paused, aborted or released behind p2pweights' back
-        assert replica.calls == [("set_global_steps", 1), ("set_global_steps", 2)]
-    assert_bit_exact(engines, folder, 22)
+        assert replica.calls == [("set_global_steps", step) for step in steps]
+    assert_bit_exact(engines, folder, 20 + steps[-1])
+
+
+def _bytes_per_engine_rank(answers) -> dict[tuple[str, int], float]:
+    found = {}
+    for metrics in answers:
+        for key, value in metrics.items():
+            if key.startswith("target:"):
+                url, rank = key.removeprefix("target:").rsplit("#", 1)
+                found[(url, int(rank))] = value
+    return found
+
+
+def _report_step(step, metrics, per_target, folder) -> None:
+    """One line per update (``pytest -s``): the numbers docs/integrations/verl.md quotes."""
+    model_bytes = sum(t.nbytes for _, t in seed_weights(folder, 0))
+    ranks = ", ".join(f"{url}#{rank}: {int(b)}" for (url, rank), b in sorted(per_target.items()))
+    print(
+        f"verl step {step}: {metrics['p2pweights/seconds']:.3f} s, "
+        f"{int(metrics['p2pweights/bytes'])} bytes written; per engine rank {ranks}; "
+        f"model {model_bytes} bytes (bf16, what verl's own backends send each rollout worker)"
+    )
 
 
 def test_a_dead_engine_fails_send_weights_on_every_actor_rank(

@@ -258,8 +258,17 @@ def test_the_manager_refuses_replicas_that_release_their_weights(events, mode):
 
 def test_the_manager_merges_the_ranks_metrics(events):
     per_rank = [
-        {"p2pweights/bytes": 3e9, "p2pweights/seconds": 2.0, "p2pweights/paused_s": 2.5},
-        {"p2pweights/bytes": 1e9, "p2pweights/seconds": 1.0},
+        {
+            "p2pweights/bytes": 3e9,
+            "p2pweights/seconds": 2.0,
+            "p2pweights/paused_s": 2.5,
+            "p2pweights/max_engine_rank_bytes": 2e9,
+        },
+        {
+            "p2pweights/bytes": 1e9,
+            "p2pweights/seconds": 1.0,
+            "p2pweights/max_engine_rank_bytes": 1e9,
+        },
     ]
     group = _ActorWorkerGroup(events, metrics=per_rank)
     manager = P2PWeightsCheckpointManager(_config(), group, [_Replica(0, events)])
@@ -267,6 +276,7 @@ def test_the_manager_merges_the_ranks_metrics(events):
         "p2pweights/bytes": 4e9,
         "p2pweights/seconds": 2.0,
         "p2pweights/paused_s": 2.5,
+        "p2pweights/max_engine_rank_bytes": 2e9,
         "p2pweights/gb_per_s": 2.0,
     }
     assert merge_metrics([None, None]) == {}

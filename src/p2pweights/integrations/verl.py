@@ -245,9 +245,14 @@ def engine_urls(replicas: Sequence[Any]) -> list[str]:
     return [f"http://{replica.server_address}" for replica in replicas]
 
 
+_BUSIEST = "p2pweights/max_engine_rank_bytes"
+
+
 def merge_metrics(per_rank: Iterable[object]) -> dict[str, float]:
     """The actor ranks' ``send_weights`` metrics as one: bytes summed over the ranks,
-    seconds (and engine pause time) the slowest rank's."""
+    seconds (and engine pause time) the slowest rank's, and the bytes of the engine rank
+    that took the most (``p2pweights/max_engine_rank_bytes``: what bounds the update's
+    time on the receiving side)."""
     ranks = [m for m in per_rank if isinstance(m, Mapping)]
     if not ranks:
         return {}
@@ -255,6 +260,9 @@ def merge_metrics(per_rank: Iterable[object]) -> dict[str, float]:
         "p2pweights/bytes": float(sum(m.get("p2pweights/bytes", 0.0) for m in ranks)),
         "p2pweights/seconds": max(m.get("p2pweights/seconds", 0.0) for m in ranks),
     }
+    busiest = [m[_BUSIEST] for m in ranks if _BUSIEST in m]
+    if busiest:  # each engine rank is written by one actor rank
+        merged[_BUSIEST] = max(busiest)
     paused = [m["p2pweights/paused_s"] for m in ranks if "p2pweights/paused_s" in m]
     if paused:
         merged["p2pweights/paused_s"] = max(paused)
@@ -270,6 +278,8 @@ def _rank_metrics(report: UpdateReport) -> dict[str, float]:
         "p2pweights/bytes": float(report.bytes_written),
         "p2pweights/seconds": report.seconds,
     }
+    if report.bytes_by_target:
+        metrics[_BUSIEST] = float(max(report.bytes_by_target.values()))
     paused = getattr(report, "paused_s", None)  # per engine, where the session records it
     if isinstance(paused, Mapping) and paused:
         metrics["p2pweights/paused_s"] = max(float(s) for s in paused.values())
