@@ -503,8 +503,8 @@ class _Run:
         placed = self._placed
         digested = False
         if self._delta is not None:  # compared while the engines still generate
-            if self._hooks.digest_staged:  # of the slots' bytes, before entries replace them
-                self._digest(buffer, placed)
+            if self._hooks.digest_staged and self._delta.decision.mode == "delta":
+                self._digest(buffer, placed)  # of the slots' bytes, before entries replace them
                 digested = True
             self._compare_deltas(buffer)
         self._open()  # the first write, or load into an engine's memory, comes next
