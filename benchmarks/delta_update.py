@@ -4,23 +4,30 @@ A Qwen3-shaped transformers model (fp32 master weights, random init) takes AdamW
 on random token batches at an RL learning rate; after each step its weights are cast
 to bf16 and sent by each session in turn, each to a local engine of its own (its own
 process; an engine another sender wrote in between refuses a delta against bytes it no
-longer holds): one writing every byte, one with ``SyncConfig(delta=...)``, and with
-``--verified-full`` one writing every byte with ``verify_writes="always"`` (deltas are
-always verified; only these two sessions' engines digest their weights before every
-end, so the others' pauses hold no digest). Per update and session: seconds, bytes sent, the
-engine's paused seconds and the stages; after every step the delta session's engine is
-checked bit-exact against sglang's own ``load_weights`` of the bytes sent, and every
-engine after the last step.
+longer holds): one writing every byte (``full``), one with ``DeltaConfig(mode="auto")``
+(``delta-auto``: a delta only where the costs measured predict it faster), one with
+``DeltaConfig(mode="always")`` (``delta-always``), and with ``--verified-full`` one
+writing every byte with ``verify_writes="always"`` (deltas are always verified; only
+the verified sessions' engines digest their weights before every end, so the others'
+pauses hold no digest). Per update and session: seconds, bytes sent, the engine's
+paused seconds, the stages and, for deltas, what was decided; after every step the
+delta sessions' engines are checked bit-exact against sglang's own ``load_weights`` of
+the bytes sent, and every engine after each regime's last step.
+
+Each learning rate of ``--lr`` is a regime of its own, run one after the other in the
+same process against the same engines: a fresh trainer (same seed) and fresh sessions
+(the first update full), so a small and a large learning rate are measured side by
+side in one run.
 
 On the CPU (this machine) the engines take Mooncake over TCP; with ``--device cuda``
 the model trains on ``cuda:0`` and the engines (local engines on the same GPU: the
 local engine stands in for sglang, whose CUDA stack does not run on the lent GPU
 machine) take CUDA IPC writes from staging buffers on the GPU::
 
-    .venv/bin/python benchmarks/delta_update.py --steps 4 --lr 1e-6 \\
-        --out benchmarks/results/delta_update.json
-    python3 benchmarks/delta_update.py --device cuda --model qwen3-4b-shape --steps 5 \\
-        --verified-full --buffer-mib 2048 --out $OUT/delta_update_h200.json
+    .venv/bin/python benchmarks/delta_update.py --steps 8 --lr 1e-6 1e-4 \\
+        --out benchmarks/results/delta_update_auto_cpu.json
+    python3 benchmarks/delta_update.py --device cuda --model qwen3-1g --steps 6 \\
+        --lr 1e-6 1e-4 --buffer-mib 256 --out $OUT/delta_update_auto_h200.json
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ def _trainer(config: dict[str, Any], lr: float, seed: int, device: str = "cpu"):
 def _row(report: Any, session: Any) -> dict[str, Any]:
     run = getattr(session, "_last_run", None)
     delta = getattr(run, "delta", None)
+    decision = getattr(delta, "decision", None)
     return {
         "seconds": report.seconds,
         "bytes": report.bytes_written,
@@ -96,16 +104,28 @@ def _row(report: Any, session: Any) -> dict[str, Any]:
             "full_slots": delta.num_full_slots,
             "unchanged_slots": delta.num_unchanged_slots,
             "store_bytes": delta.store_bytes,
+            "decision": None
+            if decision is None
+            else {
+                "mode": decision.mode,
+                "keep_copy": decision.keep_copy,
+                "reason": decision.reason,
+                "predicted_delta_s": decision.predicted_delta_s,
+                "predicted_full_s": decision.predicted_full_s,
+            },
         },
     }
 
 
-VERIFIED = ("full-verified", "delta")
+DELTA = ("delta-auto", "delta-always")
+VERIFIED = ("full-verified", *DELTA)
 """The sessions whose writes are verified (their engines digest before every end)."""
+SESSIONS = ["full", "full-direct", "full-verified", *DELTA]
 
 
-def _sessions(args: argparse.Namespace) -> dict[str, Any]:
-    """The sessions compared, by name; the delta session last (it writes last)."""
+def _sessions(args: argparse.Namespace, build: bool = True) -> dict[str, Any]:
+    """The sessions compared, by name; the delta sessions last (they write last); their
+    configs only where not ``build``."""
     from p2pweights import CudaIpcConfig, MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.config import DeltaConfig
 
@@ -124,19 +144,24 @@ def _sessions(args: argparse.Namespace) -> dict[str, Any]:
         configs["full-direct"] = SyncConfig(
             **{**common, "transport": CudaIpcConfig(device=0)}, verify_writes="off"
         )
-    if args.verified_full:
+    if args.verified_full or "full-verified" in (args.only or ()):
         configs["full-verified"] = SyncConfig(**common, verify_writes="always")
-    configs["delta"] = SyncConfig(**common, delta=DeltaConfig())
+    configs["delta-auto"] = SyncConfig(**common, delta=DeltaConfig(mode="auto"))
+    configs["delta-always"] = SyncConfig(**common, delta=DeltaConfig(mode="always"))
     if args.only:
         configs = {name: config for name, config in configs.items() if name in args.only}
+    if not build:
+        return configs
     return {name: WeightSyncSession(config, **staging) for name, config in configs.items()}
 
 
 def _medians(updates: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians of the updates' seconds, bytes, pause and stages."""
+    """Medians of the updates' seconds, bytes, pause and stages (and the mean seconds:
+    probes of the auto session count there)."""
     out: dict[str, Any] = {
         key: statistics.median(r[key] for r in updates) for key in ("seconds", "bytes", "paused_s")
     }
+    out["mean_seconds"] = statistics.fmean(r["seconds"] for r in updates)
     stages = {name for r in updates for name in r["stages"]}
     out["stages"] = {
         name: statistics.median(r["stages"].get(name, 0.0) for r in updates)
@@ -145,18 +170,21 @@ def _medians(updates: list[dict[str, Any]]) -> dict[str, Any]:
     fractions = [r["delta"]["fraction"] for r in updates if r["delta"]]
     if fractions:
         out["fraction"] = statistics.median(fractions)
+    decided = [r["delta"]["decision"]["mode"] for r in updates if r["delta"]]
+    if decided:
+        out["decided"] = {mode: decided.count(mode) for mode in sorted(set(decided))}
     return out
 
 
 def main() -> None:
-    from p2pweights.engines.client import EngineClient
     from p2pweights.local_engine import LocalEngine
     from p2pweights.testing import write_model_dir
-    from p2pweights.verify import verify_engine
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument(
+        "--lr", type=float, nargs="+", default=[1e-6], help="one regime per rate, in turn"
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (trainer and engine)")
@@ -170,7 +198,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["full", "full-direct", "full-verified", "delta"],
+        choices=SESSIONS,
         help="run only these sessions (default: every one that applies)",
     )
     parser.add_argument("--out", type=Path, default=None)
@@ -183,11 +211,11 @@ def main() -> None:
         config = named_config(args.model)
     gpu = args.device != "cpu"
     folder = write_model_dir(config, tempfile.mkdtemp(prefix="p2pw-delta-"))
-    step, tensors = _trainer(config, args.lr, args.seed, "cuda:0" if gpu else "cpu")
     out: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "config": config,
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "regimes": {},
     }
     engine_options: dict[str, Any] = (
         {"transport": "cuda_ipc", "device": "cuda:0", "startup_timeout_s": 900}
@@ -195,66 +223,88 @@ def main() -> None:
         else {"transport": "mooncake"}
     )
     with contextlib.ExitStack() as scope:
-        sessions = _sessions(args)
+        names = list(_sessions(args, build=False))
         # one engine per session: an engine written by another sender in between refuses
         # the next delta against bytes it no longer holds (its base is not the rank's)
         # its engine digests its weights before every end only for a verified session
-        # (deltas always are), so the unverified ones' pauses hold no digest
-        engines = {
-            name: scope.enter_context(
-                LocalEngine(
-                    folder,
-                    tp=args.tp,
-                    seed=0,
-                    env={"P2PWEIGHTS_WRITE_DIGESTS": "1" if name in VERIFIED else "0"},
-                    **engine_options,
-                )
+        # (deltas always are), so the unverified ones' pauses hold no digest; each
+        # regime's fresh session starts with a full update, so engines serve every regime
+        engines = {}
+        for name in names:  # started at once, then waited for
+            engine = LocalEngine(
+                folder,
+                tp=args.tp,
+                seed=0,
+                env={"P2PWEIGHTS_WRITE_DIGESTS": "1" if name in VERIFIED else "0"},
+                **engine_options,
             )
-            for name in sessions
-        }
-        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in sessions}
-        for name, session in sessions.items():
-            session.connect([engines[name].url])
-        for k in range(args.steps + 1):
-            if k:
-                started = time.perf_counter()
-                step()
-                out.setdefault("train_step_s", []).append(time.perf_counter() - started)
-            sent = tensors()
-            if gpu:
-                torch.cuda.synchronize()
-            for mode, session in sessions.items():
-                row = _row(session.update(sent), session)
-                rows[mode].append(row)
-                share = (
-                    f", {100 * row['delta']['fraction']:.2f} % of the bytes" if row["delta"] else ""
-                )
-                print(
-                    f"step {k} {mode}: {row['seconds']:.3f} s, {row['bytes'] / 1e6:.1f} MB"
-                    f"{share}, engine paused {row['paused_s']:.3f} s",
-                    flush=True,
-                )
-            # the delta engine after every step, every engine after the last
-            checked = sessions if k == args.steps else [m for m in sessions if m == "delta"]
-            for mode in checked:
-                client = EngineClient(engines[mode].url, timeout_s=600)
-                mismatches = verify_engine(
-                    client, lambda sent=sent: iter(sent), device="cuda:0" if gpu else "cpu"
-                )
-                client.close()
-                rows[mode][-1]["bit_exact"] = all(not v for v in mismatches.values())
-            del sent
-            if gpu:
-                torch.cuda.empty_cache()
-        for session in sessions.values():
-            session.close()
+            scope.callback(engine.stop)
+            engines[name] = engine.start()
+        for engine in engines.values():
+            engine.wait_ready()
+        for lr in args.lr:
+            out["regimes"][f"{lr:g}"] = _regime(args, config, lr, engines, gpu)
+    print(json.dumps({lr: r["median_after_first"] for lr, r in out["regimes"].items()}, indent=1))
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+def _regime(
+    args: argparse.Namespace, config: dict[str, Any], lr: float, engines: dict[str, Any], gpu: bool
+) -> dict[str, Any]:
+    """One learning rate: a fresh trainer and fresh sessions, sessions alternating update
+    by update; the delta engines checked after every step, every engine after the last."""
+    from p2pweights.engines.client import EngineClient
+    from p2pweights.verify import verify_engine
+
+    step, tensors = _trainer(config, lr, args.seed, "cuda:0" if gpu else "cpu")
+    sessions = _sessions(args)
+    out: dict[str, Any] = {"train_step_s": []}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in sessions}
+    for name, session in sessions.items():
+        session.connect([engines[name].url])
+    for k in range(args.steps + 1):
+        if k:
+            started = time.perf_counter()
+            step()
+            out["train_step_s"].append(time.perf_counter() - started)
+        sent = tensors()
+        if gpu:
+            torch.cuda.synchronize()
+        for mode, session in sessions.items():
+            row = _row(session.update(sent), session)
+            rows[mode].append(row)
+            delta = row["delta"]
+            share = "" if not delta else f", {100 * delta['fraction']:.2f} % of the bytes"
+            if delta and delta["decision"]:
+                share += f" ({delta['decision']['mode']}, {delta['decision']['reason']})"
+            print(
+                f"lr {lr:g} step {k} {mode}: {row['seconds']:.3f} s, {row['bytes'] / 1e6:.1f} MB"
+                f"{share}, engine paused {row['paused_s']:.3f} s",
+                flush=True,
+            )
+        checked = sessions if k == args.steps else [m for m in sessions if m in DELTA]
+        for mode in checked:
+            client = EngineClient(engines[mode].url, timeout_s=600)
+            mismatches = verify_engine(
+                client, lambda sent=sent: iter(sent), device="cuda:0" if gpu else "cpu"
+            )
+            client.close()
+            rows[mode][-1]["bit_exact"] = all(not v for v in mismatches.values())
+        del sent
+        if gpu:
+            torch.cuda.empty_cache()
+    for session in sessions.values():
+        session.close()
     out["updates"] = rows
     out["median_after_first"] = {
         mode: _medians(updates[2:] or updates[1:]) for mode, updates in rows.items()
     }
-    print(json.dumps(out["median_after_first"], indent=1))
-    if args.out is not None:
-        args.out.write_text(json.dumps(out, indent=1))
+    out["bit_exact"] = {
+        mode: [r["bit_exact"] for r in updates if "bit_exact" in r]
+        for mode, updates in rows.items()
+    }
+    return out
 
 
 if __name__ == "__main__":
