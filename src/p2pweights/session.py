@@ -66,6 +66,7 @@ from p2pweights.plan.prepare import (
     Prepared,
     build_plan,
     check_against_checkpoints,
+    check_one_model,
     engine_checkpoints,
     prepare,
     staging_bytes,
@@ -253,6 +254,7 @@ class WeightSyncSession:
                 self._executor.disconnect()
             raise
         try:
+            check_one_model(fleet.engines)
             # a delta an engine refused is seen only through its record: checked always
             verify = "always" if config.delta and config.verify_writes == "auto" else None
             write_check = WriteCheck.connect(
@@ -513,9 +515,10 @@ class WeightSyncSession:
         _, prepared = self._ready()
         self._last_run = None
         opened = not stream_first
+        writing = False  # the engines were opened and counted as written (torn on failure)
 
         def before_writes() -> BytePlan | None:
-            nonlocal opened
+            nonlocal opened, writing
             self._raise_if_cancelled("write")  # abort() came while preparing or staging
             with _timed(stages, "control_plane"):
                 if not opened:
@@ -527,6 +530,7 @@ class WeightSyncSession:
                 replanned = self._refresh_targets()  # the sessions are open now
             if self._leader and not others_write:  # alone, a failed refresh left them whole
                 self._fleet.mark_written()
+            writing = True
             return replanned
 
         try:
@@ -545,6 +549,10 @@ class WeightSyncSession:
                 # this step raises
                 opened = True
                 self._collective.step("open", functools.partial(_raise, exc))
+            elif writing and isinstance(exc, ConfigError) and len(exc.args) == 1:
+                # bad input found once the engines were opened for the writes: say what
+                # that left them in (the class kept, for callers that catch it)
+                exc.args = (f"{exc.args[0]}. {_LEFT_TORN.format(version=version)}",)
             if self.config.num_senders > 1 and isinstance(tensors, Iterator):
                 # A stream may run collectives as it is read (FSDP2 gathers bucket by
                 # bucket): every rank must read it to the end, or the others hang in them.
@@ -760,6 +768,14 @@ def _timed(stages: dict[str, float], name: str) -> Iterator[None]:
 
 def _not_connected() -> ConfigError:
     return ConfigError("call connect(engines) before update() (or again, after close())")
+
+
+_LEFT_TORN = (
+    "The engines were already paused for this update's writes: they stay paused, with "
+    "torn weights and the weight version 'p2pweights-updating:{version}', until the next "
+    "update() rewrites them whole (session.abort(resume_incomplete=True) resumes them "
+    "torn)"
+)
 
 
 def _raise(error: Exception) -> None:

@@ -750,10 +750,15 @@ def test_a_bad_tensor_in_a_streamed_update_leaves_a_visible_torn_engine(engines)
     with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
         session.connect(["http://e0"])
         session.update(_tensors(5))
-        with pytest.raises(ConfigError, match="'o' has shape"):
+        with pytest.raises(ConfigError, match="'o' has shape") as caught:
             session.update(stream())
         engine = engines["http://e0"]
         assert engine.paused and engine.version == f"{UPDATING_PREFIX}2"
+        # the error says what the engines were left in, and what repairs them
+        assert f"stay paused, with torn weights and the weight version '{UPDATING_PREFIX}2'" in (
+            str(caught.value)
+        )
+        assert "the next update() rewrites them whole" in str(caught.value)
         report = session.update(iter(_tensors(7)))
     assert _holds(engine, 7) and engine.running and engine.version == report.version
 
@@ -768,9 +773,10 @@ def test_a_bad_tensor_before_the_first_buffer_was_written_leaves_the_engine_unto
         session.update(_tensors(5))
         engine = engines["http://e0"]
         before = list(engine.events)
-        with pytest.raises(ConfigError, match="'o' has shape"):
+        with pytest.raises(ConfigError, match="'o' has shape") as caught:
             session.update(stream())
         assert engine.events == before and engine.running and engine.version == "1"
+        assert "torn" not in str(caught.value)  # nothing was paused: nothing to say
         session.update(iter(_tensors(7)))
     assert _holds(engine, 7) and engine.running
 

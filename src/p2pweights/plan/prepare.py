@@ -10,8 +10,11 @@ against what the targets published. What later updates reuse is a ``Prepared``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,6 +70,59 @@ def engine_checkpoints(
         dtype = engine.server_info.get("dtype")
         found[(path, dtype)] = (expected_checkpoint(path.parent), engine_dtype(dtype))
     return list(found.values())
+
+
+_MODEL_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "num_experts",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+    "num_nextn_predict_layers",
+)
+"""The config fields that say which model an engine serves: the tensors a trainer sends
+depend on them (not on the dtype, the path or the quantization it serves them in)."""
+
+
+def check_one_model(engines: Iterable[ConnectedEngine]) -> None:
+    """Refuse engines whose configs describe different models: one session sends one
+    model's tensors (engines of one model in several layouts are fine)."""
+    seen: list[tuple[str, Path, dict[str, Any]]] = []
+    for engine in engines:
+        path = config_path(engine.server_info, engine.endpoint.model_path)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # not compared: building its replica says what is wrong with it
+        model = {key: config[key] for key in _MODEL_FIELDS if key in config}
+        if any(model == other for _, _, other in seen):
+            continue
+        for url, first_path, first in seen:
+            differ = sorted(k for k in first.keys() & model.keys() if first[k] != model[k])
+            if differ:
+                fields = ", ".join(f"{k} {first[k]!r} / {model[k]!r}" for k in differ)
+                raise ConfigError(
+                    f"engines {url} ({first_path}) and {engine.url} ({path}) serve different "
+                    f"models ({fields}); one session updates one model: connect a session per "
+                    f"model"
+                )
+        seen.append((engine.url, path, model))
 
 
 def staging_bytes(replicas: Sequence[ReplicaHandle], buffer_bytes: int) -> int:
