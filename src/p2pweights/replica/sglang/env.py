@@ -448,8 +448,9 @@ def build_model(
     """Construct the sglang model of ``spec``'s rank on ``device``, as DefaultModelLoader does.
 
     The class comes from the HF config's ``architectures`` through sglang's model
-    registry; the quantization config and shared-expert override are resolved by
-    sglang's own helpers. ``torch.device("meta")`` builds a replica without storage.
+    registry (``model_registry.prepare``: importing only that class's module); the
+    quantization config and shared-expert override are resolved by sglang's own helpers.
+    ``torch.device("meta")`` builds a replica without storage.
     The parameter dtype is ``dtype``, by default ``model_config.dtype`` (the
     engine's resolved ``--dtype``).
     """
@@ -457,7 +458,10 @@ def build_model(
     from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
+    from p2pweights.replica.sglang import model_registry
+
     architectures = getattr(model_config.hf_config, "architectures", None) or []
+    model_registry.prepare(architectures)  # its one model module, not all of sglang's
     load_config = LoadConfig()
     with rank_scope(spec), _rope_without_forward_kernel(device):
         try:
