@@ -184,6 +184,8 @@ def test_auto_sends_in_full_without_a_copy_and_probes_deltas_bit_exact(
             assert report.delta is not None
             decision = session._last_run.delta.decision
             seen.append((decision.mode, decision.keep_copy))
+            said = "as a delta" if decision.mode == "delta" else "in full"
+            assert said in report.delta.decision and said in report.summary()
             if decision.mode == "delta":
                 assert 0 < report.delta.sent_bytes < report.delta.full_bytes / 4
             else:
