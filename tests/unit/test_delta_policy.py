@@ -3,6 +3,8 @@ the pure policy (``delta.policy``), table-driven."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from p2pweights.delta.policy import Decision, DeltaPolicy, Measured
@@ -112,7 +114,9 @@ def test_a_probe_that_finds_deltas_faster_goes_back_to_deltas():
             policy.observe(_delta(0.0023, 0.05 if step >= 1 else 0.95))
         else:
             policy.observe(_full(0.020))
-    assert modes == ["full", "copy", "delta", "delta", "delta", "delta", "delta", "delta"]
+    # after two deltas one full update (keeping its copy) measures the writes anew; it
+    # confirms deltas, so the next full probe comes after four
+    assert modes == ["full", "copy", "delta", "delta", "copy", "delta", "delta", "delta"]
 
 
 def test_without_a_copy_on_the_engine_a_delta_is_never_chosen():
@@ -154,3 +158,41 @@ def test_bad_settings_are_refused():
         DeltaPolicy("sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="probe_after"):
         DeltaPolicy("auto", probe_after=0)
+
+
+def test_a_cold_first_full_update_does_not_keep_deltas_forever():
+    """The first update's writes ran cold (connections set up, 0.5 s per GB) where full
+    really takes 0.05 s and a delta 0.065 s: while deltas run, a full update is probed
+    now and then, so its true cost is measured and full wins from then on (before, 28 of
+    28 updates went as deltas: ``w`` was measured on full updates only)."""
+    policy = DeltaPolicy("auto")
+    true_full_s, compare_s, fraction = 0.05, 0.060, 0.10  # a delta: 0.060 + 0.005
+    assert policy.decide(can_delta=False).mode == "full"
+    policy.observe(_full(0.5))  # cold
+    modes = []
+    for _ in range(28):
+        decision = policy.decide(can_delta=True)
+        modes.append(decision.mode)
+        if decision.mode == "full":
+            policy.observe(_full(true_full_s))
+        else:
+            policy.observe(_delta(compare_s, fraction))
+    assert modes[:2] == ["delta", "delta"]  # measured so far: deltas look faster
+    assert modes[-20:].count("full") >= 16, modes
+
+
+def test_while_deltas_win_a_full_probe_confirms_it_less_and_less_often():
+    """Deltas really faster: a full update now and then (to measure it anew), spaced out
+    while each one confirms deltas."""
+    policy = DeltaPolicy("auto", probe_after=2, max_probe_after=8)
+    _warm(policy, 1.0, 0.1, 0.05)
+    modes = []
+    for _ in range(40):
+        decision = policy.decide(can_delta=True)
+        modes.append(decision.mode)
+        assert decision.keep_copy  # a full probe keeps a copy: deltas resume after it
+        policy.observe(_full(1.0) if decision.mode == "full" else _delta(0.1, 0.05))
+    fulls = [i for i, mode in enumerate(modes) if mode == "full"]
+    assert 3 <= len(fulls) <= 8, modes
+    gaps = [b - a for a, b in itertools.pairwise(fulls)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], modes

@@ -21,7 +21,10 @@ predicted ``margin`` faster: the engine's apply, not measured here, costs a delt
 While full is predicted faster, the stored copy is left out (no copy, no compare);
 every so often (``probe_after`` full updates, doubling up to ``max_probe_after`` while
 probes confirm full) one full update keeps a copy and the next is a delta again, to
-measure the fraction anew (a learning-rate schedule changes it). The first update, and
+measure the fraction anew (a learning-rate schedule changes it). While deltas are
+predicted faster, every so often (the same spacing, doubling while probes confirm
+deltas) one update goes in full, keeping its copy, to measure ``w`` anew: otherwise a
+first update whose writes ran cold would keep deltas going for good. The first update, and
 any after which no engine rank holds the previous update (a failure, a restart), is
 full whatever the policy predicts.
 
@@ -74,7 +77,8 @@ class Decision:
         what = {
             "always": 'as a delta where an engine rank holds the previous update (mode "always")',
             "no_base": "in full: no engine rank holds the previous update",
-            "probe": "as a delta, to measure what a delta costs now",
+            "probe": f"{'as a delta' if self.mode == 'delta' else 'in full'}, to measure "
+            f"what it costs now",
             "predicted": f"{'as a delta' if self.mode == 'delta' else 'in full'}: faster",
         }[self.reason]
         return f"sent {what}{predicted}"
@@ -128,11 +132,17 @@ class DeltaPolicy:
         """Full updates before the next probe."""
         self._reprobe = False
         """Whether the last decision probed while full was predicted faster."""
+        self._num_delta = 0
+        """Delta updates since the last full one."""
+        self._full_wait = probe_after
+        """Delta updates before the next full probe."""
+        self._full_probe = False
+        """Whether the last decision probed a full update while deltas were faster."""
 
     def decide(self, can_delta: bool) -> Decision:
         """How the next update goes; ``can_delta``: some engine rank holds the previous
         update (the stored copy is theirs)."""
-        self._reprobe = False
+        self._reprobe = self._full_probe = False
         if self.mode == "always":
             return Decision("delta" if can_delta else "full", True, "always")
         predicted = self.predict()
@@ -142,6 +152,9 @@ class DeltaPolicy:
             return Decision("full", True, "no_base")
         delta_s, full_s = predicted
         if delta_s < full_s * (1 - self.margin):
+            if can_delta and self._num_delta >= self._full_wait:
+                self._full_probe = True
+                return Decision("full", True, "probe", delta_s, full_s)
             mode: Literal["delta", "full"] = "delta" if can_delta else "full"
             return Decision(mode, True, "predicted" if can_delta else "no_base", delta_s, full_s)
         if can_delta and self._num_full >= self._wait:
@@ -167,10 +180,25 @@ class DeltaPolicy:
         self._full_bytes = measured.full_bytes
         if measured.mode == "full":
             self._num_full += 1
+            self._num_delta = 0
             if measured.sent_bytes > 0:
+                if self._full_probe:  # the fresh measure stands alone: the old ones misled
+                    self._write_s_per_byte.clear()
                 self._write_s_per_byte.append(measured.wait_s / measured.sent_bytes)
+            if self._full_probe:
+                predicted = self.predict()
+                confirmed = predicted is not None and predicted[0] < predicted[1] * (
+                    1 - self.margin
+                )
+                self._full_wait = (
+                    min(2 * self._full_wait, self.max_probe_after)
+                    if confirmed
+                    else self.probe_after
+                )
+            self._full_probe = False
             return
         self._num_full = 0
+        self._num_delta += 1
         self._compare_s_per_byte.append(measured.compare_s / measured.full_bytes)
         self._fraction = measured.sent_bytes / measured.full_bytes
         predicted = self.predict()
