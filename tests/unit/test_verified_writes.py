@@ -27,6 +27,7 @@ from p2pweights.engine_side import RankSide
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError
+from p2pweights.integrity.digest import SCHEME
 from p2pweights.plan import prepare as prepare_module
 
 
@@ -35,6 +36,8 @@ class DigestEngine(FakeEngine):
     """A fake engine whose rank records digests around its update session."""
 
     side: RankSide | None = None
+    scheme: str = SCHEME
+    """The digest scheme the engine says it records with (another release's: not ours)."""
     corrupt_at_end: str | None = None
     """A parameter one byte of which changes after the writes, before the digest (one-shot)."""
     record: dict | None = None
@@ -56,7 +59,11 @@ class DigestEngine(FakeEngine):
 
 class DigestClient(FakeClient):
     def server_info(self):
-        return {**super().server_info(), "p2pweights_write_digests": True}
+        return {
+            **super().server_info(),
+            "p2pweights_write_digests": True,
+            "p2pweights_digest_scheme": self.engine.scheme,
+        }
 
     def write_digests(self, rank, runner="target", bootstrap_port=None):
         return self.engine.call("digests", lambda: dict(self.engine.record or {}))
@@ -144,6 +151,25 @@ def test_digests_made_another_way_are_refused_not_compared(engines):
         refused = r"made another way \('lanes16-v1'; .*one p2pweights release"
         with pytest.raises(TransferError, match=refused):
             session.update(_tensors(2))
+
+
+def test_an_engine_of_another_digest_scheme_is_not_verified_and_refused_on_always(engines):
+    """Told at connect (before, every update was written, failed its check and left the
+    engine torn): under "auto" it is reported unverified, saying why; "always" refuses it."""
+    engine = engines.setdefault("http://old", DigestEngine("http://old", scheme="lanes16-v1"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://old"])
+        report = session.update(_tensors(2))
+    assert engine.running and _holds(engine, 2) and "digests" not in engine.events
+    assert report.engines["http://old"].verified_by == ()
+    assert "made another way ('lanes16-v1'" in (
+        report.engines["http://old"].unverified_reason or ""
+    )
+    with (
+        WeightSyncSession(SyncConfig(buffer_bytes="1MiB", verify_writes="always")) as session,
+        pytest.raises(EngineError, match=r"http://old: .*made another way"),
+    ):
+        session.connect(["http://old"])
 
 
 def test_engines_without_digests_are_skipped_on_auto_and_refused_on_always(engines, caplog):

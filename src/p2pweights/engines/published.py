@@ -89,6 +89,9 @@ class RankPublication:
     """How many times a live publisher has published afresh."""
     write_digests: bool = False
     """The rank records write digests before each ``end_weight_update`` (see above)."""
+    digest_scheme: str | None = None
+    """How it digests (``integrity.digest.SCHEME`` of its p2pweights); None where it does
+    not say (a release before the scheme was published)."""
 
     @property
     def where(self) -> str:
@@ -162,6 +165,11 @@ def _parse(engine_url: str, engine_rank: int, info: Any) -> RankPublication:
         "live": _flag(info, "live"),
         "epoch": _integer(info.get("epoch", 0), "epoch"),
         "write_digests": _flag(info, "write_digests"),
+        "digest_scheme": (
+            None
+            if info.get("digest_scheme") is None
+            else _text(info["digest_scheme"], "digest_scheme")
+        ),
     }
     if backend == "mooncake":
         return RankPublication(

@@ -34,17 +34,43 @@ from p2pweights.report import EngineReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Mismatch", "Runner", "WriteCheck", "serves_digests", "why_unverified"]
+__all__ = [
+    "UNNAMED_SCHEME",
+    "Mismatch",
+    "Runner",
+    "WriteCheck",
+    "digest_scheme",
+    "serves_digests",
+    "why_unverified",
+]
 
 Runner = tuple[str, int, str]
 """(engine URL, engine rank, role): one model runner of an engine rank."""
 
 
-def serves_digests(engine: ConnectedEngine) -> bool:
-    """Whether the engine's ranks record write digests (local engine, p2pweights plugin)."""
-    return bool(engine.server_info.get("p2pweights_write_digests")) or any(
+UNNAMED_SCHEME = "lanes16-v1"
+"""The scheme of engines that record digests without naming it (releases before it was
+named: plain lane sums, blind to reordered bytes)."""
+
+
+def digest_scheme(engine: ConnectedEngine) -> str | None:
+    """How the engine's ranks digest their writes (``integrity.digest.SCHEME`` of their
+    p2pweights), or None where they record no write digests."""
+    info = engine.server_info
+    if not info.get("p2pweights_write_digests") and not any(
         pub.write_digests for pub in engine.publications
+    ):
+        return None
+    named = info.get("p2pweights_digest_scheme") or next(
+        (pub.digest_scheme for pub in engine.publications if pub.digest_scheme), None
     )
+    return named if isinstance(named, str) else UNNAMED_SCHEME
+
+
+def serves_digests(engine: ConnectedEngine) -> bool:
+    """Whether the engine's ranks record write digests this trainer can compare with its
+    own (local engine, p2pweights plugin, of this digest scheme)."""
+    return digest_scheme(engine) == SCHEME
 
 
 def why_unverified(engine: ConnectedEngine, mode: str) -> str | None:
@@ -52,8 +78,14 @@ def why_unverified(engine: ConnectedEngine, mode: str) -> str | None:
     ``mode``, naming the setting that is missing; None where they are."""
     if mode == "off":
         return "SyncConfig(verify_writes='off'); 'auto' verifies every engine that digests"
-    if serves_digests(engine):
+    scheme = digest_scheme(engine)
+    if scheme == SCHEME:
         return None
+    if scheme is not None:
+        return (
+            f"its write digests are made another way ({scheme!r}; this trainer: {SCHEME!r}): "
+            f"run one p2pweights release on the trainer and the engines"
+        )
     if "p2pweights_engine_state" in engine.server_info:  # the local engine
         return (
             "it records no write digests (a local engine started with "
@@ -201,7 +233,7 @@ class WriteCheck:
             why = record.get("error") or "it recorded none before this update's end"
             yield Mismatch(runner, f"no write digests for this update: {why}")
             return
-        scheme = record.get("digest_scheme", "lanes16-v1")  # releases before the scheme
+        scheme = record.get("digest_scheme", UNNAMED_SCHEME)
         if scheme != SCHEME:
             yield Mismatch(
                 runner,

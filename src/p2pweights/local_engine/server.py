@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from p2pweights import environment
 from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError
+from p2pweights.integrity.digest import SCHEME
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.replica.sglang import facade
 
@@ -62,6 +63,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
             "weight_version": state["weight_version"],
             # each rank's record: see digest_record below
             "p2pweights_write_digests": environment.write_digests(default=True),
+            "p2pweights_digest_scheme": SCHEME,
             # not sglang's: what state a failure left this engine in, for tests and users
             "p2pweights_engine_state": {
                 "paused": state["paused"],

@@ -21,6 +21,7 @@ import httpx
 from p2pweights import environment
 from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError, EngineError
+from p2pweights.integrity.digest import SCHEME
 from p2pweights.transfer.transports.nixl import NixlPublisher
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class LivePublication:
             live=True,
             epoch=self.epoch + 1,
             write_digests=environment.write_digests(default=False),
+            digest_scheme=SCHEME,
         )
         if moved is not None:
             info["moved"] = moved
