@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import re
 import sys
 import threading
@@ -39,6 +40,7 @@ REGISTRY = "sglang.srt.models.registry"
 MODELS = "sglang.srt.models"
 NO_MODELS = "p2pweights._no_sglang_models"
 """An empty package named as sglang's external model package while the registry imports."""
+_EXTERNAL = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 
 _LOCK = threading.Lock()
 _ENTRY = re.compile(rb"^EntryClass\s*=\s*(\[[^\]]*\]|\w+)\s*$", re.MULTILINE)
@@ -76,8 +78,14 @@ def _lazy_registry() -> Any:
         empty = types.ModuleType(NO_MODELS)
         empty.__path__ = []
         sys.modules.setdefault(NO_MODELS, empty)
-        with envs.SGLANG_EXTERNAL_MODEL_PACKAGE.override(NO_MODELS):
+        # set and restored here, whatever the import raises (sglang's own override
+        # restores nothing on an exception): os.environ is the process's, and a child
+        # started with this value could not import sglang's registry
+        os.environ[_EXTERNAL] = NO_MODELS
+        try:
             importlib.import_module(REGISTRY)
+        finally:
+            os.environ.pop(_EXTERNAL, None)
     registry = sys.modules[REGISTRY].ModelRegistry
     return None if registry._default_models_loaded else registry
 
