@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig, TransferError
-from p2pweights.integrations import miles
+from p2pweights.integrations import miles, miles_args
 from p2pweights.integrations.miles import P2PWeightsUpdater, config_from_args, update_metrics
 from p2pweights.integrations.streamed_update import StreamedUpdate
 from p2pweights.report import UpdateReport
@@ -246,7 +246,7 @@ def test_lora_is_refused():
 
 
 def test_config_from_miles_flags(monkeypatch):
-    monkeypatch.setattr(miles, "_node_address", lambda: "10.0.0.7")
+    monkeypatch.setattr(miles_args, "_node_address", lambda: "10.0.0.7")
     config = config_from_args(_args(), None, 1, 4)
     assert config.buffer_bytes == 64 * 2**20
     assert config.transfer_timeout_s == 45.0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig
-from p2pweights.integrations import FrameworkMismatchError, miles, miles_protocol
+from p2pweights.integrations import FrameworkMismatchError, miles, miles_args, miles_protocol
 from p2pweights.integrations.miles_protocol import (
     P2PWeightsProtocol,
     engine_urls,
@@ -134,7 +134,7 @@ def test_protocol_factory_carries_a_config():
 
 def test_a_bucket_size_below_one_mib_is_accepted(monkeypatch):
     """miles accepts any --update-weight-buffer-size; the staging buffer keeps its floor."""
-    monkeypatch.setattr(miles, "_node_address", lambda: "10.0.0.7")
+    monkeypatch.setattr(miles_args, "_node_address", lambda: "10.0.0.7")
     config = miles.config_from_args(_args(update_weight_buffer_size=256 * 2**10), None, 0, 1)
     assert config.buffer_bytes == 2**20
 
@@ -163,7 +163,7 @@ def test_a_bucket_size_below_one_mib_is_accepted(monkeypatch):
     ],
 )
 def test_transport_from_miles_flags_and_environment(monkeypatch, env, p2p_transport, expected):
-    monkeypatch.setattr(miles, "_node_address", lambda: "10.0.0.7")
+    monkeypatch.setattr(miles_args, "_node_address", lambda: "10.0.0.7")
     for name in ("P2PWEIGHTS_MILES_TRANSPORT", "P2PWEIGHTS_MILES_HOSTNAME"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():

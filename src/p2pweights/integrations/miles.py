@@ -37,17 +37,21 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
-from p2pweights import environment
-from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, TransportConfig
+from p2pweights.config import SyncConfig
 from p2pweights.errors import ConfigError
 from p2pweights.integrations import FrameworkMismatchError
+from p2pweights.integrations.miles_args import (
+    config_from_args,
+    missing_module,
+    transport_from_args,
+    update_metrics,
+)
 from p2pweights.integrations.streamed_update import StreamedUpdate
-from p2pweights.report import UpdateReport
 from p2pweights.session import WeightSyncSession
 
 logger = logging.getLogger(__name__)
@@ -71,16 +75,6 @@ _ACTOR = "miles.backends.megatron_utils.actor"
 _PARALLEL = "miles.backends.training_utils.parallel"
 _PROTOCOL = "miles.backends.training_utils.weight_update.protocol"
 _UPDATER = "miles.backends.training_utils.weight_update.updater"
-METRIC_PREFIX = "perf/update_weights_p2pweights"
-MIN_BUFFER_BYTES = 2**20
-"""SyncConfig's smallest staging buffer."""
-
-
-def missing_module(exc: ModuleNotFoundError, module: str) -> bool:
-    """Whether ``exc`` says ``module`` or a package above it does not exist (as opposed
-    to ``module`` existing and failing on an import of its own)."""
-    missing = exc.name or ""
-    return module == missing or module.startswith(missing + ".")
 
 
 def _miles_base() -> type:
@@ -226,69 +220,6 @@ class P2PWeightsUpdater(_Base):
         self.update_weight_metrics = update_metrics(report)
 
 
-def update_metrics(report: UpdateReport) -> dict[str, float]:
-    """An update's report as miles step-log metrics (``perf/update_weights_p2pweights_*``):
-    seconds, this trainer rank's bytes and GB/s, each stage's seconds, and the longest
-    engine pause where the report has one."""
-    metrics = {
-        f"{METRIC_PREFIX}_seconds": report.seconds,
-        f"{METRIC_PREFIX}_bytes": float(report.bytes_written),
-        f"{METRIC_PREFIX}_gb_per_s": report.gb_per_s,
-    }
-    for stage, seconds in report.stage_seconds.items():
-        metrics[f"{METRIC_PREFIX}_{stage}_s"] = seconds
-    paused = getattr(report, "paused_s", None)  # per engine, in newer reports
-    if isinstance(paused, Mapping) and paused:
-        metrics[f"{METRIC_PREFIX}_paused_s_max"] = float(max(paused.values()))
-    return metrics
-
-
-def config_from_args(
-    args: Any, config: SyncConfig | None, pipeline_stage: int, num_pipeline_stages: int
-) -> SyncConfig:
-    """The session's config: miles' flags (``--update-weight-buffer-size``,
-    ``--p2p-transfer-timeout``, ``--pause-generation-mode``), then every field ``config``
-    sets explicitly, then this rank's pipeline stage. The transport defaults to Mooncake
-    over RDMA at this node's address (Ray's).
-
-    ``--check-weight-update-equal`` stays miles' own: miles snapshots and resets the
-    engines' weights before training and compares after the first update itself; the
-    session's check (a snapshot when it opens the engines) would snapshot the reset ones.
-    """
-    fields: dict[str, Any] = {
-        # miles' bucket size may be below the staging buffer's 1 MiB floor; the buckets
-        # stay miles' own, the session stages them in buffers of at least 1 MiB
-        "buffer_bytes": max(int(args.update_weight_buffer_size), MIN_BUFFER_BYTES),
-        "transfer_timeout_s": args.p2p_transfer_timeout,
-        "pause_mode": args.pause_generation_mode,
-    }
-    if config is None or "transport" not in config.model_fields_set:
-        fields["transport"] = transport_from_args(args)
-    if config is not None:
-        fields.update({name: getattr(config, name) for name in config.model_fields_set})
-    fields["pipeline_stage"], fields["num_pipeline_stages"] = pipeline_stage, num_pipeline_stages
-    return SyncConfig(**fields)
-
-
-def transport_from_args(args: Any) -> TransportConfig:
-    """The transport from ``P2PWEIGHTS_MILES_TRANSPORT`` (``mooncake-rdma``, the default,
-    ``mooncake-tcp`` or ``nixl``), else miles' ``--p2p-transport`` where miles has it.
-    Mooncake listens at ``P2PWEIGHTS_MILES_HOSTNAME``, else at Ray's node address."""
-    choice = environment.miles_transport()
-    if choice is None:
-        choice = "nixl" if getattr(args, "p2p_transport", None) == "nixl" else "mooncake-rdma"
-    if choice == "nixl":
-        return NixlConfig()
-    if choice not in ("mooncake-rdma", "mooncake-tcp"):
-        raise ConfigError(
-            f"P2PWEIGHTS_MILES_TRANSPORT={choice!r} is not a transport p2pweights knows; "
-            "use mooncake-rdma, mooncake-tcp or nixl"
-        )
-    hostname = environment.miles_hostname() or _node_address()
-    protocol: Literal["rdma", "tcp"] = "tcp" if choice == "mooncake-tcp" else "rdma"
-    return MooncakeConfig(protocol=protocol, local_hostname=hostname)
-
-
 def engine_urls(rollout_engines: Sequence[Any]) -> list[str]:
     """The servers of miles' engine actors (``SGLangEngine.get_topology_info()["url"]``)."""
     import ray
@@ -383,9 +314,3 @@ def _session(config: SyncConfig) -> WeightSyncSession:
     import torch.distributed as dist
 
     return WeightSyncSession.from_torch_distributed(config, group=dist.new_group(backend="gloo"))
-
-
-def _node_address() -> str:
-    import ray.util
-
-    return str(ray.util.get_node_ip_address())

@@ -33,7 +33,7 @@ import torch
 
 from p2pweights.config import SyncConfig
 from p2pweights.errors import ConfigError
-from p2pweights.integrations.miles import config_from_args, missing_module, update_metrics
+from p2pweights.integrations.miles_args import config_from_args, missing_module, update_metrics
 from p2pweights.integrations.streamed_update import StreamedUpdate
 from p2pweights.session import WeightSyncSession
 
