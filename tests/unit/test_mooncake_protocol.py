@@ -146,3 +146,31 @@ def test_auto_on_this_host_without_devices_writes_over_tcp() -> None:
         pytest.skip("this host has RDMA devices")
     with mooncake.MooncakeTransport(MooncakeConfig(protocol="auto")) as transport:
         assert transport.describe() == "mooncake/tcp"
+
+
+@pytest.mark.parametrize("answer", ["not json", '{"cpu:0": 7}', "[1, 2]"])
+def test_a_topology_that_cannot_be_read_is_a_transport_error(tmp_path: Path, answer) -> None:
+    """Found in review: a topology answer that is not what Mooncake documents escaped as
+    a raw ValueError / TypeError."""
+    with pytest.raises(TransportError, match=r"topology of this host's RDMA devices \(mlx5_0\)"):
+        mooncake.choose_protocol(
+            "auto", "", _Topology(answer), root=_sysfs(tmp_path, "mlx5_0"), force_tcp=False
+        )
+
+
+def test_discovery_without_mooncake_or_failing_in_it_is_a_transport_error(monkeypatch) -> None:
+    """Found in review: a host listing RDMA devices without mooncake installed got a raw
+    ModuleNotFoundError from the protocol check, not the install hint."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails
+    with pytest.raises(TransportError, match=r"cannot import mooncake .*pip install"):
+        mooncake._local_topology("")
+
+    class Broken:
+        def get_local_topology(self, device_name):
+            raise RuntimeError("ibv_open_device failed")
+
+    monkeypatch.setattr(mooncake, "_transfer_engine_class", lambda: Broken)
+    with pytest.raises(TransportError, match="discovery of this host's RDMA devices failed"):
+        mooncake._local_topology("")

@@ -89,8 +89,15 @@ def installed_protocol(
     listed = [d.name for d in root.glob("*") if not wanted or d.name in wanted]
     if not listed:
         return "tcp"
-    found: dict[str, list[list[str]]] = json.loads(topology(device_name))
-    hcas = {hca for entry in found.values() for group in entry for hca in group}
+    answer = topology(device_name)
+    try:
+        found: dict[str, list[list[str]]] = json.loads(answer)
+        hcas = {hca for entry in found.values() for group in entry for hca in group}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise TransportError(
+            f"Mooncake's topology of this host's RDMA devices ({', '.join(listed)}) could not "
+            f"be read ({exc}): {answer!r:.200}"
+        ) from exc
     return "rdma" if hcas else "tcp"
 
 
@@ -133,16 +140,17 @@ def choose_protocol(
 
 
 def _local_topology(device_name: str) -> str:
-    from mooncake.engine import TransferEngine
+    TransferEngine = _transfer_engine_class()
+    try:
+        return str(TransferEngine().get_local_topology(device_name))
+    except Exception as exc:  # the binding's own errors: say where they came from
+        raise TransportError(
+            f"Mooncake's discovery of this host's RDMA devices failed ({exc!r}); "
+            f'MooncakeConfig(protocol="tcp") with MC_FORCE_TCP=1 keeps Mooncake off them'
+        ) from exc
 
-    return str(TransferEngine().get_local_topology(device_name))
 
-
-def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
-    """A Mooncake ``TransferEngine`` (``protocol`` is passed on, as sglang does; Mooncake
-    picks what ``installed_protocol`` says)."""
-    logs.configure()
-    environment.quiet_mooncake_logs()
+def _transfer_engine_class() -> Any:
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
@@ -150,7 +158,15 @@ def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
             f"cannot import mooncake ({exc}); pip install mooncake-transfer-engine "
             f"(or -non-cuda on CPU hosts) and the system packages libibverbs1 librdmacm1"
         ) from exc
-    engine = TransferEngine()
+    return TransferEngine
+
+
+def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
+    """A Mooncake ``TransferEngine`` (``protocol`` is passed on, as sglang does; Mooncake
+    picks what ``installed_protocol`` says)."""
+    logs.configure()
+    environment.quiet_mooncake_logs()
+    engine = _transfer_engine_class()()
     ret = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
     if ret != 0:
         raise TransportError(
