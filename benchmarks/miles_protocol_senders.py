@@ -1,7 +1,7 @@
 """What it costs when every miles trainer rank sends, against miles' rule (the first
 ``sum(engine_gpu_counts)`` ranks of a stage send), through miles' own updater.
 
-Runs tests/integration/test_miles_protocol.py's trainer ranks (miles' protocol.py /
+Runs tests/integration/test_miles_main_protocol.py's trainer ranks (miles' protocol.py /
 updater.py / session.py from tests/fixtures/miles-protocol) into local engines over
 Mooncake TCP on this host, both ways, and prints each update's wall time on every rank
 (miles' ``update_weights``), the slowest rank's, and how many tensors each rank
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "integration"))
 
-import test_miles_protocol as driven
+import test_miles_main_protocol as driven
 
 from p2pweights.local_engine import LocalEngine
 from p2pweights.testing import write_model_dir
