@@ -3,7 +3,9 @@
 ::
 
     P2PWeightsError
-    ├── ConfigError            bad configuration or bad input, raised before any byte is written
+    ├── ConfigError            bad configuration or bad input: raised before any byte is written,
+    │                          except for a streamed input's tensor found bad as it arrives
+    │                          (the message then says what the engines were left in)
     │   ├── SessionBusyError     another call of the session runs in another thread: nothing done
     │   └── InputChangedError    an input tensor changed after update() received it
     ├── PlanError              no valid assignment of trainer ranks to engine ranks

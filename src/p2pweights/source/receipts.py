@@ -79,8 +79,7 @@ class Receipts:
             f"were read: {what}. Its bytes would have been sent as they are now, not as they "
             f"were given. Inputs must stay unchanged until update() returns: an iterator "
             f"must not refill a buffer whose tensors it already yielded (yield a fresh "
-            f"buffer per bucket, or copies). Engines the update opened stay paused and torn "
-            f"until an update completes"
+            f"buffer per bucket, or copies)"
         )
 
     def record_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
