@@ -358,9 +358,11 @@ class WeightSyncSession:
         with _timed(stages, "probe" if first else "check_inputs"):
             try:
                 self._collective.step("prepare", lambda: self._prepare(given, described))
-            except BaseException:
+            except BaseException as exc:
                 if first:  # every rank probes again next time: they must gather alike
                     self._prepared = None
+                elif isinstance(exc, ConfigError) and len(exc.args) == 1:
+                    exc.args = (f"{exc.args[0]}. {_LEFT_RUNNING}",)
                 raise
         _, prepared = self._ready()
         version = version or str(self._next_version)
@@ -544,15 +546,16 @@ class WeightSyncSession:
                 return RunResult()
             result = self._run(tensors, checked, before_writes)
         except BaseException as exc:
+            if isinstance(exc, ConfigError) and len(exc.args) == 1:
+                # bad input found as the input streamed: say what that left the engines in
+                # (the class kept, for callers that catch it)
+                left = _LEFT_TORN if writing else _LEFT_PAUSED if opened else _LEFT_RUNNING
+                exc.args = (f"{exc.args[0]}. {left.format(version=version)}",)
             if not opened and isinstance(exc, Exception):
                 # only where no stream is drained below (stream_first rules it out), as
                 # this step raises
                 opened = True
                 self._collective.step("open", functools.partial(_raise, exc))
-            elif writing and isinstance(exc, ConfigError) and len(exc.args) == 1:
-                # bad input found once the engines were opened for the writes: say what
-                # that left them in (the class kept, for callers that catch it)
-                exc.args = (f"{exc.args[0]}. {_LEFT_TORN.format(version=version)}",)
             if self.config.num_senders > 1 and isinstance(tensors, Iterator):
                 # A stream may run collectives as it is read (FSDP2 gathers bucket by
                 # bucket): every rank must read it to the end, or the others hang in them.
@@ -770,6 +773,12 @@ def _not_connected() -> ConfigError:
     return ConfigError("call connect(engines) before update() (or again, after close())")
 
 
+_LEFT_RUNNING = "No engine was paused or written: they serve the previous weights"
+_LEFT_PAUSED = (
+    "The engines were paused for this update but not written: they keep the previous "
+    "weights, paused (weight version 'p2pweights-updating:{version}'), until the next "
+    "update() or abort() resumes them"
+)
 _LEFT_TORN = (
     "The engines were already paused for this update's writes: they stay paused, with "
     "torn weights and the weight version 'p2pweights-updating:{version}', until the next "

@@ -196,3 +196,9 @@ def test_while_deltas_win_a_full_probe_confirms_it_less_and_less_often():
     assert 3 <= len(fulls) <= 8, modes
     gaps = [b - a for a, b in itertools.pairwise(fulls)]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0], modes
+
+
+def test_always_says_in_full_where_nothing_holds_the_previous_update():
+    decision = DeltaPolicy("always").decide(can_delta=False)
+    assert decision.mode == "full"
+    assert decision.describe().startswith("sent in full: no engine rank holds")

@@ -20,9 +20,18 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 PUBLIC = {
     "p2pweights": {
+        "AbortReport",
         "ConfigError",
         "CudaIpcConfig",
+        "DeltaConfig",
+        "DeltaReport",
         "EngineClient",
+        "EngineReport",
+        "EngineStateError",
+        "EngineUnreachable",
+        "InputChangedError",
+        "SessionBusyError",
+        "UnsettledWrite",
         "EngineEndpoint",
         "EngineError",
         "LayoutMismatchError",

@@ -776,7 +776,7 @@ def test_a_bad_tensor_before_the_first_buffer_was_written_leaves_the_engine_unto
         with pytest.raises(ConfigError, match="'o' has shape") as caught:
             session.update(stream())
         assert engine.events == before and engine.running and engine.version == "1"
-        assert "torn" not in str(caught.value)  # nothing was paused: nothing to say
+        assert "No engine was paused or written" in str(caught.value)
         session.update(iter(_tensors(7)))
     assert _holds(engine, 7) and engine.running
 
@@ -857,3 +857,18 @@ def test_the_report_says_how_long_each_engine_stood_paused(engines):
         assert "paused" in report.summary()
         again = session.update(_tensors(2))
     assert set(again.paused_s) == {"http://e0", "http://e1"} and _holds(engines["http://e1"], 2)
+
+
+def test_bad_input_of_a_later_update_says_the_engines_were_not_touched(engines):
+    """Found in a new-user trial: a first update's bad input said "nothing was sent", a
+    later one's said nothing of the engines."""
+    with WeightSyncSession(SyncConfig(buffer_bytes="1MiB")) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(5))
+        engine = engines["http://e0"]
+        before = list(engine.events)
+        bad = dict(_tensors(6))
+        bad["o"] = torch.zeros(3, dtype=torch.uint8)
+        with pytest.raises(ConfigError, match="No engine was paused or written"):
+            session.update(bad)
+        assert engine.events == before and engine.running

@@ -75,7 +75,11 @@ class Decision:
             f"{self.predicted_full_s:.3f} s)"
         )
         what = {
-            "always": 'as a delta where an engine rank holds the previous update (mode "always")',
+            "always": (
+                'as a delta where an engine rank holds the previous update (mode "always")'
+                if self.mode == "delta"
+                else 'in full: no engine rank holds the previous update (mode "always")'
+            ),
             "no_base": "in full: no engine rank holds the previous update",
             "probe": f"{'as a delta' if self.mode == 'delta' else 'in full'}, to measure "
             f"what it costs now",

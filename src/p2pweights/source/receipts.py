@@ -49,7 +49,10 @@ class Receipts:
         self._got = {}
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
-        """``tensor`` arrived as ``name``."""
+        """``tensor`` arrived as ``name`` (a sparse or otherwise non-strided tensor has no
+        data pointer: it is not recorded, and the input check refuses it by name)."""
+        if tensor.layout != torch.strided:
+            return
         self._got[name] = (weakref.ref(tensor), _version(tensor), tensor.data_ptr())
 
     def check(self, name: str, tensor: torch.Tensor) -> None:
