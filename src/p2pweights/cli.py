@@ -216,7 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    engine = commands.add_parser("engine", help="serve a local sglang-compatible rollout engine")
+    engine = commands.add_parser(
+        "engine",
+        help="serve a local sglang-compatible rollout engine",
+        description=(
+            "Serve a local rollout engine: sglang's own model classes and loaders in a "
+            "process that speaks sglang's update API, a stand-in for an sglang server on a "
+            "CPU host (tests, demos). It starts from --weights, else from random weights of "
+            "--seed. Its ranks digest their weights before every end of an update session "
+            "(P2PWEIGHTS_WRITE_DIGESTS=0 turns that off) and publish a delta scratch region "
+            "(P2PWEIGHTS_DELTA_SCRATCH=<bytes>, 0 for none)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     engine.add_argument("--model", required=True, help="HF config.json or a folder holding one")
     engine.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks to serve")
     engine.add_argument("--port", type=int, required=True, help="HTTP port of the engine's API")

@@ -111,7 +111,8 @@ class CudaIpcConfig(_Config):
     Each engine rank's GPU memory is opened once, at connect, in the trainer GPU's own
     context; every write is a device copy on the writer's stream. Engines on other
     hosts are refused at connect (use Mooncake or NIXL for them). Stage on the device
-    (``staging_device="cuda:N"``) for NVLink speed; pinned host staging also works.
+    (``WeightSyncSession(config, staging_device="cuda:N")``) for NVLink speed; pinned
+    host staging also works.
     """
 
     model_config = _FROZEN
@@ -144,8 +145,8 @@ class DeltaConfig(_Config):
 
     store: Literal["staging", "host"] = "staging"
     """Where the copy of the previous update's bytes lives: beside the staging buffers
-    (on their GPU with ``staging_device="cuda:N"``), or in host memory (compared there
-    after a copy to the staging device)."""
+    (on their GPU with ``WeightSyncSession(config, staging_device="cuda:N")``), or in
+    host memory (compared there after a copy to the staging device)."""
     max_fraction: float = 0.3
     """A parameter with more than this share of its elements changed is written in full
     (bf16 deltas take 6 bytes per changed element: at a third they are no smaller)."""

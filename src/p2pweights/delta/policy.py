@@ -71,7 +71,7 @@ class Decision:
         predicted = (
             ""
             if self.predicted_delta_s is None or self.predicted_full_s is None
-            else f" (predicted: delta {self.predicted_delta_s:.3f} s, full "
+            else f" (predicted writes and compare: delta {self.predicted_delta_s:.3f} s, full "
             f"{self.predicted_full_s:.3f} s)"
         )
         what = {
