@@ -1,10 +1,11 @@
 """How the digest kernel's shape was chosen, and what seeing order costs (GPU hosts).
 
 Times the one-launch kernel (``integrity/_lanes_triton.py``, "weighted": the digest's
-plain and row-weighted lane sums) at a few shapes, beside "weighted-dynamic-loop" (its
-first loop bounded by the loaded block count, as before Triton 3.6's interpreter
-needed a constant trip count) and "plain", the same kernel without the weighted sums
-(the digest before it saw reordered bytes: one add per word instead of two). On the
+plain and row-weighted lane sums) at a few shapes, beside "plain", the same kernel
+without the weighted sums (the digest before it saw reordered bytes: one add per word
+instead of two). The form whose first loop is bounded by the loaded block count (before
+Triton 3.6's interpreter needed a constant trip count) was timed beside them once, in
+``results/digest_kernel_variants_h200.json``, and dropped here. On the
 parameters of a Qwen3-8B-shaped TP-1 rank (291 tensors, 16.4 GB) and of the 1 GB
 ``qwen3-1g`` shape (227 tensors), against torch's launches per region
 (``P2PWEIGHTS_DIGEST_KERNEL=0``), side by side in one run; every variant's sums are
@@ -66,61 +67,10 @@ def plain_lanes(
     tl.store(partial + (pid + 1) * 2 * LANES + tl.arange(0, LANES), lanes)
 
 
-@triton.jit
-def dynamic_loop_lanes(
-    addresses,
-    sizes,
-    chunk_region,
-    chunk_start,
-    partial,
-    LANES: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCKS: tl.constexpr,
-):
-    """The library's kernel with its first loop bounded by the loaded block count
-    (``range(0, full)``) instead of a constant trip count with the bound tested inside."""
-    pid = tl.program_id(0)
-    region = tl.load(chunk_region + pid)
-    start = tl.load(chunk_start + pid)
-    num_bytes = tl.load(sizes + region)
-    base = (tl.load(addresses + region) + start * 8).to(tl.pointer_type(tl.int64))
-    whole = num_bytes // 8 - start  # whole words from the chunk's first
-    full = tl.minimum(whole // BLOCK, BLOCKS).to(tl.int32)
-    offsets = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.int64)
-    runs = tl.zeros((BLOCK,), dtype=tl.int64)
-    for block in range(0, full):
-        acc += tl.load(base + block * BLOCK + offsets)
-        runs += acc
-    num_blocks = full.to(tl.int64)
-    if full < BLOCKS:
-        at = full * BLOCK + offsets
-        words = (num_bytes + 7) // 8 - start
-        tail = (tl.full([], 1, tl.int64) << ((num_bytes % 8) * 8)) - 1
-        word = tl.load(base + at, mask=at < words, other=0)
-        acc += tl.where(at == whole, word & tail, word)
-        runs += acc
-        num_blocks += 1
-    by_block = num_blocks * acc - runs  # per position: sum over blocks of block * word
-    row_in_block = (offsets // LANES + 1).to(tl.int64)
-    weighted = (BLOCK // LANES) * by_block + row_in_block * acc
-    plain = tl.sum(tl.reshape(acc, (BLOCK // LANES, LANES)), axis=0)
-    weighted = tl.sum(tl.reshape(weighted, (BLOCK // LANES, LANES)), axis=0)
-    weighted += (start // LANES) * plain  # the chunk's rows counted from the region's first
-    out = partial + (pid + 1) * 2 * LANES + tl.arange(0, LANES)
-    tl.store(out, plain)
-    tl.store(out + LANES, weighted)
-
-
-KERNELS = {
-    "plain": plain_lanes,
-    "weighted": _lanes_triton.region_lanes,
-    "weighted-dynamic-loop": dynamic_loop_lanes,
-}
+KERNELS = {"plain": plain_lanes, "weighted": _lanes_triton.region_lanes}
 VARIANTS = [  # (kernel, BLOCK words, BLOCKS, num_warps, num_stages)
     ("plain", 2048, 256, 8, None),
     ("weighted", 2048, 256, 8, None),
-    ("weighted-dynamic-loop", 2048, 256, 8, None),
     ("weighted", 2048, 128, 8, None),
     ("weighted", 4096, 128, 16, None),
     ("weighted", 1024, 256, 4, None),
