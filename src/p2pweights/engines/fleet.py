@@ -280,12 +280,6 @@ class Fleet:
         concurrently(one, self.engines)
         return report
 
-    def paused_seconds(self) -> dict[str, float]:
-        """Engine URL -> seconds from the last update's pause (or, where it found the engine
-        paused, from when it began with it) to its resume, for each engine the last update
-        (or the abort after it) resumed."""
-        return {e.url: e.update.paused_s for e in self.engines if e.update.paused_s is not None}
-
     def engine_reports(
         self,
         bytes_by_target: Mapping[tuple[str, int], int],

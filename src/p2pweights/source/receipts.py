@@ -44,10 +44,6 @@ class Receipts:
     def __init__(self) -> None:
         self._got: dict[str, tuple[weakref.ref[torch.Tensor], int | None, int]] = {}
 
-    def clear(self) -> None:
-        """A new update: forget the last one's inputs."""
-        self._got = {}
-
     def record(self, name: str, tensor: torch.Tensor) -> None:
         """``tensor`` arrived as ``name`` (a sparse or otherwise non-strided tensor has no
         data pointer: it is not recorded, and the input check refuses it by name)."""
