@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, url: str) -> dict[str, list[dict[str, Any]]]:
                     row["phase"], row["update_s"] = phase, report.seconds
                     # what the code reports itself, beside the hook's measure
                     calls = session._fleet.control_calls()
-                    row["own_paused_s"] = max(session._fleet.paused_seconds().values())
+                    row["own_paused_s"] = max(report.paused_s.values(), default=0.0)
                     row["own_calls"], row["own_wall_s"] = calls.num_calls, calls.wall_seconds
                     row["report_paused_s"] = getattr(report, "paused_s", {})
                     rows[order].append(row)
