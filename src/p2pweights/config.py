@@ -9,38 +9,44 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from p2pweights import environment
 from p2pweights.errors import ConfigError
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 """Frozen, no unknown fields, and each field's docstring as its ``description``."""
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+_WHOLE_SIZE = re.compile(ByteSize.byte_string_pattern + r"\s*$", re.IGNORECASE)
+"""pydantic's spelling of a size, to the end of the string (its own pattern reads only a
+prefix: "512MiB of it" would be 512 MiB)."""
 
 
 def parse_bytes(value: int | str) -> int:
-    """``536870912``, ``"512MiB"``, ``"1GiB"`` or ``"1.5GB"`` as a number of bytes."""
+    """``536870912``, ``"512MiB"``, ``"1GiB"`` or ``"1.5GB"`` as a number of bytes
+    (pydantic's ``ByteSize``: KB is 1000 bytes, KiB 1024; case is ignored)."""
     if isinstance(value, bool):
         raise ValueError("a size must be a number of bytes or a string such as '512MiB'")
     if isinstance(value, int):
         return value
-    match = _SIZE.match(str(value))
-    if match is None:
-        raise ValueError(f"cannot read {value!r} as a size; use e.g. 536870912, '512MiB' or '1GiB'")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "B").lower()])
+    text = str(value)
+    try:
+        if _WHOLE_SIZE.match(text) is None:
+            raise ValueError(text)
+        return int(_BYTE_SIZE.validate_python(text))
+    except ValueError as exc:  # pydantic's ValidationError is one
+        raise ValueError(
+            f"cannot read {value!r} as a size; use e.g. 536870912, '512MiB' or '1GiB'"
+        ) from exc
 
 
 class _Config(BaseModel):
