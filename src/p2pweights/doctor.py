@@ -254,8 +254,8 @@ def _meminfo_bytes(field: str) -> int | None:
 def _loopback(kind: str) -> Finding:
     """One write from a registered buffer into a published one, both in this process."""
     from p2pweights.config import MooncakeConfig, NixlConfig
-    from p2pweights.engines.published import parse_publication
     from p2pweights.transfer.transports import Write, create_publisher, create_transport
+    from p2pweights.wire.publication import parse_publication
 
     device = "cuda" if kind == "nixl" and torch.cuda.is_available() else "cpu"
     dst_device = f"cuda:{min(1, torch.cuda.device_count() - 1)}" if device == "cuda" else "cpu"
@@ -415,7 +415,7 @@ def _publication(check: str, client: EngineClient, rank: int) -> Finding:
         publication = client.publication(rank)
     except P2PWeightsError as exc:
         return Finding(name, FAIL, str(exc))
-    from p2pweights.delta.wire import SCRATCH_NAME
+    from p2pweights.wire.delta import SCRATCH_NAME
 
     # the parameters, as inspect counts them: a delta scratch region is no weight
     num_params = sum(1 for name in publication.regions if name != SCRATCH_NAME)

@@ -31,12 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BEFORE_END_STEPS", "DIGESTS_ROLE", "BeforeEnd", "RankSide", "record_digests"]
-
-DIGESTS_ROLE = "p2pweights-digests"
-"""The ``role`` a rank's record is published under, next to its weight publication
-(``?rank=R&role=p2pweights-digests``: the local engine's route, the plugin's bootstrap
-server)."""
+__all__ = ["BEFORE_END_STEPS", "BeforeEnd", "RankSide", "record_digests"]
 
 
 @dataclass
@@ -59,7 +54,7 @@ class BeforeEnd:
 def record_digests(context: BeforeEnd) -> None:
     """The digest of every published parameter, as the writes left it (where the engine
     digests at all: it costs time inside its pause)."""
-    from p2pweights.integrity.digest import SCHEME, digests
+    from p2pweights.wire.digest import SCHEME, digests
 
     if not context.write_digests:
         return

@@ -23,7 +23,7 @@
                                          (``replica/sglang/gathered_copies.py``; A/B runs).
 ``P2PWEIGHTS_DIGEST_KERNEL``             ``0`` digests GPU regions with torch, a few launches
                                          each, instead of one Triton launch for all of them
-                                         (``integrity/lanes_kernel.py``; for A/B runs).
+                                         (``wire/lanes_kernel.py``; for A/B runs).
 ``P2PWEIGHTS_DELTA_SCRATCH``             Bytes of each engine rank's delta scratch region
                                          (``512MiB``; ``0``: none, delta updates write it
                                          in full); default 1/8 of the rank's weights, at

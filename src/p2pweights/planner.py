@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import ConfigError, EngineError
 from p2pweights.plan.byte_plan import aligned, build_byte_plan
 from p2pweights.plan.cluster import (
@@ -39,6 +38,7 @@ from p2pweights.plan.cluster import (
 from p2pweights.plan.cost import LinkModel, PipelineModel
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.source.expected import ExpectedCheckpoint
+from p2pweights.wire.publication import RankPublication, WeightRegion
 
 __all__ = ["EngineSpec", "parse_engine_spec", "model_folder", "build_cluster_plan"]
 

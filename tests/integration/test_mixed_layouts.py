@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
-from p2pweights.delta.engine import SCRATCH_NAME
-from p2pweights.delta.wire import HEADER_BYTES
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
 from p2pweights.verify import verify_engine
+from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,10 @@ import pytest
 from _bit_exact import assert_bit_exact, seed_weights
 
 from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
-from p2pweights.delta.wire import HEADER_BYTES
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.inspect import inspect_engine
 from p2pweights.local_engine import LocalEngine
+from p2pweights.wire.delta import HEADER_BYTES
 
 pytestmark = pytest.mark.integration
 

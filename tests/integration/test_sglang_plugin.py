@@ -27,16 +27,15 @@ import pytest
 import torch
 
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
-from p2pweights.delta.engine import SCRATCH_NAME
-from p2pweights.engine_side import DIGESTS_ROLE
-from p2pweights.engines.published import parse_publication
 from p2pweights.errors import EngineError
-from p2pweights.integrity.digest import digest
 from p2pweights.local_engine import LocalEngine
 from p2pweights.local_engine.process import free_port
 from p2pweights.session import WeightSyncSession
 from p2pweights.testing import write_model_dir
 from p2pweights.transfer.transports import Write, create_transport
+from p2pweights.wire.delta import SCRATCH_NAME
+from p2pweights.wire.digest import digest
+from p2pweights.wire.publication import DIGESTS_ROLE, parse_publication
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from p2pweights import CudaIpcConfig, SyncConfig
-from p2pweights.engines.published import parse_publication
 from p2pweights.errors import ConfigError, EngineError, TransferError, TransportError
 from p2pweights.transfer.staging_device import staging_device_for
 from p2pweights.transfer.transports import Write
@@ -30,6 +29,7 @@ from p2pweights.transfer.transports.cuda_ipc import (
     translate,
 )
 from p2pweights.transfer.transports.regions import RegionIndex
+from p2pweights.wire.publication import parse_publication
 
 URL = "http://engine-a:30000"
 HANDLE = bytes(range(64))

@@ -11,11 +11,11 @@ from test_executor import CopyingTransport, _engine
 
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.apply import DeltaReceiver
-from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.plan.byte_plan import aligned, build_byte_plan
 from p2pweights.testing.loaders import FnLoader
 from p2pweights.transfer.buffers import staged_bytes
 from p2pweights.transfer.executor import TransferExecutor
+from p2pweights.wire.delta import SCRATCH_NAME
 
 
 def _source(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -167,7 +167,7 @@ def test_a_rank_that_published_afresh_when_its_session_opened_gets_full_writes()
     import dataclasses
 
     from p2pweights.delta.sender import DeltaSender
-    from p2pweights.engines.published import WeightRegion
+    from p2pweights.wire.publication import WeightRegion
 
     source = _source(4)
     engine = _Engine("http://a", source, 1 << 16)

@@ -7,8 +7,8 @@ import torch
 
 from p2pweights.delta.flush_compare import FlushSlot, encode_flush
 from p2pweights.delta.store import FlushLayout, PreviousBytes
-from p2pweights.delta.wire import encode
 from p2pweights.plan.byte_plan import aligned
+from p2pweights.wire.delta import encode
 
 DEVICES = [
     "cpu",

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from p2pweights.delta.apply import DeltaReceiver, apply
-from p2pweights.delta.wire import (
+from p2pweights.errors import TransferError
+from p2pweights.wire.delta import (
     ENTRY_HEADER_BYTES,
     HEADER_BYTES,
     PayloadHeader,
@@ -16,7 +17,6 @@ from p2pweights.delta.wire import (
     pack_payload,
     read_header,
 )
-from p2pweights.errors import TransferError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from _interpreted import assert_prints_ok
 
-from p2pweights.integrity.digest import LANES, SMALL_BYTES, digest, digests
+from p2pweights.wire.digest import LANES, SMALL_BYTES, digest, digests
 
 
 def _bytes(num_bytes: int, seed: int = 0) -> torch.Tensor:
@@ -164,7 +164,7 @@ def _reference(data: torch.Tensor) -> str:
     wrapped to int64, then hashed."""
     import numpy as np
 
-    from p2pweights.integrity.digest import lanes_hex
+    from p2pweights.wire.digest import lanes_hex
 
     raw = bytes(data.numpy().tobytes())
     raw += bytes(-len(raw) % 8)
@@ -200,8 +200,8 @@ _INTERPRETED = textwrap.dedent(
     import os
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from p2pweights.integrity import digest as d
-    from p2pweights.integrity.lanes_kernel import CHUNK_WORDS, kernel_lanes
+    from p2pweights.wire import digest as d
+    from p2pweights.wire.lanes_kernel import CHUNK_WORDS, kernel_lanes
 
     generator = torch.Generator().manual_seed(3)
     owner = torch.randint(0, 256, (3 * CHUNK_WORDS * 8 + 4096,), dtype=torch.uint8,
@@ -235,7 +235,7 @@ def test_the_kernel_sums_what_torch_sums_under_the_interpreter() -> None:
 def test_a_failing_kernel_gives_way_to_torch_with_one_warning(monkeypatch, caplog):
     """A kernel that fails to compile or launch: the same digests through torch, and the
     kernel is not tried again in this process."""
-    from p2pweights.integrity import lanes_kernel
+    from p2pweights.wire import lanes_kernel
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such kernel")
@@ -257,7 +257,7 @@ def test_a_failing_kernel_gives_way_to_torch_with_one_warning(monkeypatch, caplo
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch):
-    from p2pweights.integrity import lanes_kernel
+    from p2pweights.wire import lanes_kernel
 
     monkeypatch.setattr(lanes_kernel, "_broken", [])
     monkeypatch.setattr(lanes_kernel, "_kernel", lambda: object())

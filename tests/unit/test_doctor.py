@@ -212,7 +212,7 @@ def test_the_fix_doctor_suggests_replaces_a_build_that_does_not_load() -> None:
 
 
 def test_doctor_counts_parameters_as_inspect_does_without_the_delta_scratch() -> None:
-    from p2pweights.delta.wire import SCRATCH_NAME
+    from p2pweights.wire.delta import SCRATCH_NAME
 
     url = "http://10.0.0.5:30000"
     table = {"a": [4096, 4, 2], "b": [8192, 4, 2], SCRATCH_NAME: [16384, 64, 1]}

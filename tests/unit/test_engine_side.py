@@ -7,7 +7,7 @@ import torch
 
 from p2pweights import engine_side
 from p2pweights.engine_side import BeforeEnd, RankSide
-from p2pweights.integrity.digest import digest
+from p2pweights.wire.digest import digest
 
 
 def test_each_session_gets_a_new_number_and_begin_clears_the_digests():
@@ -64,8 +64,7 @@ def test_a_delta_payload_left_from_an_earlier_session_is_never_applied():
     cleared at that begin, never applied by this session's end. (A sender that died with
     the engine's session open is covered by the next update's own header: see
     test_delta_executor.)"""
-    from p2pweights.delta.engine import SCRATCH_NAME
-    from p2pweights.delta.wire import encode, pack_payload
+    from p2pweights.wire.delta import SCRATCH_NAME, encode, pack_payload
 
     weights = {"w": torch.zeros(256, dtype=torch.bfloat16)}
     scratch = torch.zeros(4096, dtype=torch.uint8)

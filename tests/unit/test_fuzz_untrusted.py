@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from p2pweights.delta.apply import DeltaReceiver, apply
-from p2pweights.delta.wire import HEADER_BYTES, SCRATCH_NAME, encode, pack_payload
-from p2pweights.engines.published import RankPublication, parse_publication
 from p2pweights.errors import EngineError, TransferError, TransportError
 from p2pweights.transfer.transports.cuda_ipc import check_mapped, check_segments
+from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, encode, pack_payload
+from p2pweights.wire.publication import RankPublication, parse_publication
 
 URL = "http://fuzz:30000"
 RANK = 1

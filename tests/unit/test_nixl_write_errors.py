@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import TransferError, UnsettledWrite
 from p2pweights.transfer.transports.base import Write
 from p2pweights.transfer.transports.nixl import NixlTransport, _RemoteAgent
 from p2pweights.transfer.transports.regions import RegionIndex
+from p2pweights.wire.publication import RankPublication, WeightRegion
 
 
 class RefusingAgent:

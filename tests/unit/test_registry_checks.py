@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import LayoutMismatchError
 from p2pweights.plan.byte_plan import build_byte_plan
 from p2pweights.source.inputs import ParamGroup
+from p2pweights.wire.publication import RankPublication, WeightRegion
 
 
 def _pub(names: list[str], role: str = "target") -> RankPublication:

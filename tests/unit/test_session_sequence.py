@@ -25,13 +25,13 @@ from p2pweights import session as session_module
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.calls import CallLog
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError, EngineUnreachable, LayoutMismatchError, P2PWeightsError
 from p2pweights.plan import prepare as prepare_module
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
 from p2pweights.transfer.transports.base import Transport
+from p2pweights.wire.publication import RankPublication, WeightRegion
 
 PARAMS = {"qkv": 600 * 1024, "o": 600 * 1024}  # two groups: two flushes of a 1 MiB buffer
 GROUPS = [ParamGroup(frozenset({"q", "k", "v"}), ("qkv",)), ParamGroup(frozenset({"o"}), ("o",))]

@@ -102,15 +102,15 @@ def test_a_hook_target_sglang_lost_is_named(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_every_text_p2pweights_matches_is_in_the_installed_sglang() -> None:
-    from p2pweights.replica.sglang import messages
+    from p2pweights.wire import sglang_texts
 
-    assert compat.missing_texts(messages.TEXTS) == []
+    assert compat.missing_texts(sglang_texts.TEXTS) == []
 
 
 def test_a_reworded_sglang_answer_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.managers.scheduler_components import weight_updater
 
-    from p2pweights.replica.sglang import messages
+    from p2pweights.wire import sglang_texts
 
     def begin_weight_update(self: object, recv_req: object) -> object:
         return {"success": False, "message": "an update session is in progress"}
@@ -121,14 +121,14 @@ def test_a_reworded_sglang_answer_is_reported(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ConfigError) as info:
         compat.check_sglang()
     message = str(info.value)
-    assert repr(messages.ALREADY_OPEN.text) in message
+    assert repr(sglang_texts.ALREADY_OPEN.text) in message
     assert "SchedulerWeightUpdaterManager.begin_weight_update" in message
     assert "engines.update_session" in message
-    assert repr(messages.NOT_OPEN.text) not in message  # only what is missing
+    assert repr(sglang_texts.NOT_OPEN.text) not in message  # only what is missing
 
 
 def test_a_text_whose_function_is_gone_is_reported() -> None:
-    from p2pweights.replica.sglang.messages import SglangText
+    from p2pweights.wire.sglang_texts import SglangText
 
     text = SglangText("hello", "sglang.srt.server_args", "no_such_function", "a test")
     [(missing, why)] = compat.missing_texts([text])

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from p2pweights.config import MooncakeConfig
-from p2pweights.engines.published import RankPublication, WeightRegion
 from p2pweights.errors import TransferError, UnsettledWrite
 from p2pweights.transfer.transports.base import Write
 from p2pweights.transfer.transports.mooncake import MooncakeTransport
 from p2pweights.transfer.transports.regions import RegionIndex
+from p2pweights.wire.publication import RankPublication, WeightRegion
 
 _PENDING, _DONE, _FAILED, _TIMED_OUT = 0, 1, -1, -2
 

@@ -15,10 +15,10 @@ from p2pweights.delta import apply as apply_module
 from p2pweights.delta.apply import DeltaReceiver, apply
 from p2pweights.delta.engine import SCRATCH_NAME, scratch_bytes
 from p2pweights.delta.sender import DeltaSender, FullHeaders
-from p2pweights.delta.wire import ENTRY_HEADER_BYTES, HEADER_BYTES, PayloadHeader, pack_header
 from p2pweights.engine_side import RankSide
-from p2pweights.engines.published import RankPublication, WeightRegion, parse_publication
 from p2pweights.errors import ConfigError, EngineError, TransferError
+from p2pweights.wire.delta import ENTRY_HEADER_BYTES, HEADER_BYTES, PayloadHeader, pack_header
+from p2pweights.wire.publication import RankPublication, WeightRegion, parse_publication
 
 URL = "http://engine-a:30000"
 

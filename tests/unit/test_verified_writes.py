@@ -27,8 +27,8 @@ from p2pweights.engine_side import RankSide
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError
-from p2pweights.integrity.digest import SCHEME
 from p2pweights.plan import prepare as prepare_module
+from p2pweights.wire.digest import SCHEME
 
 
 @dataclass

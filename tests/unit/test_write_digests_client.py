@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.engines.client import EngineClient
 from p2pweights.errors import EngineError
+from p2pweights.wire.publication import DIGESTS_ROLE
 
 RECORD = {"update": 3, "role": "target", "digests": {"w": "ab"}, "error": None}
 

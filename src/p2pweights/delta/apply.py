@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pweights.delta.wire import (
+from p2pweights.errors import TransferError
+from p2pweights.wire.delta import (
     ALIGN,
     ENTRY_HEADER_BYTES,
     HEADER_BYTES,
@@ -30,7 +31,6 @@ from p2pweights.delta.wire import (
     read_header,
     typed,
 )
-from p2pweights.errors import TransferError
 
 __all__ = ["AppliedDelta", "DeltaReceiver", "apply"]
 

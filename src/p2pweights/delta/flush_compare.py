@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2pweights.delta.wire import MAX_ELEMENTS, DeltaEntry, entry_bytes, typed
+from p2pweights.wire.delta import MAX_ELEMENTS, DeltaEntry, entry_bytes, typed
 
 __all__ = ["FlushSlot", "encode_flush"]
 

@@ -33,8 +33,8 @@ from p2pweights.config import DeltaConfig
 from p2pweights.delta.flush_compare import FlushSlot
 from p2pweights.delta.policy import Decision, DeltaPolicy, Measured
 from p2pweights.delta.store import FlushLayout, PreviousBytes
-from p2pweights.delta.wire import HEADER_BYTES, SCRATCH_NAME, DeltaEntry, PayloadHeader
-from p2pweights.engines.published import RankPublication
+from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, DeltaEntry, PayloadHeader
+from p2pweights.wire.publication import RankPublication
 
 logger = logging.getLogger(__name__)
 

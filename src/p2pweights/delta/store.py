@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pweights.delta.flush_compare import FlushSlot, encode_flush
-from p2pweights.delta.wire import DeltaEntry, encode
+from p2pweights.wire.delta import DeltaEntry, encode
 
 __all__ = ["FlushLayout", "PreviousBytes", "TargetKey"]
 

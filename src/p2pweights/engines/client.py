@@ -27,11 +27,10 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
-from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.engines.calls import CallLog, ControlCall
 from p2pweights.engines.concurrency import at_once
-from p2pweights.engines.published import RankPublication, parse_publication
 from p2pweights.errors import EngineError, EngineUnreachable
+from p2pweights.wire.publication import DIGESTS_ROLE, RankPublication, parse_publication
 
 _FLUSH_RETRY_S = 0.2
 

@@ -89,7 +89,7 @@ def _rank(client: EngineClient, rank: int, role: str) -> dict[str, Any]:
     except EngineError as exc:
         entry["error"] = str(exc)
         return entry
-    from p2pweights.delta.engine import SCRATCH_NAME
+    from p2pweights.wire.delta import SCRATCH_NAME
 
     weights = {name: r for name, r in pub.regions.items() if name != SCRATCH_NAME}
     entry.update(

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import at_once
 from p2pweights.errors import EngineError, EngineStateError, EngineUnreachable
-from p2pweights.replica.sglang.messages import ALREADY_OPEN, NOT_OPEN
+from p2pweights.wire.sglang_texts import ALREADY_OPEN, NOT_OPEN
 
 logger = logging.getLogger(__name__)
 

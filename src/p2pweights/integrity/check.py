@@ -29,8 +29,8 @@ from typing import Any
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
-from p2pweights.integrity.digest import SCHEME
 from p2pweights.report import EngineReport
+from p2pweights.wire.digest import SCHEME
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ named: plain lane sums, blind to reordered bytes)."""
 
 
 def digest_scheme(engine: ConnectedEngine) -> str | None:
-    """How the engine's ranks digest their writes (``integrity.digest.SCHEME`` of their
+    """How the engine's ranks digest their writes (``wire.digest.SCHEME`` of their
     p2pweights), or None where they record no write digests."""
     info = engine.server_info
     if not info.get("p2pweights_write_digests") and not any(

@@ -15,7 +15,7 @@ from collections.abc import Iterable, MutableMapping
 
 import torch
 
-from p2pweights.integrity.digest import Lanes, hex_digests, lane_sums
+from p2pweights.wire.digest import Lanes, hex_digests, lane_sums
 
 __all__ = ["StagedDigests"]
 

@@ -23,11 +23,11 @@ from fastapi import Body, FastAPI, Query
 from fastapi.responses import JSONResponse
 
 from p2pweights import environment
-from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError
-from p2pweights.integrity.digest import SCHEME
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.replica.sglang import facade
+from p2pweights.wire.digest import SCHEME
+from p2pweights.wire.publication import DIGESTS_ROLE
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from p2pweights.engines.published import RankPublication
 from p2pweights.errors import LayoutMismatchError
+from p2pweights.wire.publication import RankPublication
 
 __all__ = [
     "ALIGNMENT_BYTES",

@@ -338,13 +338,13 @@ def predict(
 
 
 INDEX_BYTES = 4
-"""A delta names each changed element by an int32 index (``p2pweights.delta.wire``)."""
+"""A delta names each changed element by an int32 index (``p2pweights.wire.delta``)."""
 
 
 def delta_bytes(bytes_by_itemsize: Mapping[int, int], fraction: float) -> int:
     """Bytes a delta update moves where ``fraction`` of the elements changed: for each
     changed element its index and its new value; the full bytes of a dtype where those
-    are fewer (``delta.wire.encode`` decides per parameter: the same at one fraction).
+    are fewer (``wire.delta.encode`` decides per parameter: the same at one fraction).
     The 32-byte entry headers and padding are left out (a few kB per engine rank)."""
     total = 0
     for itemsize, num_bytes in bytes_by_itemsize.items():

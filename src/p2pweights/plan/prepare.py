@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from p2pweights.engines.fleet import ConnectedEngine
-from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError
 from p2pweights.plan.byte_plan import BytePlan, aligned, build_byte_plan
 from p2pweights.progress import progress
@@ -34,6 +33,7 @@ from p2pweights.source.expected import (
 )
 from p2pweights.source.inputs import InputSpec, ParamGroup
 from p2pweights.source.stream import UpdateSource
+from p2pweights.wire.publication import RankPublication
 
 __all__ = [
     "Groups",

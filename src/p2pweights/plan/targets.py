@@ -15,10 +15,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
-from p2pweights.engines.published import RankPublication
 from p2pweights.errors import LayoutMismatchError
 from p2pweights.plan.assignment import Target, assign_targets
 from p2pweights.replica.registry import ReplicaHandle
+from p2pweights.wire.publication import RankPublication
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from p2pweights.delta.engine import SCRATCH_NAME
-from p2pweights.engines.published import RankPublication
 from p2pweights.errors import ConfigError, LayoutMismatchError
 from p2pweights.replica.base import ParamLayout, Replica
 from p2pweights.replica.layout_key import LayoutKey, layout_args
@@ -29,6 +27,8 @@ from p2pweights.source.checkpoint_format import CheckpointFormat
 from p2pweights.source.fp8_block import SCALE_SUFFIX
 from p2pweights.source.fp8_regions import Read
 from p2pweights.source.inputs import InputSpec, ParamGroup
+from p2pweights.wire.delta import SCRATCH_NAME
+from p2pweights.wire.publication import RankPublication
 
 __all__ = ["ReplicaHandle", "config_path", "replica_for"]
 

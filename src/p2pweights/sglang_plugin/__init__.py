@@ -140,7 +140,7 @@ def digests_before_end(updater: Any, *_args: Any, **_kwargs: Any) -> None:
         return
     params = {name: p.data for name, p in runner.model.named_parameters()}
     if published.scratch is not None:  # a delta written there is applied first
-        from p2pweights.delta.engine import SCRATCH_NAME
+        from p2pweights.wire.delta import SCRATCH_NAME
 
         params[SCRATCH_NAME] = published.scratch
     published.put_record(side.before_end(params))

@@ -32,7 +32,7 @@ import uvicorn
 from fastapi import Body, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 
-from p2pweights.engine_side import DIGESTS_ROLE
+from p2pweights.wire.publication import DIGESTS_ROLE
 
 logger = logging.getLogger(__name__)
 

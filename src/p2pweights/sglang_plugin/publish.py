@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from p2pweights import environment
-from p2pweights.engine_side import DIGESTS_ROLE
 from p2pweights.errors import ConfigError, EngineError
-from p2pweights.integrity.digest import SCHEME
 from p2pweights.transfer.transports.nixl import NixlPublisher
+from p2pweights.wire.digest import SCHEME
+from p2pweights.wire.publication import DIGESTS_ROLE
 
 if TYPE_CHECKING:
     import torch

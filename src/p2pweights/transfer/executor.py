@@ -41,10 +41,7 @@ from typing import Protocol
 import torch
 
 from p2pweights.config import DeltaConfig
-from p2pweights.delta.engine import SCRATCH_NAME
 from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary, FullHeaders
-from p2pweights.delta.wire import HEADER_BYTES, pack_header
-from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
 from p2pweights.integrity.staged import StagedDigests
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
@@ -59,6 +56,8 @@ from p2pweights.transfer.writers import (
     WriteBatch,
     closed_writer,
 )
+from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, pack_header
+from p2pweights.wire.publication import RankPublication
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from p2pweights.engines.published import RankPublication
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
 from p2pweights.transfer.transports.base import Transport, Write
+from p2pweights.wire.publication import RankPublication
 
 TargetKey = tuple[str, int]
 """(engine URL, engine rank): what one writer serves."""

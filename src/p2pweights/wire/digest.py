@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from p2pweights.integrity import lanes_kernel
+from p2pweights.wire import lanes_kernel
 
 __all__ = [
     "LANES",

@@ -142,7 +142,7 @@ def _ceil(num: int, by: int) -> int:
 @functools.cache
 def _kernel() -> Any:
     try:
-        from p2pweights.integrity import _lanes_triton
+        from p2pweights.wire import _lanes_triton
     except ImportError:
         return None
     return _lanes_triton.region_lanes

@@ -32,8 +32,13 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2pweights.delta.wire import HEADER_BYTES, SCRATCH_NAME
 from p2pweights.errors import EngineError
+from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME
+
+DIGESTS_ROLE = "p2pweights-digests"
+"""The ``role`` a rank's record of write digests is published under, next to its weight
+publication (``?rank=R&role=p2pweights-digests``: the local engine's route, the plugin's
+bootstrap server)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ class RankPublication:
     write_digests: bool = False
     """The rank records write digests before each ``end_weight_update`` (see above)."""
     digest_scheme: str | None = None
-    """How it digests (``integrity.digest.SCHEME`` of its p2pweights); None where it does
+    """How it digests (``wire.digest.SCHEME`` of its p2pweights); None where it does
     not say (a release before the scheme was published)."""
 
     @property
@@ -326,3 +331,20 @@ def _check_regions(regions: dict[str, WeightRegion]) -> None:
                 )
         if reach is None or end > reach[1]:
             reach = (start, end, name)
+
+
+_CONFIGS = {"mooncake": "MooncakeConfig", "nixl": "NixlConfig", "cuda_ipc": "CudaIpcConfig"}
+
+
+def require_backend(target: RankPublication, backend: str, usable: bool = True) -> None:
+    """Refuse a publication made for another transport (or lacking this transport's
+    handle, ``usable`` False): the one error every transport, and connect, raise for it."""
+    if target.backend == backend and usable:
+        return
+    lacking = " without the handle it needs" if target.backend == backend else ""
+    raise EngineError(
+        f"{target.where} published its weights for {target.backend}{lacking}, but this "
+        f"session writes over {backend}; set SyncConfig(transport="
+        f"{_CONFIGS.get(target.backend, target.backend)}(...)) or have the engine publish "
+        f"for {backend}"
+    )

@@ -3,7 +3,7 @@
 p2pweights runs sglang's own model code and reaches into a few of its internals
 (private loader helpers, the runtime context, the rotary module's platform flag),
 hooks some of its functions (the plugin's hook targets) and recognises some of its
-answers by their words (``messages``). Those move between sglang releases.
+answers by their words (``wire.sglang_texts``). Those move between sglang releases.
 ``check_sglang`` imports each symbol up front and finds each text in the source of
 the sglang function that emits it; if any is missing it raises one ``ConfigError``
 naming them all, the installed sglang and the tested range, instead of an
@@ -11,7 +11,7 @@ naming them all, the installed sglang and the tested range, instead of an
 for another.
 
 Add a symbol here when a module of p2pweights starts using it, a text to
-``messages`` when one starts matching on it.
+``wire.sglang_texts`` when one starts matching on it.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from p2pweights import logs
 from p2pweights.errors import ConfigError
-from p2pweights.replica.sglang.messages import TEXTS, SglangText
 from p2pweights.sglang_plugin import HOOK_TARGETS
+from p2pweights.wire.sglang_texts import TEXTS, SglangText
 
 try:
     import sglang

@@ -50,8 +50,8 @@ import torch
 from p2pweights import environment
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
-from p2pweights.replica.sglang import messages
 from p2pweights.thread_patch import patched_call, patched_flag
+from p2pweights.wire import sglang_texts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -239,7 +239,7 @@ def _fields_for_server_args(server_args_fields: Mapping[str, Any]) -> dict[str, 
     return fields
 
 
-REDACTED = messages.REDACTED.text
+REDACTED = sglang_texts.REDACTED.text
 """What sglang's ``/server_info`` shows in place of a secret."""
 
 

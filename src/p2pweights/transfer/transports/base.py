@@ -18,26 +18,9 @@ from typing import Any
 
 import torch
 
-from p2pweights.engines.published import RankPublication
-from p2pweights.errors import EngineError
+from p2pweights.wire.publication import RankPublication
 
 logger = logging.getLogger(__name__)
-
-_CONFIGS = {"mooncake": "MooncakeConfig", "nixl": "NixlConfig", "cuda_ipc": "CudaIpcConfig"}
-
-
-def require_backend(target: RankPublication, backend: str, usable: bool = True) -> None:
-    """Refuse a publication made for another transport (or lacking this transport's
-    handle, ``usable`` False): the one error every transport, and connect, raise for it."""
-    if target.backend == backend and usable:
-        return
-    lacking = " without the handle it needs" if target.backend == backend else ""
-    raise EngineError(
-        f"{target.where} published its weights for {target.backend}{lacking}, but this "
-        f"session writes over {backend}; set SyncConfig(transport="
-        f"{_CONFIGS.get(target.backend, target.backend)}(...)) or have the engine publish "
-        f"for {backend}"
-    )
 
 
 @dataclass(frozen=True)

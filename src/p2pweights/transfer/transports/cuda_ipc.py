@@ -38,14 +38,12 @@ from typing import Any
 import torch
 
 from p2pweights.config import CudaIpcConfig
-from p2pweights.engines.published import IpcSegment, RankPublication
 from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite
 from p2pweights.transfer.transports.base import (
     InFlight,
     Publisher,
     Transport,
     Write,
-    require_backend,
 )
 from p2pweights.transfer.transports.cuda_runtime import CudaRuntime, cuda_runtime
 from p2pweights.transfer.transports.regions import (
@@ -54,6 +52,7 @@ from p2pweights.transfer.transports.regions import (
     merged_regions,
     weights_info,
 )
+from p2pweights.wire.publication import IpcSegment, RankPublication, require_backend
 
 _POLL_S = 20e-6
 """How long a writer sleeps between polls of its copies' completion event."""

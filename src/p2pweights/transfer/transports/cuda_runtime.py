@@ -16,8 +16,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from p2pweights.engines.published import IPC_HANDLE_BYTES
 from p2pweights.errors import TransportError
+from p2pweights.wire.publication import IPC_HANDLE_BYTES
 
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction read from the unified address space

@@ -35,7 +35,6 @@ import torch
 
 from p2pweights import environment, logs
 from p2pweights.config import MooncakeConfig
-from p2pweights.engines.published import RankPublication
 from p2pweights.errors import (
     ConfigError,
     TransferError,
@@ -51,10 +50,10 @@ from p2pweights.transfer.transports.base import (
     Write,
     quarantine,
     reading,
-    require_backend,
     unsettled,
 )
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
+from p2pweights.wire.publication import RankPublication, require_backend
 
 logger = logging.getLogger(__name__)
 

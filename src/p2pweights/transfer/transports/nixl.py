@@ -67,7 +67,6 @@ from typing import Any
 import torch
 
 from p2pweights.config import NixlConfig
-from p2pweights.engines.published import RankPublication
 from p2pweights.environment import keep_ucx_efa_module_out
 from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite, where
 from p2pweights.transfer.transports.base import (
@@ -77,10 +76,10 @@ from p2pweights.transfer.transports.base import (
     Write,
     quarantine,
     reading,
-    require_backend,
     unsettled,
 )
 from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
+from p2pweights.wire.publication import RankPublication, require_backend
 
 logger = logging.getLogger(__name__)
 
