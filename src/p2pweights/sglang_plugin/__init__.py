@@ -56,22 +56,18 @@ from typing import Any
 
 from p2pweights import environment
 from p2pweights.config import NixlConfig
+from p2pweights.replica.sglang.hook_targets import (
+    BEGIN_TARGET,
+    BOOTSTRAP_SERVER_TARGET,
+    END_TARGET,
+    HOOK_TARGETS,
+    LAUNCH_TARGET,
+    RUNNER_TARGET,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HOOK_TARGETS", "register"]
-
-BOOTSTRAP_SERVER_TARGET = (
-    "sglang.srt.entrypoints.engine_info_bootstrap_server.EngineInfoBootstrapServer"
-)
-LAUNCH_TARGET = "sglang.srt.entrypoints.engine.Engine._launch_scheduler_processes"
-RUNNER_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.initialize"
-_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
-BEGIN_TARGET = f"{_UPDATER}.begin_weight_update"
-END_TARGET = f"{_UPDATER}.end_weight_update"
-HOOK_TARGETS = (BOOTSTRAP_SERVER_TARGET, LAUNCH_TARGET, RUNNER_TARGET, BEGIN_TARGET, END_TARGET)
-"""What the plugin hooks in sglang, in registration order (``END_TARGET`` twice: BEFORE
-and AFTER; ``replica.sglang.compat`` checks each target and hook type)."""
 
 # Alive for the life of the process, by id of the model runner they publish: each owns
 # a NIXL agent whose registrations writers use; dropping it would deregister the weights.

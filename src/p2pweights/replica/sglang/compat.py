@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from p2pweights import logs
 from p2pweights.errors import ConfigError
-from p2pweights.sglang_plugin import HOOK_TARGETS
+from p2pweights.replica.sglang.hook_targets import HOOK_TARGETS
 from p2pweights.wire.sglang_texts import TEXTS, SglangText
 
 try:
