@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
+from p2pweights.plan.stream import UpdateSource
 from p2pweights.source.checkpoint_format import QuantizeToBlockFp8
 from p2pweights.source.fp8_block import BlockFp8Format, partial, quantize, quantize_many
 from p2pweights.source.fp8_regions import block_box
 from p2pweights.source.inputs import InputSpec
-from p2pweights.source.stream import UpdateSource
 
 BLOCK = (64, 64)
 

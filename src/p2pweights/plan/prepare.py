@@ -21,6 +21,7 @@ import torch
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import ConfigError
 from p2pweights.plan.byte_plan import BytePlan, aligned, build_byte_plan
+from p2pweights.plan.stream import UpdateSource
 from p2pweights.progress import progress
 from p2pweights.replica.registry import ReplicaHandle, config_path
 from p2pweights.source.checkpoint_format import unify
@@ -32,7 +33,6 @@ from p2pweights.source.expected import (
     expected_checkpoint,
 )
 from p2pweights.source.inputs import InputSpec, ParamGroup
-from p2pweights.source.stream import UpdateSource
 from p2pweights.wire.publication import RankPublication
 
 __all__ = [

@@ -10,7 +10,8 @@ and show the update as incomplete until a later update completes).
 Every input must stay unchanged from the moment it is received (the call, for a
 sequence or mapping; its yield, for an iterator) until its bytes were read: each
 tensor's version counter and data pointer are recorded on receipt and checked right
-before its bytes are read (``receipts``; ``receipts.checked_loaders`` wraps the replicas for that).
+before its bytes are read (``source.receipts``; its ``checked_loaders`` wraps the replicas
+for that).
 """
 
 from __future__ import annotations
