@@ -192,8 +192,12 @@ class SyncConfig(_Config):
     http_timeout_s: float = 60.0
     """Bound on reading what an engine serves (server info, published weights at connect),
     on ``end_weight_update`` and on the weight checker (which hashes every weight)."""
-    pause_mode: Literal["retract", "abort", "in_place"] = "retract"
-    """How engines pause generation before the update (sglang's /pause_generation mode)."""
+    pause_mode: Literal["retract", "abort", "in_place", "caller"] = "retract"
+    """How engines pause generation before the update (sglang's /pause_generation mode).
+    "caller": the caller pauses every engine before ``update()`` (so that sglang can flush
+    its cache: no request running) and resumes it after; p2pweights still opens, writes,
+    checks, versions and closes each engine, and refuses one that says it is generating
+    (where it reports its state). verl's own checkpoint manager works so."""
     stage_before_pause: bool = True
     """Read, check and convert the inputs and load the first staging buffer while the
     engines still generate, pausing them only right before the first write (with several

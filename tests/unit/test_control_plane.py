@@ -15,8 +15,8 @@ import pytest
 from p2pweights.engines.calls import CallLog, ControlCall, ControlCalls
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, Fleet
-from p2pweights.engines.update_session import UPDATING_PREFIX, EngineUpdate, Phase
-from p2pweights.errors import EngineError, EngineUnreachable
+from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate, Phase
+from p2pweights.errors import EngineError, EngineStateError, EngineUnreachable
 from p2pweights.report import EngineReport, UpdateReport
 
 OVERLAP_WAIT_S = 5.0  # bounds only a failing run: a pair issued one after another waits this
@@ -345,3 +345,50 @@ def test_the_fleet_counts_the_calls_of_the_last_update():
     calls = fleet.control_calls()
     assert calls.num_calls == 2  # connect's calls are not the update's
     assert {c.url for c in calls.calls} == {"http://a", "http://b"}
+
+
+# -- pause_mode "caller": the caller pauses and resumes ----------------------------------------
+
+
+class ReportingClient(RecordingClient):
+    """An engine that reports its state, as the p2pweights local engine does."""
+
+    def engine_state(self) -> dict[str, bool] | None:
+        return {"paused": self.paused, "update_open": self.open}
+
+
+def test_caller_mode_neither_pauses_nor_resumes_but_runs_every_step_between():
+    clock = Clock()
+    client = ReportingClient(clock)
+    update = EngineUpdate(client, clock=clock)  # type: ignore[arg-type]
+    update.adopt()
+    client.paused = True  # the caller paused it (verl: pause_generation mode "abort")
+    for version in ("4", "5"):
+        client.log.clear()
+        _one_update(update, version=version, pause_mode="caller")
+        steps = [step for kind, step in client.log if kind == "start"]
+        assert sorted(steps[:2]) == ["flush", "marker"]
+        assert steps[2:] == ["begin", "end", "version"]
+        assert client.version == version and client.paused and not client.open
+    assert update.paused_s is None and not update.paused_by_us
+
+
+def test_caller_mode_refuses_an_engine_that_says_it_is_generating_before_any_call():
+    clock = Clock()
+    client = ReportingClient(clock)
+    update = EngineUpdate(client, clock=clock)  # type: ignore[arg-type]
+    update.adopt()
+    with pytest.raises(EngineStateError, match="is generating: pause_mode='caller'"):
+        update.open("caller", "4")
+    assert client.log == [] and client.version == "3"
+
+
+def test_caller_mode_abort_closes_the_engine_and_leaves_it_to_the_caller():
+    update, client = _update(Clock())  # reports no state, as released sglang: trusted
+    client.paused = True
+    update.open("caller", "4")
+    outcome = update.abort()
+    assert outcome.startswith("left as the caller paused it")
+    assert not client.open and client.version == "3" and client.paused
+    report = AbortReport(outcomes={client.url: outcome})
+    assert report.ok

@@ -95,18 +95,97 @@ def test_bad_config_raises_config_error_naming_verls_key(bucket_size, kwargs, me
         CheckpointEngineRegistry.new(BACKEND, bucket_size=bucket_size, **kwargs)
 
 
-def test_the_stock_managers_steps_are_refused_naming_the_manager_class():
-    engine = P2PWeightsCheckpointEngine(bucket_size=64 << 20)
-    steps = [
-        engine.prepare,
-        lambda: P2PWeightsCheckpointEngine.build_topology(2, 2, [{}] * 4),
-        lambda: engine.init_process_group(rank=0),
-        engine.finalize,
-        lambda: asyncio.run(engine.receive_weights(global_steps=1)),
-    ]
-    for step in steps:
-        with pytest.raises(ConfigError, match=r"checkpoint_manager_class=" + MANAGER_CLASS):
-            step()
+class _NamedActors:
+    """``ray`` as ``discover_engine_urls`` uses it: the job's named actors, each server's
+    ``get_server_address()``, and ``ray.get`` of what those return."""
+
+    def __init__(self, servers: dict[str, tuple[str, int]]):
+        self.servers = servers
+        self.util = SimpleNamespace(list_named_actors=lambda: list(servers))
+
+    def get_actor(self, name):
+        address = self.servers[name]
+        return SimpleNamespace(get_server_address=SimpleNamespace(remote=lambda: address))
+
+    @staticmethod
+    def get(refs):
+        return list(refs)
+
+
+def test_actor_rank_0_finds_the_replicas_servers_as_verls_server_adapter_does(monkeypatch):
+    servers = {
+        "sglang_server_1_0": ("10.0.0.6", 30001),
+        "sglang_server_0_0": ("10.0.0.5", 30000),
+        "sglang_server_0_1": ("10.0.0.7", 30000),  # node 1 of replica 0: not an HTTP entry
+        "sglang_server_reward_0_0": ("10.0.0.8", 30000),
+        "sglang_server_10_0": ("fd00::1", 30010),
+        "rollout_standalone_0WorkerDict_0:0": ("10.0.0.9", 1),
+    }
+    monkeypatch.setattr(verl_integration, "ray", _NamedActors(servers))
+    master = P2PWeightsCheckpointEngine(bucket_size=64 << 20, is_master=True)
+    urls = ["http://10.0.0.5:30000", "http://10.0.0.6:30001", "http://[fd00::1]:30010"]
+    assert master.prepare() == {"engine_urls": urls}
+    assert P2PWeightsCheckpointEngine(bucket_size=64 << 20).prepare() == {}  # other ranks
+    monkeypatch.setattr(verl_integration, "ray", _NamedActors({}))
+    with pytest.raises(ConfigError, match="sglang_server_<replica>_0"):
+        master.prepare()
+
+
+def test_build_topology_hands_actor_rank_0s_urls_to_every_actor_rank():
+    urls = ["http://a:1", "http://b:2"]
+    metadata = [{"engine_urls": urls}, {}, {}, {}, {}]  # 2 actor ranks, then 3 rollout workers
+    actors, rollout = P2PWeightsCheckpointEngine.build_topology(2, 3, metadata)
+    assert actors == {"engine_urls": [urls, urls]} and rollout == {}
+    with pytest.raises(ConfigError, match="found no rollout engine URLs"):
+        P2PWeightsCheckpointEngine.build_topology(2, 3, [{}] * 5)
+
+
+class _Session:
+    def __init__(self, config):
+        self.config, self.connected = config, []
+
+    def connect(self, urls):
+        self.connected.append(urls)
+
+
+def test_under_verls_manager_the_actor_ranks_connect_once_and_leave_pausing_to_verl(
+    monkeypatch,
+):
+    monkeypatch.setattr(verl_integration, "_new_session", _Session)
+    engine = P2PWeightsCheckpointEngine(bucket_size=64 << 20, is_master=True)
+    engine.init_process_group(engine_urls=["http://a:1"])
+    engine.finalize()
+    engine.init_process_group(engine_urls=["http://a:1"])  # the next step: same replicas
+    session = engine._session
+    assert session.connected == [["http://a:1"]]
+    assert session.config.pause_mode == "caller"  # verl aborts and resumes the replicas
+    assert session.config.buffer_bytes == 64 << 20
+    engine.init_process_group(engine_urls=["http://a:1", "http://b:2"])  # a replica added
+    assert session.connected[-1] == ["http://a:1", "http://b:2"]
+
+
+def test_the_rollout_workers_half_is_empty():
+    rollout_worker = P2PWeightsCheckpointEngine(bucket_size=64 << 20)
+    assert rollout_worker.prepare() == {}
+    rollout_worker.init_process_group()  # build_topology gives rollout workers nothing
+    rollout_worker.finalize()
+
+    async def received():
+        return [item async for item in rollout_worker.receive_weights(global_steps=1)]
+
+    assert asyncio.run(received()) == []
+    assert rollout_worker._session is None  # nothing connected on a rollout worker
+
+
+def test_a_pause_mode_set_for_p2pweights_is_refused_under_verls_manager(monkeypatch):
+    monkeypatch.setattr(verl_integration, "_new_session", _Session)
+    engine = P2PWeightsCheckpointEngine(bucket_size=64 << 20, pause_mode="retract")
+    with pytest.raises(ConfigError, match="aborts and resumes the replicas itself"):
+        engine.init_process_group(engine_urls=["http://a:1"])
+    caller = P2PWeightsCheckpointEngine(bucket_size=64 << 20, pause_mode="caller")
+    caller.init_process_group(engine_urls=["http://a:1"])  # said outright: fine
+    with pytest.raises(ConfigError, match="does not pause the replicas"):
+        P2PWeightsCheckpointEngine(bucket_size=64 << 20, pause_mode="caller").connect(["u"])
 
 
 def test_send_weights_before_connect_is_refused_before_reading_the_weights():
@@ -117,7 +196,7 @@ def test_send_weights_before_connect_is_refused_before_reading_the_weights():
         read.append(True)
         yield from ()
 
-    with pytest.raises(ConfigError, match="checkpoint_manager_class"):
+    with pytest.raises(ConfigError, match="init_process_group connects it"):
         asyncio.run(engine.send_weights(weights(), global_steps=1))
     assert read == []
 

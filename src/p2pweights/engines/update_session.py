@@ -8,10 +8,11 @@ every engine through::
     running --pause--> paused --"updating" version + flush (at once), begin--> open
             --writes, end--> closed --(compare)--> version, continue --> running
 
-and a failure can stop it anywhere. So the session never keeps one flag for all
-engines: each ``EngineUpdate`` records its own phase from what its engine answered,
-and each step acts only where it is needed (open only engines that are not open,
-close only those that are). A call that got no answer at all leaves the phase
+and a failure can stop it anywhere (with ``pause_mode="caller"`` the caller pauses
+before and resumes after; the steps between are the same). So the session never keeps
+one flag for all engines: each ``EngineUpdate`` records its own phase from what its
+engine answered, and each step acts only where it is needed (open only engines that are
+not open, close only those that are). A call that got no answer at all leaves the phase
 ``UNKNOWN``; the engine is asked (``p2pweights_engine_state`` where served) or
 handled by tolerant calls before it is written again.
 
@@ -105,6 +106,9 @@ class EngineUpdate:
     paused_s: float | None = None
     """Seconds from ``pause_began`` (``paused_since`` for a resume outside an update) to
     the answer of its last resume (None: not resumed since ``new_update``)."""
+    caller_pauses: bool = False
+    """The last update ran with ``pause_mode="caller"``: the caller pauses and resumes the
+    engine, so this session neither pauses nor resumes it (nor aborts to resume it)."""
     last_error: str | None = field(default=None, repr=False)
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     """Monotonic seconds (injectable for tests)."""
@@ -171,8 +175,12 @@ class EngineUpdate:
         """
         began = self.clock()
         self._probe_if_unknown()
-        self.pause_made = self.phase in (Phase.RUNNING, Phase.UNKNOWN)
-        if self.pause_made:
+        self.caller_pauses = pause_mode == "caller"
+        self.pause_made = not self.caller_pauses and self.phase in (Phase.RUNNING, Phase.UNKNOWN)
+        if self.caller_pauses:
+            self._check_paused_by_caller()
+            self.pause_began = began
+        elif self.pause_made:
             self._pause(pause_mode)
         else:  # paused by an earlier update or session: this update's pause starts now
             self.pause_began = began
@@ -237,6 +245,9 @@ class EngineUpdate:
             )
         self._call(lambda c: c.update_weight_version(version))
         self.holds, self.shows_updating = version, False
+        if self.caller_pauses:  # the caller resumes it
+            self.phase = Phase.RUNNING
+            return
         self._resume()
 
     def abort(self, resume_incomplete: bool = False) -> str:
@@ -253,6 +264,8 @@ class EngineUpdate:
             holds = self.holds
             self._call(lambda c: c.update_weight_version(holds))
             self.shows_updating = False
+        if self.caller_pauses:
+            return "left as the caller paused it, for the caller to resume (pause_mode caller)"
         if not self.paused_by_us:
             return "left as it was (not paused by this session)"
         if self.incomplete and not resume_incomplete:
@@ -317,6 +330,17 @@ class EngineUpdate:
             at_once(mark, lambda: self._call(lambda c: c.flush_cache()))
         else:
             mark()
+
+    def _check_paused_by_caller(self) -> None:
+        """Refuse, before anything changes, an engine that says it is generating (engines
+        that do not report their state are trusted to be paused)."""
+        reported = self.client.engine_state()
+        if reported is not None and not reported["paused"]:
+            raise EngineStateError(
+                f"engine {self.url} is generating: pause_mode='caller' leaves the pause to the "
+                "caller, which has not paused it; pause it before update() (sglang's "
+                "/pause_generation) or let p2pweights pause it (another pause_mode)"
+            )
 
     def _note_paused(self) -> None:
         if self.paused_since is None:

@@ -1,22 +1,31 @@
-"""verl 0.9.1's checkpoint-engine seam: the backend ``"p2pweights"`` and the manager it needs.
+"""verl 0.9.1's checkpoint-engine seam: the backend ``"p2pweights"``, by config keys alone.
 
 verl moves weights from its actor workers to its rollout replicas through a checkpoint
-engine (``verl/checkpoint_engine/base.py``). Its ``CheckpointEngine`` contract fits a
-one-sided writer: ``send_weights(weights, global_steps)`` runs on every actor rank with
-the full HF-named tensors (``get_per_tensor_param()``), and here it is one
-``WeightSyncSession.update`` of all actor ranks together. verl's stock
-``CheckpointEngineManager.update_weights`` does not fit: around the transfer it aborts
-every replica's requests and releases its KV cache, then runs a receiving half on the
-rollout workers whose server adapter flushes the cache while the trainer is still
-writing, and only resumes the KV cache after the transfer. p2pweights pauses and
-resumes the engines itself, so under that manager generation would resume before the
-KV cache is back. ``P2PWeightsCheckpointManager`` replaces it
-(``rollout.checkpoint_manager_class``): it connects the actor ranks to the replicas'
-sglang servers, calls only the actor side, and leaves pausing to p2pweights.
+engine (``verl/checkpoint_engine/base.py``). A backend is a ``CheckpointEngine``
+registered by name; ``send_weights(weights, global_steps)`` runs on every actor rank
+with the full HF-named tensors (``get_per_tensor_param()``), and here it is one
+``WeightSyncSession.update`` of all actor ranks together.
+
+Two managers can drive it:
+
+* verl's stock ``CheckpointEngineManager.update_weights`` (no ``checkpoint_manager_class``):
+  it aborts every replica's requests (sglang's ``pause_generation(mode="abort")``) and
+  releases their KV cache, runs the backend's ``prepare`` / ``build_topology`` /
+  ``init_process_group`` on the actor ranks and rollout workers, the actors'
+  ``send_weights`` beside the rollout workers' ``receive_weights``, ``finalize``, and
+  then restores the KV cache and resumes generation. Here actor rank 0's ``prepare``
+  finds the replicas' sglang servers as verl's own ``ServerAdapter`` finds its server
+  (the named Ray actor ``sglang_server_<replica>_0``), ``init_process_group`` connects
+  the actor ranks to them (again only when they changed), the session runs with
+  ``pause_mode="caller"`` (it opens, writes, checks, versions and closes each engine
+  but leaves the pause and the resume to verl), and the rollout half receives nothing;
+* ``P2PWeightsCheckpointManager`` (``rollout.checkpoint_manager_class``): it connects
+  the actor ranks to the replicas' URLs, calls only the actor side and lets p2pweights
+  pause and resume each engine (``pause_mode`` retract by default, so requests are kept
+  inside sglang instead of aborted, and the KV cache is never released).
 
 Config (``actor_rollout_ref.rollout``)::
 
-    checkpoint_manager_class: p2pweights.integrations.verl.P2PWeightsCheckpointManager
     checkpoint_engine:
       backend: p2pweights
       custom_backend_module: p2pweights.integrations.verl
@@ -24,6 +33,8 @@ Config (``actor_rollout_ref.rollout``)::
       engine_kwargs:
         p2pweights:                              # any other SyncConfig field
           transport: {kind: mooncake, protocol: rdma}
+    # optional: p2pweights pauses instead of verl aborting
+    # checkpoint_manager_class: p2pweights.integrations.verl.P2PWeightsCheckpointManager
 
 Importing this module registers the backend (``custom_backend_module`` makes verl
 import it on every worker and in the trainer).
@@ -33,7 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -56,6 +68,7 @@ __all__ = [
     "MANAGER_CLASS",
     "P2PWeightsCheckpointEngine",
     "P2PWeightsCheckpointManager",
+    "discover_engine_urls",
     "engine_urls",
     "merge_metrics",
     "sync_config",
@@ -76,12 +89,14 @@ _SET_BY_VERL = {
     "pipeline_stage": "verl hands every actor rank the whole model (one sender group)",
     "num_pipeline_stages": "verl hands every actor rank the whole model (one sender group)",
 }
-_NEEDS_MANAGER = (
-    "the p2pweights checkpoint engine writes the rollout engines itself and has no "
-    "rollout half; verl's stock CheckpointEngineManager would abort the replicas, release "
-    "their KV cache and run a receiving half around it. Set "
-    f"actor_rollout_ref.rollout.checkpoint_manager_class={MANAGER_CLASS}"
+_NOT_CONNECTED = (
+    "the p2pweights checkpoint engine was not connected to the rollout engines: under "
+    "verl's CheckpointEngineManager, init_process_group connects it (after prepare and "
+    "build_topology), and under P2PWeightsCheckpointManager, connect does"
 )
+_SERVER_ACTOR = re.compile(r"sglang_server_(\d+)_0")
+"""verl's name for the Ray actor of a rollout replica's node-0 sglang server
+(``SGLangReplica.launch_servers``; ``ServerAdapter`` looks its own server up by it)."""
 
 
 def sync_config(bucket_size: int, engine_kwargs: Mapping[str, Any]) -> SyncConfig:
@@ -107,10 +122,10 @@ class P2PWeightsCheckpointEngine(CheckpointEngine):
     """verl's checkpoint engine on an actor rank: ``send_weights`` is one p2pweights update.
 
     verl builds one on every actor rank (``is_master`` on rank 0) and on every rollout
-    worker; only the actor ranks' instances are used, and only through
-    ``P2PWeightsCheckpointManager``. The session is made at the first ``connect``, with
-    every actor rank (``WeightSyncSession.from_torch_distributed`` over verl's default
-    process group), so building one costs nothing on the rollout workers.
+    worker. The rollout workers' instances receive nothing (p2pweights writes the
+    engines' weight memory itself). The session is made at the first connect, with every
+    actor rank (``WeightSyncSession.from_torch_distributed`` over verl's default process
+    group), so building one costs nothing on the rollout workers.
     """
 
     def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
@@ -120,17 +135,68 @@ class P2PWeightsCheckpointEngine(CheckpointEngine):
         self._urls: list[str] = []
 
     def connect(self, urls: Sequence[str]) -> None:
-        """Connect this actor rank to the replicas' sglang servers (every actor rank
-        together: the first call runs one all-gather). Every call connects afresh, on every
-        rank alike (the manager calls it only when the replicas changed or the last connect
-        failed): a rank that skipped it while another reconnected would prepare its next
-        update differently, and their collectives would not match."""
-        urls = list(urls)
-        if self._session is None:
-            self._session = _new_session(self.config)
-        self._urls = []  # a failed connect leaves the session unconnected
-        self._session.connect(urls)
-        self._urls = urls
+        """Connect this actor rank to the replicas' sglang servers, for
+        ``P2PWeightsCheckpointManager`` (p2pweights pauses and resumes the engines).
+
+        Every actor rank together (the first call runs one all-gather). Every call
+        connects afresh, on every rank alike (the manager calls it only when the replicas
+        changed or the last connect failed): a rank that skipped it while another
+        reconnected would prepare its next update differently, and their collectives
+        would not match."""
+        if self.config.pause_mode == "caller":
+            raise ConfigError(
+                f"{_KWARGS}.pause_mode=caller leaves pausing to verl's own "
+                "CheckpointEngineManager, but P2PWeightsCheckpointManager does not pause the "
+                "replicas: drop pause_mode (or the checkpoint_manager_class)"
+            )
+        self._connect(list(urls), self.config)
+
+    # verl's stock CheckpointEngineManager: it aborts and resumes the replicas itself
+
+    def prepare(self) -> dict[str, Any]:
+        """Actor rank 0 finds the replicas' sglang servers (``discover_engine_urls``);
+        every other rank, and every rollout worker, has nothing to tell."""
+        return {"engine_urls": discover_engine_urls()} if self.is_master else {}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Every actor rank gets actor rank 0's URLs (its metadata comes first); the
+        rollout workers get nothing."""
+        urls = metadata[0].get("engine_urls") if metadata else None
+        if not urls:
+            raise ConfigError(
+                "actor rank 0's prepare found no rollout engine URLs (verl lists the actor "
+                "ranks' metadata first and builds actor rank 0 with is_master=True)"
+            )
+        return {"engine_urls": [urls] * actor_wg_world_size}, {}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        """On the actor ranks (``engine_urls`` from ``build_topology``): connect to them
+        where they changed, for updates in which the caller pauses
+        (``pause_mode="caller"``). A no-op on rollout workers (no arguments)."""
+        engine_urls = kwargs.pop("engine_urls", None)
+        assert not kwargs, f"build_topology passes engine_urls only, got {sorted(kwargs)}"
+        if engine_urls is None:
+            return
+        urls = list(engine_urls)
+        if urls != self._urls:  # every actor rank gets the same URLs and decides alike
+            self._connect(urls, _caller_pauses(self.config))
+
+    def finalize(self) -> None:
+        """Nothing: the connection is kept for the next update."""
+
+    async def receive_weights(  # type: ignore[override]  # verl's backends are async generators
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The rollout half: nothing arrives here (the actor ranks write the engines'
+        weight memory), so verl's server adapter loads nothing; it then flushes the
+        cache and sets ``global_steps`` as after any update."""
+        return
+        yield  # an async generator, as verl's server adapter iterates it
+
+    # both managers
 
     async def send_weights(
         self,
@@ -141,7 +207,7 @@ class P2PWeightsCheckpointEngine(CheckpointEngine):
         version the engines show. Returns this rank's metrics (merged by the manager).
         Raises p2pweights' error when the update failed (every actor rank raises)."""
         if self._session is None or not self._urls:
-            raise ConfigError(f"send_weights before the engines were connected: {_NEEDS_MANAGER}")
+            raise ConfigError(f"send_weights before the engines were connected: {_NOT_CONNECTED}")
         version = None if global_steps is None else str(global_steps)
         report = self._session.update(weights, version=version)
         return _rank_metrics(report)
@@ -152,29 +218,23 @@ class P2PWeightsCheckpointEngine(CheckpointEngine):
             self._session.close()
             self._session, self._urls = None, []
 
-    # verl's stock manager's steps: refused, before any byte moves
-
-    def prepare(self) -> dict[str, Any]:
-        raise ConfigError(_NEEDS_MANAGER)
-
-    @classmethod
-    def build_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        raise ConfigError(_NEEDS_MANAGER)
-
-    def init_process_group(self, **kwargs: Any) -> None:
-        raise ConfigError(_NEEDS_MANAGER)
-
-    def finalize(self) -> None:
-        raise ConfigError(_NEEDS_MANAGER)
-
-    async def receive_weights(self, global_steps: int | None = None) -> Any:
-        raise ConfigError(_NEEDS_MANAGER)
+    def _connect(self, urls: list[str], config: SyncConfig) -> None:
+        if self._session is None:
+            self._session = _new_session(config)
+        elif self._session.config.pause_mode != config.pause_mode:
+            raise ConfigError(
+                "one p2pweights checkpoint engine was driven by both verl's "
+                "CheckpointEngineManager and P2PWeightsCheckpointManager; use one"
+            )
+        self._urls = []  # a failed connect leaves the session unconnected
+        self._session.connect(urls)
+        self._urls = urls
 
 
 class P2PWeightsCheckpointManager(CheckpointEngineManager):
-    """verl's manager for the p2pweights backend (``rollout.checkpoint_manager_class``).
+    """verl's manager for the p2pweights backend (``rollout.checkpoint_manager_class``),
+    optional: verl's own manager drives the backend too, aborting the replicas' requests
+    and releasing their KV cache around the update; this one lets p2pweights pause them.
 
     ``update_weights(global_steps)``: connect every actor rank to the replicas' URLs
     (once, and again when replicas were added or removed), run ``update_weights`` on
@@ -227,6 +287,29 @@ class P2PWeightsCheckpointManager(CheckpointEngineManager):
                 *(r.server_handle.set_global_steps.remote(global_steps) for r in self.replicas)
             )
         return merge_metrics(results)
+
+
+def discover_engine_urls() -> list[str]:
+    """The URL of each rollout replica's sglang server, in replica order, found as verl's
+    ``ServerAdapter`` finds its own server: the named Ray actor
+    ``sglang_server_<replica_rank>_0`` (reward and teacher servers are named apart) and its
+    ``get_server_address()``. Raises ``ConfigError`` when there is none."""
+    found = sorted(
+        (int(match.group(1)), name)
+        for name in ray.util.list_named_actors()
+        if (match := _SERVER_ACTOR.fullmatch(str(name)))
+    )
+    if not found:
+        raise ConfigError(
+            "no rollout sglang server to write: no Ray actor named sglang_server_<replica>_0 "
+            "in this job's namespace (verl's SGLangReplica names its servers so; p2pweights "
+            "writes sglang rollouts only)"
+        )
+    servers = [ray.get_actor(name) for _, name in found]
+    addresses: list[tuple[str, int]] = ray.get(
+        [server.get_server_address.remote() for server in servers]
+    )
+    return [_http_url(str(host), int(port)) for host, port in addresses]
 
 
 def engine_urls(replicas: Sequence[Any]) -> list[str]:
@@ -286,6 +369,25 @@ def _rank_metrics(report: UpdateReport) -> dict[str, float]:
     elif isinstance(paused, int | float):
         metrics["p2pweights/paused_s"] = float(paused)
     return metrics
+
+
+def _caller_pauses(config: SyncConfig) -> SyncConfig:
+    """The session's config under verl's stock manager, which aborts and resumes the
+    replicas itself: ``pause_mode="caller"``; any other pause mode set is refused."""
+    if "pause_mode" in config.model_fields_set and config.pause_mode != "caller":
+        raise ConfigError(
+            f"{_KWARGS}.pause_mode={config.pause_mode} cannot apply: verl's "
+            "CheckpointEngineManager aborts and resumes the replicas itself. Drop pause_mode, "
+            f"or set actor_rollout_ref.rollout.checkpoint_manager_class={MANAGER_CLASS} to "
+            "let p2pweights pause them"
+        )
+    return config.model_copy(update={"pause_mode": "caller"})
+
+
+def _http_url(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):  # IPv6, as verl brackets it
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def _new_session(config: SyncConfig) -> WeightSyncSession:
