@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from p2pweights import engine_side
-from p2pweights.engine_side import BeforeEnd, RankSide
+from p2pweights.engine_rank import steps
+from p2pweights.engine_rank.steps import BeforeEnd, RankSide
 from p2pweights.wire.digest import digest
 
 
@@ -24,7 +24,7 @@ def test_a_step_that_changes_bytes_runs_before_the_digest(monkeypatch):
         for tensor in context.params.values():
             tensor.add_(1)
 
-    monkeypatch.setattr(engine_side, "BEFORE_END_STEPS", [add_one, engine_side.record_digests])
+    monkeypatch.setattr(steps, "BEFORE_END_STEPS", [add_one, steps.record_digests])
     params = {"w": torch.zeros(4)}
     record = RankSide(0, write_digests=True).before_end(params)
     assert record["digests"] == {"w": digest(torch.ones(4))}
@@ -34,7 +34,7 @@ def test_a_failing_step_is_recorded_not_raised(monkeypatch):
     def broken(context: BeforeEnd) -> None:
         raise RuntimeError("no memory")
 
-    monkeypatch.setattr(engine_side, "BEFORE_END_STEPS", [broken])
+    monkeypatch.setattr(steps, "BEFORE_END_STEPS", [broken])
     record = RankSide(0, write_digests=True).before_end({"w": torch.zeros(1)})
     assert record["digests"] is None and record["error"] == "RuntimeError: no memory"
 

@@ -1,5 +1,5 @@
 """Verified writes against fake engines that record digests as the local engine and the
-plugin do (``p2pweights.engine_side``): a byte changed after the writes fails the update
+plugin do (``p2pweights.engine_rank.steps``): a byte changed after the writes fails the update
 and leaves that engine torn and paused, abort keeps it so, the next update converges.
 
 The fakes are test_session_sequence's (sglang's update rules, a fake transport that
@@ -23,7 +23,7 @@ from test_session_sequence import (  # the fake engines, client, replica and tra
 
 from p2pweights import SyncConfig, TransferError, WeightSyncSession
 from p2pweights import session as session_module
-from p2pweights.engine_side import RankSide
+from p2pweights.engine_rank.steps import RankSide
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError

@@ -145,7 +145,7 @@ class EngineClient:
         self, rank: int, runner: str = "target", bootstrap_port: int | None = None
     ) -> dict[str, Any]:
         """The record engine rank ``rank``'s ``runner`` took before its last
-        ``end_weight_update`` (``p2pweights.engine_side``: ``update``, ``digests``, ...).
+        ``end_weight_update`` (``p2pweights.engine_rank.steps``: ``update``, ``digests``, ...).
 
         Asked as ``?rank=R&role=p2pweights-digests`` (and ``&runner=draft`` for a draft).
         sglang's own route forwards only the rank, so its answer is then the rank's

@@ -1,7 +1,7 @@
 """The trainer side of verified writes: which engines can be checked, and the check.
 
 After ``end_weight_update`` each trainer rank reads, at once, the record every engine
-rank it wrote took right before its end (``p2pweights.engine_side``) and compares
+rank it wrote took right before its end (``p2pweights.engine_rank.steps``) and compares
 the digest of each parameter it staged for that rank (``RunResult.digests``) with the
 rank's digest of the same parameter. A record belongs to this update only if it was
 taken after this update's writes: the rank clears it when a session opens (``begin``),

@@ -35,7 +35,7 @@ This plugin registers six, the first three where sglang's Mooncake publishing li
    rank also PUTs an empty write-digest record for the new session (see 6.).
 6. BEFORE the runner's ``end_weight_update`` (each TP rank): the writes are in and
    sglang's postprocess (which may repack or move the weights) has not run. The rank
-   runs ``p2pweights.engine_side``'s before-end steps on its published parameters and
+   runs ``p2pweights.engine_rank.steps``'s before-end steps on its published parameters and
    PUTs the record (a digest of every parameter, this session's number) to the
    bootstrap server under the role ``p2pweights-digests``; writers compare it with
    what they staged (``SyncConfig.verify_writes``). Publications say
@@ -73,7 +73,7 @@ __all__ = ["HOOK_TARGETS", "register"]
 # a NIXL agent whose registrations writers use; dropping it would deregister the weights.
 _published: dict[int, Any] = {}
 _sides: dict[int, Any] = {}
-"""``engine_side.RankSide`` of each published runner, by id of the model runner."""
+"""``engine_rank.steps.RankSide`` of each published runner, by id of the model runner."""
 _bootstrap_server: Any = None
 
 
@@ -117,7 +117,7 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     if getattr(runner, "is_draft_worker", False):
         logger.info("p2pweights_nixl: not publishing the draft model's weights")
         return
-    from p2pweights.engine_side import RankSide
+    from p2pweights.engine_rank.steps import RankSide
     from p2pweights.replica.sglang import facade
 
     published = LivePublication(_tp_rank(runner), NixlConfig().backend, facade.bootstrap_url())

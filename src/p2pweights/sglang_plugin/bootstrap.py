@@ -13,7 +13,7 @@ routes and ``close``): a Mooncake PUT is stored and answered exactly as before; 
 PUT whose info says ``"backend": "nixl"`` is stored as the dict and answered as
 ``{"rank": R, "remote_instance_transfer_engine_info": {"backend": "nixl", ...}}``.
 
-It also keeps each rank's write-digest record (``p2pweights.engine_side``): a PUT with
+It also keeps each rank's write-digest record (``p2pweights.engine_rank.steps``): a PUT with
 ``"role": "p2pweights-digests"`` is stored apart from the rank's publication and
 answered at ``GET /get_transfer_engine_info?rank=R&role=p2pweights-digests`` as
 ``{"rank": R, "role": "p2pweights-digests", "remote_instance_transfer_engine_info":

@@ -91,13 +91,13 @@ class LivePublication:
         self._publisher: NixlPublisher | None = None
         self._storage: Storage = {}
         self.scratch: torch.Tensor | None = None
-        """The delta scratch region (``p2pweights.delta.engine``), published with the
+        """The delta scratch region (``p2pweights.engine_rank.delta_scratch``), published with the
         weights under its reserved name; allocated once, kept across publications."""
 
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
         import torch
 
-        from p2pweights.delta.engine import SCRATCH_NAME, new_scratch
+        from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME, new_scratch
 
         if self.scratch is None and self.epoch < 0:  # once, at the first publication
             params = {name: p.data for name, p in model.named_parameters()}
@@ -180,7 +180,7 @@ class LivePublication:
         return moved
 
     def put_record(self, record: dict[str, Any]) -> None:
-        """PUT this rank's write-digest record (``engine_side``) to the bootstrap server.
+        """PUT this rank's write-digest record (``engine_rank.steps``) to the bootstrap server.
 
         Not raised: an exception here would take the engine's scheduler down; a writer
         that finds no record for its update fails that update instead."""

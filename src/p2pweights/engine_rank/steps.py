@@ -67,8 +67,8 @@ def record_digests(context: BeforeEnd) -> None:
 
 def apply_delta(context: BeforeEnd) -> None:
     """A delta payload the sender wrote into the rank's scratch region, applied to the
-    parameters (``p2pweights.delta.engine``); later steps see them without the region."""
-    from p2pweights.delta.engine import apply_delta as apply_payload
+    parameters (``engine_rank.delta_scratch``); later steps see them without the region."""
+    from p2pweights.engine_rank.delta_scratch import apply_delta as apply_payload
 
     apply_payload(context)
 
@@ -95,7 +95,7 @@ class RankSide:
         case: the trainer taking over writes its own header (``delta.sender.FullHeaders``)."""
         self.update += 1
         if scratch is not None:
-            from p2pweights.delta.engine import clear_payload
+            from p2pweights.engine_rank.delta_scratch import clear_payload
 
             clear_payload(scratch, f"engine rank {self.engine_rank} ({self.role})")
         return self._record(digests=None, error=None)
