@@ -29,7 +29,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" torch==2.14.1
   "${pip[@]}" -r requirements/runtime-lock.txt
   "${pip[@]}" --no-deps -r requirements/nodeps.txt
-  "${pip[@]}" --no-deps -e .
+  # the lock holds the [engine] extra's fastapi and uvicorn: the tests and the demo serve
+  # local engines
+  "${pip[@]}" --no-deps -e ".[engine]"
   echo "$want" > "$stamp"
 fi
-echo "setup: ready ($(.venv/bin/python -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'))"
+echo "setup: ready ($(.venv/bin/python -c 'import fastapi, uvicorn, torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'))"

@@ -12,7 +12,24 @@ import sys
 from typing import IO
 
 
+def _lacks_engine_extra(command: str) -> bool:
+    """Whether the ``[engine]`` extra (the local engine's HTTP server) is missing; if so,
+    say how to install it."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"p2pweights {command} serves local engines, which need {' and '.join(missing)}: "
+            f"pip install 'p2pweights[engine]'",
+            file=sys.stderr,
+        )
+    return bool(missing)
+
+
 def _engine(args: argparse.Namespace) -> int:
+    if _lacks_engine_extra("engine"):
+        return 1
     from p2pweights.local_engine.serve import serve
 
     serve(
@@ -31,6 +48,8 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if _lacks_engine_extra("demo"):
+        return 1
     from p2pweights.demo import run_demo
     from p2pweights.progress import set_progress
 

@@ -1,7 +1,7 @@
 """The ``p2pweights plan`` command's inputs, built without engines or GPUs.
 
 For every ``--engine`` layout, sglang resolves the server args as a server started with
-them would (``local_engine.serve.resolved_server_info``; this publishes sglang's server
+them would (``replica.sglang.facade.resolved_server_info``; this publishes sglang's server
 args process-wide, which only the CLI process does), then each engine rank's replica is
 built on the meta device: the replicas are the only source of truth for what a rank
 holds. Each rank's parameters become one group of a byte plan, written to a stand-in
@@ -113,7 +113,7 @@ def model_folder(model: str) -> Path:
         return path
     if path.name == "config.json" and path.is_file():
         return path.parent
-    from p2pweights.testing import model_config, write_model_dir
+    from p2pweights.source.synthetic import model_config, write_model_dir
 
     try:
         config = model_config(model)
@@ -167,8 +167,8 @@ def build_cluster_plan(
 
 def _server_info(folder: Path, spec: EngineSpec) -> dict[str, Any]:
     from p2pweights.engines.fleet import num_engine_ranks
-    from p2pweights.local_engine.serve import resolved_server_info
     from p2pweights.replica.sglang.env import server_args_names
+    from p2pweights.replica.sglang.facade import resolved_server_info
 
     unknown = sorted(set(spec.server_args) - server_args_names())
     if unknown:

@@ -13,10 +13,10 @@ import torch
 from p2pweights import logs
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.local_engine.server import create_app
+from p2pweights.replica.engine_checkpoint import engine_checkpoint
 from p2pweights.replica.ranks import RankSpec
-from p2pweights.replica.sglang import facade
-from p2pweights.testing.engine_checkpoint import engine_checkpoint
-from p2pweights.testing.synthetic import synthetic_weights, write_model_dir
+from p2pweights.replica.sglang.facade import resolved_server_info
+from p2pweights.source.synthetic import synthetic_weights, write_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +42,6 @@ def read_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 yield key, handle.get_tensor(key)
-
-
-def resolved_server_info(fields: dict[str, Any]) -> dict[str, Any]:
-    """sglang's resolved ServerArgs for ``fields``, as its ``/server_info`` serves them."""
-    import json
-
-    resolved = facade.resolved_server_args(fields)
-    info: dict[str, Any] = json.loads(json.dumps(resolved, default=str))
-    return info
 
 
 def serve(

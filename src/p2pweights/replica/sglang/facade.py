@@ -99,6 +99,15 @@ def resolved_server_args(fields: Mapping[str, Any]) -> Any:
     return msgspec_to_builtins(get_server_args().resolved_dict())
 
 
+def resolved_server_info(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """sglang's resolved ServerArgs for ``fields``, as its ``/server_info`` serves them
+    (JSON values; what is not JSON as its string)."""
+    import json
+
+    info: dict[str, Any] = json.loads(json.dumps(resolved_server_args(fields), default=str))
+    return info
+
+
 # -- inside an sglang engine process (the plugin) -----------------------------------------------
 
 
