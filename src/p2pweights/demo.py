@@ -33,7 +33,7 @@ from p2pweights.local_engine import LocalEngine
 from p2pweights.progress import progress
 from p2pweights.report import UpdateReport
 from p2pweights.session import WeightSyncSession
-from p2pweights.testing.synthetic import synthetic_weights, write_model_dir
+from p2pweights.source.synthetic import synthetic_weights, write_model_dir
 from p2pweights.verify import verify_engine
 
 Mismatches = dict[str, dict[int, list[str]]]

@@ -47,9 +47,9 @@ def expected_checksums(
     reference model is built on ``device`` (a GPU for models too large to check on
     the host quickly).
     """
+    from p2pweights.replica.engine_checkpoint import engine_checkpoint
     from p2pweights.replica.ranks import RankSpec
     from p2pweights.replica.sglang import facade
-    from p2pweights.testing.engine_checkpoint import engine_checkpoint
 
     spec = RankSpec.from_server_info(server_info, engine_rank)
     folder = config_path(server_info, model_path).parent

@@ -206,7 +206,7 @@ def test_speculative_draft_bit_exact(
 def test_fp8_speculative_draft_bit_exact(fp8_dirs: dict[tuple[int, ...], Path]) -> None:
     """DeepSeek-V3 as deployed: fp8 blocks and its MTP layer as the draft. The engine's
     checkpoint holds the MTP layer in fp8 too; the draft's loader reads it from there."""
-    from p2pweights.testing.engine_checkpoint import engine_checkpoint
+    from p2pweights.replica.engine_checkpoint import engine_checkpoint
 
     folder = fp8_dirs[(128, 128)]
     hf = engine_checkpoint(folder, synthetic_weights("deepseek-v3-fp8-tiny", seed=7))
@@ -389,7 +389,7 @@ def test_fp8_block_engines_bit_exact(
     """DeepSeek-V3 / Kimi-K2 style block-fp8 engines: the replica reaches the reload layout
     module by module, and every rank's staged bytes and engine path equal sglang's loader
     fed the fp8 checkpoint (weights + scale_inv) that the sender quantizes bf16 into."""
-    from p2pweights.testing.engine_checkpoint import engine_checkpoint
+    from p2pweights.replica.engine_checkpoint import engine_checkpoint
 
     folder = fp8_dirs[tuple(block)]
     hf = engine_checkpoint(folder, synthetic_weights("deepseek-v3-fp8-tiny", seed=7))

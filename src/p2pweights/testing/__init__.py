@@ -1,6 +1,11 @@
-"""Fixtures shipped with the library: synthetic models for tests, demos and benchmarks."""
+"""Helpers for tests and benchmarks; library code never imports this package.
 
-from p2pweights.testing.synthetic import (
+The synthetic models themselves live in ``p2pweights.source.synthetic`` (the demo, the
+local engine and the planner use them); this package names them for tests, as it always
+has, and holds ``bitexact``, the bit-exact reference checks.
+"""
+
+from p2pweights.source.synthetic import (
     MODEL_NAMES,
     hf_checkpoint_names_and_shapes,
     model_config,
