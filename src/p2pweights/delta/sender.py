@@ -34,7 +34,7 @@ from p2pweights.delta.flush_compare import FlushSlot
 from p2pweights.delta.policy import Decision, DeltaPolicy, Measured
 from p2pweights.delta.store import FlushLayout, PreviousBytes
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, DeltaEntry, PayloadHeader
-from p2pweights.wire.publication import RankPublication
+from p2pweights.wire.publication import RankPublication, Runner
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,9 @@ __all__ = [
     "DeltaSender",
     "DeltaSummary",
     "FullHeaders",
-    "Runner",
     "has_scratch",
     "with_scratch",
 ]
-
-Runner = tuple[str, int, str]
-"""(engine URL, engine rank, role)."""
 
 
 @dataclass
@@ -280,7 +276,7 @@ class DeltaRun:
                 del self.scratch[runner]
                 self._holders.discard(runner)
                 continue
-            if new.regions != old.regions or _peer(new) != _peer(old):
+            if new.regions != old.regions or new.reached_through != old.reached_through:
                 self._holders.discard(runner)
             self.scratch[runner] = new
 
@@ -332,11 +328,6 @@ def has_scratch(pub: RankPublication) -> bool:
 def with_scratch(connected: Mapping[Runner, RankPublication]) -> dict[Runner, RankPublication]:
     """The runners of ``connected`` whose scratch region takes a header."""
     return {runner: pub for runner, pub in connected.items() if has_scratch(pub)}
-
-
-def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
-    """Who a publication is reached through (as the executor tells them apart)."""
-    return (pub.backend, pub.session_id, pub.agent_name)
 
 
 @dataclass

@@ -31,22 +31,18 @@ from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
 from p2pweights.report import EngineReport
 from p2pweights.wire.digest import SCHEME
+from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "UNNAMED_SCHEME",
     "Mismatch",
-    "Runner",
     "WriteCheck",
     "digest_scheme",
     "serves_digests",
     "why_unverified",
 ]
-
-Runner = tuple[str, int, str]
-"""(engine URL, engine rank, role): one model runner of an engine rank."""
-
 
 UNNAMED_SCHEME = "lanes16-v1"
 """The scheme of engines that record digests without naming it (releases before it was

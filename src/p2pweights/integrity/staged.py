@@ -16,10 +16,9 @@ from collections.abc import Iterable, MutableMapping
 import torch
 
 from p2pweights.wire.digest import Lanes, hex_digests, lane_sums
+from p2pweights.wire.publication import Runner
 
 __all__ = ["StagedDigests"]
-
-Runner = tuple[str, int, str]
 
 
 class StagedDigests:

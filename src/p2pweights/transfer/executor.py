@@ -57,7 +57,7 @@ from p2pweights.transfer.writers import (
     closed_writer,
 )
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, pack_header
-from p2pweights.wire.publication import RankPublication
+from p2pweights.wire.publication import RankPublication, Runner
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class RunResult:
     wait_s: float = 0.0
     num_flushes: int = 0
     failures: dict[TargetKey, BaseException] = field(default_factory=dict)
-    digests: dict[tuple[str, int, str], dict[str, str]] = field(default_factory=dict)
+    digests: dict[Runner, dict[str, str]] = field(default_factory=dict)
     """With ``RunHooks.digest_staged``: runner -> parameter -> digest of the bytes staged
     for it, or, for a direct load, of the bytes its loaders left at the addresses this
     rank mapped (so the engine's own digest of the parameter checks the mapping)."""
@@ -143,7 +143,7 @@ class TransferExecutor:
         self._timeout_s = timeout_s
         self._buffers: StagingBuffers | None = None
         self._writers: dict[TargetKey, RankWriter] = {}
-        self._connected: dict[tuple[str, int, str], RankPublication] = {}
+        self._connected: dict[Runner, RankPublication] = {}
         self._late = LateWrites()
         """Writes of failed updates not seen settled: their buffers are not handed out again."""
         self._delta = DeltaSender(delta) if delta is not None else None
@@ -195,7 +195,7 @@ class TransferExecutor:
             self._buffers = None
 
     @property
-    def connected(self) -> Mapping[tuple[str, int, str], RankPublication]:
+    def connected(self) -> Mapping[Runner, RankPublication]:
         """(engine URL, engine rank, role) -> the publication it is connected by."""
         return dict(self._connected)
 
@@ -212,7 +212,7 @@ class TransferExecutor:
         nothing is ever written to a registration that went stale; the staging buffers
         stay registered.
         """
-        wanted = {(pub.engine_url, pub.engine_rank, pub.role): pub for pub in targets}
+        wanted = {pub.runner: pub for pub in targets}
         stale = {key: pub for key, pub in self._connected.items() if wanted.get(key) != pub}
         keep = {(url, rank) for url, rank, _ in wanted} - {(url, rank) for url, rank, _ in stale}
         for gone in [k for k in self._writers if k not in keep]:
@@ -221,7 +221,11 @@ class TransferExecutor:
         if self._delta is not None:
             for key, old in stale.items():  # restarted, or its weights moved: full writes
                 new = wanted.get(key)
-                if new is None or new.regions != old.regions or _peer(new) != _peer(old):
+                if (
+                    new is None
+                    or new.regions != old.regions
+                    or new.reached_through != old.reached_through
+                ):
                     self._delta.forget_target(key)
         for key, pub in wanted.items():
             self._transport.connect(pub)
@@ -237,13 +241,13 @@ class TransferExecutor:
         self._writers = {}
         self._forget(dict(self._connected))
 
-    def _forget(self, stale: Mapping[tuple[str, int, str], RankPublication]) -> None:
+    def _forget(self, stale: Mapping[Runner, RankPublication]) -> None:
         """Drop these connections; a transport peer goes once no kept publication uses it."""
         for key in stale:
             del self._connected[key]
-        kept = {_peer(pub) for pub in self._connected.values()}
-        for pub in {_peer(pub): pub for pub in stale.values()}.values():
-            if _peer(pub) not in kept:
+        kept = {pub.reached_through for pub in self._connected.values()}
+        for pub in {pub.reached_through: pub for pub in stale.values()}.values():
+            if pub.reached_through not in kept:
                 self._transport.disconnect(pub)
 
     def run(
@@ -353,17 +357,7 @@ class _Placed:
 
     group: GroupPlan
     base: int
-    targets: frozenset[tuple[str, int, str]]
-
-
-def _peer(pub: RankPublication) -> tuple[str, str | None, str | None]:
-    """Who a publication is reached through (a target and its draft may share it)."""
-    return (pub.backend, pub.session_id, pub.agent_name)
-
-
-def _runner(target: RankPublication) -> tuple[str, int, str]:
-    """(engine URL, engine rank, role): one runner of an engine rank."""
-    return (target.engine_url, target.engine_rank, target.role)
+    targets: frozenset[Runner]
 
 
 class _Run:
@@ -398,8 +392,8 @@ class _Run:
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
         self._placed: list[_Placed] = []
         # loads straight into engine memory, per (replica, engine rank and runner)
-        self._direct: dict[tuple[Hashable, tuple[str, int, str]], _DirectLoad] = {}
-        self._direct_bytes: dict[tuple[str, int, str], int] = defaultdict(int)
+        self._direct: dict[tuple[Hashable, Runner], _DirectLoad] = {}
+        self._direct_bytes: dict[Runner, int] = defaultdict(int)
         self._direct_devices: set[torch.device] = set()
         """GPUs direct loads queued copies on: synchronized before the run returns or fails."""
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
@@ -415,7 +409,7 @@ class _Run:
         self._stop_if_every_rank_failed()
         staged = []
         for tw in group.targets:
-            key = _runner(tw.target)
+            key = tw.target.runner
             if self._failed.get(key[:2]) is not None:
                 continue  # this rank already failed; the others carry on
             try:
@@ -470,7 +464,7 @@ class _Run:
         return views
 
     def _stage(
-        self, group: GroupPlan, inputs: Sequence[HfInput], targets: frozenset[tuple[str, int, str]]
+        self, group: GroupPlan, inputs: Sequence[HfInput], targets: frozenset[Runner]
     ) -> None:
         buffer = self._buffers.current
         if buffer.capacity_bytes - buffer.used_bytes < group.block_bytes:
@@ -603,8 +597,8 @@ class _Run:
             direct.views = {}
             for old in direct.groups:
                 group = plan.group(old.key, old.index)
-                runner = _runner(direct.target.target)
-                tw = next(t for t in group.targets if _runner(t.target) == runner)
+                runner = direct.target.target.runner
+                tw = next(t for t in group.targets if t.target.runner == runner)
                 views = self._direct_views(group, tw)
                 if views is None:
                     raise TransferError(f"{tw.target.where}: its memory is no longer mapped")
@@ -613,12 +607,12 @@ class _Run:
     def _batches(self, buffer: StagingBuffer) -> list[WriteBatch]:
         """The writes of the groups placed in ``buffer``, one batch per runner, to where the
         current plan says (a runner's draft is reached through its own handle)."""
-        batches: dict[tuple[str, int, str], WriteBatch] = {}
+        batches: dict[Runner, WriteBatch] = {}
         for placed in self._placed:
             group = self._plan.group(placed.group.key, placed.group.index)
             start = buffer.address + placed.base
             for tw in group.targets:
-                key = _runner(tw.target)
+                key = tw.target.runner
                 if key not in placed.targets:
                     continue
                 batch = batches.get(key)
@@ -642,9 +636,7 @@ class _Run:
             self._add_headers(buffer, batches)
         return [batch for batch in batches.values() if batch.writes]
 
-    def _add_headers(
-        self, buffer: StagingBuffer, batches: dict[tuple[str, int, str], WriteBatch]
-    ) -> None:
+    def _add_headers(self, buffer: StagingBuffer, batches: dict[Runner, WriteBatch]) -> None:
         """Each scratch-publishing runner's delta header, written by the last flush."""
         assert self._headers is not None and self._header_at is not None
         for i, (runner, header) in enumerate(self._headers.headers().items()):

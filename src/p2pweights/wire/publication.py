@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from p2pweights.errors import EngineError
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME
@@ -39,6 +39,15 @@ DIGESTS_ROLE = "p2pweights-digests"
 """The ``role`` a rank's record of write digests is published under, next to its weight
 publication (``?rank=R&role=p2pweights-digests``: the local engine's route, the plugin's
 bootstrap server)."""
+
+
+class Runner(NamedTuple):
+    """One model runner of an engine rank: what writes, deltas and digests are filed under
+    (``RankPublication.runner``)."""
+
+    engine_url: str
+    engine_rank: int
+    role: str
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,17 @@ class RankPublication:
         peer = self.session_id if self.backend == "mooncake" else self.agent_name
         assert peer is not None
         return peer
+
+    @property
+    def runner(self) -> Runner:
+        """(engine URL, engine rank, role): the model runner this publication is of."""
+        return Runner(self.engine_url, self.engine_rank, self.role)
+
+    @property
+    def reached_through(self) -> tuple[str, str | None, str | None]:
+        """(backend, Mooncake session, agent name): what a writer connects to for this rank
+        (a target and its draft may share it)."""
+        return (self.backend, self.session_id, self.agent_name)
 
 
 def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -> RankPublication:
