@@ -5,11 +5,14 @@
 #   bash scripts/real-sglang.sh test [ARGS]  # build if needed, then pytest -m real_sglang ARGS
 #   bash scripts/real-sglang.sh env          # print the exports that point tests at the kernel
 #
-# The kernel's sources come from a fetched snapshot of sglang (the upstream repository is
-# larger than the fetch limit): the fork xinguozhu-2026/sglang at commit $COMMIT below
-# (upstream main as of 2026-08-21, about two months before 0.5.23), given as a git
-# directory in SGLANG_SNAPSHOT. Two attention kernels changed their signature before
-# 0.5.23; scripts/real_sglang/compat.patch adapts them (bf16 KV cache, causal only).
+# The kernel's sources come from sglang's git history at commit $COMMIT below (upstream
+# main as of 2026-08-21, about two months before 0.5.23), given as a git directory in
+# SGLANG_SNAPSHOT:
+#   git clone https://github.com/sgl-project/sglang sglang-src
+#   git -C sglang-src checkout 44806dc507835746b67abebad041726c422030ea
+#   SGLANG_SNAPSHOT=$PWD/sglang-src/.git bash scripts/real-sglang.sh test
+# Two attention kernels changed their signature before 0.5.23;
+# scripts/real_sglang/compat.patch adapts them (bf16 KV cache, causal only).
 # The build takes 15-30 minutes on 2 cores and leaves a 5 MB package in
 # $P2PWEIGHTS_REAL_SGLANG_CACHE (default ~/.cache/p2pweights/real-sglang); it is reused
 # until the snapshot, the patch, torch or sglang change. docs/real-sglang.md says more.
@@ -49,8 +52,9 @@ build() {
   fi
   if ! git --git-dir="$SNAPSHOT" cat-file -e "$COMMIT^{commit}" 2>/dev/null; then
     echo "real-sglang: no sglang snapshot with commit $COMMIT at $SNAPSHOT" >&2
-    echo "  fetch github:xinguozhu-2026/sglang with the search tool and set SGLANG_SNAPSHOT" >&2
-    echo "  to the git directory it returns (docs/real-sglang.md)" >&2
+    echo "  git clone https://github.com/sgl-project/sglang sglang-src" >&2
+    echo "  git -C sglang-src checkout $COMMIT" >&2
+    echo "  and run again with SGLANG_SNAPSHOT=\$PWD/sglang-src/.git (docs/real-sglang.md)" >&2
     exit 2
   fi
   work=$(mktemp -d "${TMPDIR:-/tmp}/p2pweights-sgl-kernel.XXXXXX")

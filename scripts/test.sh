@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
-echo "== ruff check";  .venv/bin/ruff check src tests benchmarks scripts
-echo "== ruff format"; .venv/bin/ruff format --check src tests benchmarks scripts
+echo "== ruff check";  .venv/bin/ruff check src tests benchmarks scripts examples
+echo "== ruff format"; .venv/bin/ruff format --check src tests benchmarks scripts examples
 echo "== mypy";        .venv/bin/mypy
 
 # A folder of this run's own (other runs in the same checkout may build at the same time).
