@@ -76,6 +76,8 @@ def test_an_engine_on_the_trainers_gpu_is_loaded_directly(model_dir, direct: boo
         with WeightSyncSession(config, staging_device="cuda:0") as session:
             session.connect([engine.url])
             _updates_verified(session, engine, folder, (21, 22, 23))
-            transport = session._executor.transport  # what the transport mapped for loads
+            transport = (
+                session._connection.executor.transport
+            )  # what the transport mapped for loads
             mapped = [view for view in transport._direct.values() if view is not None]
             assert bool(mapped) is direct

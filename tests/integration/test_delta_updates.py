@@ -182,7 +182,7 @@ def test_auto_sends_in_full_without_a_copy_and_probes_deltas_bit_exact(
             report = session.update(tensors)
             _bit_exact([engine], tensors)
             assert report.delta is not None
-            decision = session._last_run.delta.decision
+            decision = session._last_attempt.last_run.delta.decision
             seen.append((decision.mode, decision.keep_copy))
             said = "as a delta" if decision.mode == "delta" else "in full"
             assert said in report.delta.decision and said in report.summary()

@@ -52,7 +52,7 @@ def test_mixed_layouts_in_one_connect_are_bit_exact(model, layouts, model_dir, s
         # one replica per layout: no two ranks of these engines share one
         replica_of = {
             (pub.engine_url, pub.engine_rank): key
-            for key, pubs in session._targets.items()
+            for key, pubs in session._connection.targets.items()
             for pub in pubs
         }
         assert len(replica_of) == len(set(replica_of.values())) == sum(e.tp for e in engines)

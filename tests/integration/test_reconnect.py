@@ -38,10 +38,10 @@ def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_eng
         session.update(seed_weights(folder, 71))
         assert_bit_exact([a], folder, 71)
         assert_bit_exact([b], folder, 71)
-        executor = session._executor
+        executor = session._connection.executor
         assert executor is not None
         buffers = [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers]
-        replicas = dict(session._replicas)
+        replicas = dict(session._connection.replicas)
         stale_peers = _peers(a) | _peers(b)
 
         a.stop()
@@ -57,7 +57,7 @@ def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_eng
         assert executor.transport.peers == _peers(restarted) | _peers(c)
         assert not executor.transport.peers & stale_peers
         # replicas and registered buffers kept (the new engines have the old layouts)
-        assert all(session._replicas[key] is handle for key, handle in replicas.items())
+        assert all(session._connection.replicas[key] is handle for key, handle in replicas.items())
         assert [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers] == buffers
 
         report = session.update(seed_weights(folder, 72))

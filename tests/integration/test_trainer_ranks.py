@@ -50,7 +50,11 @@ def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds) -
         for seed in seeds:
             weights = list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
             report = session.update(weights)
-            regions = session._prepared.source.regions if session._prepared is not None else 0
+            regions = (
+                session._connection.prepared.source.regions
+                if session._connection.prepared is not None
+                else 0
+            )
             results.put((rank, seed, report.version, sorted(report.bytes_by_target), regions))
 
 

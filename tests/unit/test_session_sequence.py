@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from p2pweights import ConfigError, SyncConfig, TransferError, WeightSyncSession
-from p2pweights import session as session_module
+from p2pweights import connection as connection_module
+from p2pweights import update_attempt as update_attempt_module
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.calls import CallLog
 from p2pweights.engines.endpoint import EngineEndpoint
@@ -254,9 +255,13 @@ def engines(monkeypatch) -> dict[str, FakeEngine]:
         return FakeClient(engines.setdefault(url, FakeEngine(url)))
 
     monkeypatch.setattr(fleet_module, "EngineClient", client_for)
-    monkeypatch.setattr(session_module, "replica_for", lambda *a: FakeHandle())
-    monkeypatch.setattr(session_module, "create_transport", lambda config: FakeTransport(engines))
-    monkeypatch.setattr(session_module, "check_against_checkpoints", lambda specs, expected: None)
+    monkeypatch.setattr(connection_module, "replica_for", lambda *a: FakeHandle())
+    monkeypatch.setattr(
+        connection_module, "create_transport", lambda config: FakeTransport(engines)
+    )
+    monkeypatch.setattr(
+        update_attempt_module, "check_against_checkpoints", lambda specs, expected: None
+    )
     monkeypatch.setattr(prepare_module, "config_path", lambda info, path: Path("/x/config.json"))
     monkeypatch.setattr(prepare_module, "expected_checkpoint", lambda folder: None)
     monkeypatch.setattr(fleet_module, "check_sglang_version", lambda *a: None)
@@ -595,7 +600,7 @@ class Described:
 
     def __next__(self):
         if self.planned_at_first_pull is None:
-            self.planned_at_first_pull = self.session._prepared is not None
+            self.planned_at_first_pull = self.session._connection.prepared is not None
         return next(self.pairs)
 
     def specs(self):
@@ -647,7 +652,7 @@ def test_a_rank_that_fails_early_still_reads_a_stream_to_its_end_with_other_send
 
         session._cancel.set()  # as abort() from another thread does
         with pytest.raises(TransferError, match="cancelled"):
-            session._write(streamed(), False, "2", False, {})
+            session._attempt("2")._write(streamed(), False, False)
         session._cancel.clear()
         assert read == ["q", "k", "v", "o"]  # drained, written nowhere
         assert engines["http://e0"].writes == 2  # the first update's two batches only
@@ -843,7 +848,7 @@ def test_a_first_update_that_failed_to_prepare_is_prepared_again(engines):
         session.connect(["http://e0"])
         with pytest.raises(ConfigError):
             session.update([*_tensors(1), ("q", torch.zeros(2, dtype=torch.uint8))])
-        assert session._prepared is None
+        assert session._connection.prepared is None
         session.update(_tensors(2))
     assert _holds(engines["http://e0"], 2)
 

@@ -20,8 +20,9 @@ from test_session_sequence import (  # the fake engines, client, replica and tra
 )
 
 from p2pweights import ConfigError, P2PWeightsError, SyncConfig, WeightSyncSession
-from p2pweights import session as session_module
+from p2pweights import connection as connection_module
 from p2pweights.adapters.torch_distributed import stage_ranks
+from p2pweights.update_attempt import UpdateAttempt
 
 STAGE_NAMES = {0: ("q", "k", "v"), 1: ("o",)}
 URLS = ["http://e0", "http://e1"]
@@ -40,7 +41,7 @@ class CheckedHandle(FakeHandle):
 
 @pytest.fixture
 def checked(engines, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(session_module, "replica_for", lambda *a: CheckedHandle())
+    monkeypatch.setattr(connection_module, "replica_for", lambda *a: CheckedHandle())
     return engines
 
 
@@ -143,7 +144,7 @@ def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(
 ):
     """A rank failing while it stages, before the engines opened (every rank then fails
     the 'open' step: nothing was written), or after (the 'write' step)."""
-    original = WeightSyncSession._run
+    original = UpdateAttempt._run
     failed = threading.Event()
 
     def run(self, tensors, checked_inputs, before_writes):
@@ -155,7 +156,7 @@ def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(
             raise RuntimeError("injected write failure")
         return original(self, tensors, checked_inputs, before_writes)
 
-    monkeypatch.setattr(WeightSyncSession, "_run", run)
+    monkeypatch.setattr(UpdateAttempt, "_run", run)
 
     def body(session, stage, rank):
         try:

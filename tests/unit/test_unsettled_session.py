@@ -16,7 +16,7 @@ from test_session_sequence import (  # the fixture is used by name
 )
 
 from p2pweights import TransferError, WeightSyncSession
-from p2pweights import session as session_module
+from p2pweights import connection as connection_module
 from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import UnsettledWrite
 
@@ -52,7 +52,7 @@ class StuckTransport(FakeTransport):
 @pytest.fixture
 def transport(engines, monkeypatch):  # noqa: F811
     transport = StuckTransport(engines)
-    monkeypatch.setattr(session_module, "create_transport", lambda config: transport)
+    monkeypatch.setattr(connection_module, "create_transport", lambda config: transport)
     return transport
 
 

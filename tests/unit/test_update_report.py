@@ -329,14 +329,14 @@ def test_a_fleet_summary_groups_engines_by_what_happened_to_them():
 def test_the_protocol_reported_is_the_one_the_transport_writes_over(engines, monkeypatch):
     from test_session_sequence import FakeTransport
 
-    from p2pweights import session as session_module
+    from p2pweights import connection as connection_module
 
     class TcpTransport(FakeTransport):
         @property
         def protocol(self) -> str:
             return "tcp"  # asked for "auto", Mooncake found no RDMA device
 
-    monkeypatch.setattr(session_module, "create_transport", lambda config: TcpTransport(engines))
+    monkeypatch.setattr(connection_module, "create_transport", lambda config: TcpTransport(engines))
     engines.setdefault("http://e0", DigestEngine("http://e0"))
     config = SyncConfig(buffer_bytes="1MiB", transport=MooncakeConfig(protocol="auto"))
     with WeightSyncSession(config) as session:

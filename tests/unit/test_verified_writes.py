@@ -22,7 +22,8 @@ from test_session_sequence import (  # the fake engines, client, replica and tra
 )
 
 from p2pweights import SyncConfig, TransferError, WeightSyncSession
-from p2pweights import session as session_module
+from p2pweights import connection as connection_module
+from p2pweights import update_attempt as update_attempt_module
 from p2pweights.engine_rank.steps import RankSide
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.update_session import UPDATING_PREFIX
@@ -78,9 +79,13 @@ def engines(monkeypatch):
         return (DigestClient if isinstance(engine, DigestEngine) else FakeClient)(engine)
 
     monkeypatch.setattr(fleet_module, "EngineClient", client_for)
-    monkeypatch.setattr(session_module, "replica_for", lambda *a: FakeHandle())
-    monkeypatch.setattr(session_module, "create_transport", lambda config: FakeTransport(engines))
-    monkeypatch.setattr(session_module, "check_against_checkpoints", lambda specs, expected: None)
+    monkeypatch.setattr(connection_module, "replica_for", lambda *a: FakeHandle())
+    monkeypatch.setattr(
+        connection_module, "create_transport", lambda config: FakeTransport(engines)
+    )
+    monkeypatch.setattr(
+        update_attempt_module, "check_against_checkpoints", lambda specs, expected: None
+    )
     monkeypatch.setattr(prepare_module, "config_path", lambda info, path: Path("/x/config.json"))
     monkeypatch.setattr(prepare_module, "expected_checkpoint", lambda folder: None)
     monkeypatch.setattr(fleet_module, "check_sglang_version", lambda *a: None)

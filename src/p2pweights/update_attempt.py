@@ -1,0 +1,419 @@
+"""One call of ``WeightSyncSession.update``: the steps every sending trainer rank takes.
+
+An ``UpdateAttempt`` owns what one update needs and leaves behind: its version, the
+inputs as received (``source.receipts``), the seconds of its stages and the result of
+its writes. It runs, each step through ``Collective.step`` so all ranks agree on it:
+
+    prepare: the inputs read and checked (the first update also probes and plans)
+    open:    the engines paused, marked and begun (trainer rank 0 drives them), once the
+             first staging buffer is loaded (or before it, where a stream may run
+             collectives as it is read)
+    write:   every engine rank's bytes (``transfer.executor``)
+    close, verify_writes, check (first update, when asked), finish
+
+and says, when bad input stops it, what that left the engines in. The connection
+(``connection.Connection``) it writes through outlives it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+
+from p2pweights.collective import Collective
+from p2pweights.connection import Connection, not_connected
+from p2pweights.engines.calls import ControlCalls
+from p2pweights.engines.update_session import updating_version
+from p2pweights.errors import ConfigError, TransferError
+from p2pweights.integrity.check import Mismatch, WriteCheck
+from p2pweights.plan.byte_plan import BytePlan
+from p2pweights.plan.prepare import check_against_checkpoints, prepare
+from p2pweights.progress import progress
+from p2pweights.report import DeltaReport, UpdateReport, Verification
+from p2pweights.source.inputs import InputSpec, describe_inputs, described_inputs
+from p2pweights.source.receipts import Receipts, checked_loaders
+from p2pweights.transfer.executor import RunHooks, RunResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NamedTensors", "UpdateAttempt"]
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+
+class UpdateAttempt:
+    """One update of every connected engine, from its inputs to its report."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        collective: Collective,
+        cancel: threading.Event,
+        rank_name: str,
+        version: str | None,
+    ) -> None:
+        self.connection = connection
+        self.config = connection.config
+        self.collective = collective
+        self.cancel = cancel  # set by abort(): stop before the writes or at the next group
+        self.rank_name = rank_name
+        self.version = version or str(connection.next_version)
+        self.receipts = Receipts()  # the inputs as received (``source.receipts``)
+        self.stages: dict[str, float] = {}
+        self.last_run: RunResult | None = None
+
+    @property
+    def leader(self) -> bool:
+        """This rank drives the engines' update session."""
+        return self.config.leads
+
+    def run(self, named_tensors: NamedTensors) -> UpdateReport:
+        """Every step of the update, on this rank; its report."""
+        connection = self.connection
+        if not connection.fleet.engines or connection.executor is None:
+            raise ConfigError("call connect(engines) before update()")
+        started = time.perf_counter()
+        first = connection.prepared is None
+        tensors, described = read_input(named_tensors, first, self.receipts)
+        given = tensors if isinstance(tensors, list) else None
+        whole = given is not None  # checked whole in prepare, not again as it streams
+        # every rank takes this step (an iterator is checked as it streams): ranks must
+        # run the same collectives whatever each one was given
+        with self._timed("probe" if first else "check_inputs"):
+            try:
+                self.collective.step("prepare", lambda: self._prepare(given, described))
+            except BaseException as exc:
+                if first:  # every rank probes again next time: they must gather alike
+                    connection.prepared = None
+                elif isinstance(exc, ConfigError) and len(exc.args) == 1:
+                    exc.args = (f"{exc.args[0]}. {_LEFT_RUNNING}",)
+                raise
+        _, prepared = connection.ready()
+        # Streamed into several ranks, the input may run collectives as it is read: the
+        # ranks open together before reading it, not each at its own first flush.
+        stream_first = self.config.stage_before_pause and (whole or self.config.num_senders == 1)
+        if not stream_first:
+            with self._timed("control_plane"):
+                self.collective.step("open", self._open)
+        try:
+            result = self.collective.step(
+                "write", lambda: self._write(tensors, whole, stream_first)
+            )
+        except BaseException:
+            prepared.source.forget_regions()  # a loader may have to run again: quantize whole
+            if self.leader:
+                connection.fleet.writes_landed(self._landed_alone)
+            raise
+        try:
+            prepared.source.learn_regions(connection.replicas)
+        except Exception:  # only an optimisation: the writes landed, the update goes on
+            logger.warning("p2pweights: fp8 regions not learned; quantizing whole", exc_info=True)
+            prepared.source.forget_regions()
+        if self.leader:
+            connection.fleet.writes_landed(lambda url: True)  # every rank's writes landed
+        self._complete(result)
+        connection.next_version = _next_version_after(self.version, connection.next_version)
+        return self._report(result, time.perf_counter() - started)
+
+    def _prepare(
+        self,
+        tensors: list[tuple[str, torch.Tensor]] | None,
+        described: dict[str, InputSpec] | None = None,
+    ) -> None:
+        """Check the whole input (None: an iterator, checked as it streams); on the first
+        update also probe the loaders and plan, from the input or from what a described
+        iterator says it will yield."""
+        connection = self.connection
+        if connection.prepared is not None:
+            if tensors is not None:
+                connection.prepared.source.check_whole(tensors)
+            return
+        if tensors is None and described is None:
+            raise ConfigError(
+                "a first update must be read whole or say what it will yield (specs()) "
+                "before it is planned"
+            )
+        own: dict[str, InputSpec] | None = None
+        error: Exception | None = None
+        try:
+            own = describe_inputs(tensors) if tensors is not None else dict(described or {})
+            check_against_checkpoints(own, connection.expected)
+        except Exception as exc:  # raised after the gather: every rank must take part
+            error = exc
+        specs = self.collective.stage_inputs(None if error else own)
+        if error is not None:
+            raise error
+        if own is None or specs is None:
+            return  # another rank failed before the gather; agree() fails the step
+        prepared = prepare(
+            own,
+            specs,
+            {key: connection.replicas[key] for key in connection.targets},
+            connection.targets,
+            [expected for expected, _ in connection.expected if expected is not None],
+            buffer_bytes=self.config.buffer_bytes,
+            finite=self.config.check_finite,
+        )
+        if tensors is not None:
+            prepared.source.check_whole(tensors)
+        if connection.executor is None:
+            raise not_connected()
+        if connection.targets:
+            connection.executor.reserve(prepared.plan.buffer_bytes)
+        connection.prepared = prepared
+
+    def _open(self) -> None:
+        if not self.leader:
+            return
+        # each engine snapshots and resets once (it records that), before the first check
+        snapshot = self.config.check_weight_update_equal and not self.connection.checked
+        self.connection.fleet.open(self.config.pause_mode, self.version, snapshot)
+
+    def _write(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], checked: bool, stream_first: bool
+    ) -> RunResult:
+        """Stage, open the engines (if not open yet) once the first buffer is loaded, write.
+
+        Every rank takes the open step exactly once, also when it failed before its
+        first buffer was loaded (then with its error), so ranks agree alike."""
+        connection = self.connection
+        _, prepared = connection.ready()
+        self.last_run = None
+        opened = not stream_first
+        writing = False  # the engines were opened and counted as written (torn on failure)
+
+        def before_writes() -> BytePlan | None:
+            nonlocal opened, writing
+            self._raise_if_cancelled("write")  # abort() came while preparing or staging
+            with self._timed("control_plane"):
+                if not opened:
+                    opened = True
+                    self.collective.step("open", self._open)
+                others_write = self.config.num_senders > 1
+                if self.leader and others_write:  # they write even if this rank's refresh fails
+                    connection.fleet.mark_written()
+                replanned = connection.refresh_targets()  # the sessions are open now
+            if self.leader and not others_write:  # alone, a failed refresh left them whole
+                connection.fleet.mark_written()
+            writing = True
+            return replanned
+
+        try:
+            if not connection.targets:  # an idle trainer rank writes nothing, but reads its input
+                before_writes()
+                inputs = prepared.source.ready(
+                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                )
+                for _ in inputs:
+                    pass
+                return RunResult()
+            result = self._run(tensors, checked, before_writes)
+        except BaseException as exc:
+            if isinstance(exc, ConfigError) and len(exc.args) == 1:
+                # bad input found as the input streamed: say what that left the engines in
+                # (the class kept, for callers that catch it)
+                left = _LEFT_TORN if writing else _LEFT_PAUSED if opened else _LEFT_RUNNING
+                exc.args = (f"{exc.args[0]}. {left.format(version=self.version)}",)
+            if not opened and isinstance(exc, Exception):
+                # only where no stream is drained below (stream_first rules it out), as
+                # this step raises
+                opened = True
+                self.collective.step("open", functools.partial(_raise, exc))
+            if self.config.num_senders > 1 and isinstance(tensors, Iterator):
+                # A stream may run collectives as it is read (FSDP2 gathers bucket by
+                # bucket): every rank must read it to the end, or the others hang in them.
+                for _ in tensors:
+                    pass
+            raise
+        finally:
+            if prepared.source.convert_s:
+                self.stages["convert"] = prepared.source.convert_s
+        return result
+
+    def _run(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        checked: bool,
+        before_writes: Callable[[], BytePlan | None],
+    ) -> RunResult:
+        connection = self.connection
+        executor, prepared = connection.ready()
+        total = sum(prepared.plan.bytes_by_target.values())
+        with progress("p2pweights update", total, unit="B", unit_scale=True) as advance:
+            result = executor.run(
+                prepared.plan,
+                prepared.source.ready(
+                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                ),
+                checked_loaders(connection.replicas, self.receipts),
+                RunHooks(
+                    progress=advance,
+                    before_writes=before_writes,
+                    cancel=self.cancel,
+                    digest_staged=bool(connection.write_check),
+                ),
+            )
+        self.last_run = result
+        result.raise_if_failed()
+        return result
+
+    def _raise_if_cancelled(self, where: str) -> None:
+        if self.cancel.is_set():
+            raise TransferError(
+                f"{self.rank_name}: the update was cancelled by abort() from another thread "
+                f"(at its '{where}' step)"
+            )
+
+    def _landed_alone(self, url: str) -> bool:
+        """After a failed write step: whether ``url`` surely got all its bytes. Only a lone
+        trainer rank knows (with several, another rank may have failed it)."""
+        run = self.last_run
+        return self.config.num_senders == 1 and run is not None and run.complete(url)
+
+    def _complete(self, result: RunResult) -> None:
+        """The steps after the writes: close, verify the writes, check, finish."""
+        connection, stages = self.connection, self.stages
+        with self._timed("control_plane"):
+            self.collective.step("close", self._close)
+        if connection.write_check:
+            with self._timed("verify_writes"):
+                self._verify_writes(result)
+            stages["digest"] = result.digest_s
+            stages["engine_digest"] = connection.write_check.engine_digest_s
+        if self.config.check_weight_update_equal and not connection.checked:
+            with self._timed("verify"):
+                self.collective.step("check", self._check)
+            # once, after it passed on every engine: later updates send other weights than
+            # the snapshot's; a failed check is run again by the retry
+            connection.checked = True
+        with self._timed("control_plane"):
+            self.collective.step("finish", self._finish)
+
+    def _close(self) -> None:
+        if self.leader:
+            self.connection.fleet.close()
+
+    def _verify_writes(self, result: RunResult) -> None:
+        """Every rank compares the digests its engine ranks took before their end with
+        those of the bytes it staged for them, and all agree. An engine found wrong stays
+        torn (``incomplete``, ``check_failed``); where another rank failed, every
+        checked engine does (rank 0 cannot know which it found wrong)."""
+        write_check = self.connection.write_check
+        found: list[Mismatch] = []
+
+        def check() -> None:
+            found.extend(write_check.check(result.digests, updating_version(self.version)))
+            WriteCheck.raise_if_wrong(found)
+
+        try:
+            self.collective.step("verify_writes", check)
+        except BaseException:
+            if self.leader:
+                alone = self.config.num_senders == 1 and bool(found)
+                wrong = {m.runner[0] for m in found} if alone else set(write_check.engines)
+                self.connection.fleet.writes_wrong(wrong)
+            raise
+
+    def _check(self) -> None:
+        if self.leader:
+            self.connection.fleet.compare()
+
+    def _finish(self) -> None:
+        if self.leader:
+            self.connection.fleet.finish(self.version)
+
+    def _report(self, result: RunResult, seconds: float) -> UpdateReport:
+        connection, stages = self.connection, self.stages
+        stages["load"], stages["wait"] = result.load_s, result.wait_s
+        if result.delta is not None:
+            stages["delta_compare"] = result.delta_s
+        calls = connection.fleet.control_calls() if self.leader else ControlCalls()
+        weight_checked = "verify" in stages  # the engines' weight check ran, and passed
+        written = set(result.bytes_by_target)
+
+        def verification(url: str) -> tuple[tuple[Verification, ...], str | None]:
+            why = connection.write_check.verification(url, written, result.digests)
+            by: tuple[Verification, ...] = () if why else ("write_digests",)
+            return by + (("weight_check",) if weight_checked else ()), why
+
+        executor, _ = connection.ready()
+        # what the transport writes over, as set up (Mooncake's "auto" resolved)
+        protocol = executor.transport.protocol or self.config.protocol
+        engines = connection.fleet.engine_reports(
+            result.bytes_by_target,
+            self.config.transport.kind,
+            protocol,
+            verification,
+            drives=self.leader,
+        )
+        connection.write_check.warn_unverified(engines.values())
+        return UpdateReport(
+            version=self.version,
+            bytes_by_target=dict(result.bytes_by_target),
+            stage_seconds=stages,
+            seconds=seconds,
+            engines=engines,
+            delta=None if result.delta is None else DeltaReport.of(result.delta),
+            num_control_calls=calls.num_calls,
+            control_call_seconds=calls.wall_seconds,
+        )
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - started
+
+
+def read_input(
+    named_tensors: NamedTensors, first: bool, receipts: Receipts
+) -> tuple[Iterable[tuple[str, torch.Tensor]], dict[str, InputSpec] | None]:
+    """The update's pairs, as a list where they are read whole (a mapping or sequence;
+    a first update's iterator that does not say what it will yield, which must be known
+    whole before it is planned), else the iterator; and what a first update's iterator
+    says it will yield (``specs()``). What is read whole is recorded in ``receipts`` as
+    it is read (an iterator's tensors as each is yielded)."""
+    if isinstance(named_tensors, torch.Tensor):
+        raise ConfigError("update() takes (hf_name, tensor) pairs or a name -> tensor mapping")
+    if isinstance(named_tensors, Mapping):
+        return list(receipts.recording(named_tensors.items())), None
+    if not isinstance(named_tensors, Iterator):
+        return list(receipts.recording(named_tensors)), None
+    described = described_inputs(named_tensors) if first else None
+    if first and described is None:
+        return list(receipts.recording(named_tensors)), None
+    return named_tensors, described
+
+
+_LEFT_RUNNING = "No engine was paused or written: they serve the previous weights"
+_LEFT_PAUSED = (
+    "The engines were paused for this update but not written: they keep the previous "
+    "weights, paused (weight version 'p2pweights-updating:{version}'), until the next "
+    "update() or abort() resumes them"
+)
+_LEFT_TORN = (
+    "The engines were already paused for this update's writes: they stay paused, with "
+    "torn weights and the weight version 'p2pweights-updating:{version}', until the next "
+    "update() rewrites them whole (session.abort(resume_incomplete=True) resumes them "
+    "torn)"
+)
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def _next_version_after(version: str, current: int) -> int:
+    """Auto-versions continue past a numeric version, and never go backwards."""
+    try:
+        return max(current, int(version) + 1)
+    except ValueError:
+        return current  # a named version ("step-9") uses up no number
