@@ -12,15 +12,22 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from p2pweights.polling import poll_until
 from p2pweights.wire.publication import RankPublication
 
 logger = logging.getLogger(__name__)
+
+
+def poll_transfers(ask: Callable[[], bool], deadline: float, *, first: bool | None = None) -> bool:
+    """``poll_until`` as transports poll the transfers they wait for: sleeping 20 us at
+    first, doubling up to 1 ms."""
+    return poll_until(ask, deadline, sleep_s=20e-6, max_sleep_s=1e-3, first=first)
 
 
 @dataclass(frozen=True)
@@ -118,19 +125,12 @@ class InFlight(ABC):
         """Poll at least once, then until ``timeout_s`` passed: True once every transfer
         finished or failed (and was released)."""
         deadline = time.monotonic() + timeout_s
-        delay = 20e-6
         if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
             return False  # another thread is settling them right now
         try:
-            while not self._settled:
-                if self._poll():
-                    self._release()
-                    self._settled = True
-                elif time.monotonic() >= deadline:
-                    break
-                else:
-                    time.sleep(delay)
-                    delay = min(2 * delay, 1e-3)
+            if not self._settled and poll_transfers(self._poll, deadline):
+                self._release()
+                self._settled = True
             return self._settled
         finally:
             self._lock.release()

@@ -39,6 +39,7 @@ import torch
 
 from p2pweights.config import CudaIpcConfig
 from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite
+from p2pweights.polling import poll_until
 from p2pweights.transfer.transports.base import (
     InFlight,
     Publisher,
@@ -267,18 +268,16 @@ class CudaIpcTransport(Transport):
         with self._lock:
             self._pending[target.peer] = done
         deadline = time.monotonic() + timeout_s
-        while not done.query():
-            if time.monotonic() > deadline:
-                # A device copy cannot be cancelled: the stream drains on its own, and
-                # until it did the copies read the staging buffer and write the engine.
-                running = PendingCopies(done, [(c.src_address, c.num_bytes) for c in copies])
-                raise UnsettledWrite(
-                    f"{len(copies)} copies to {target.where} still running after {timeout_s} s; "
-                    f"a device copy cannot be cancelled, so this engine rank stays torn until "
-                    f"they finished",
-                    running.settle,
-                )
-            time.sleep(_POLL_S)
+        if not poll_until(done.query, deadline, sleep_s=_POLL_S):
+            # A device copy cannot be cancelled: the stream drains on its own, and
+            # until it did the copies read the staging buffer and write the engine.
+            running = PendingCopies(done, [(c.src_address, c.num_bytes) for c in copies])
+            raise UnsettledWrite(
+                f"{len(copies)} copies to {target.where} still running after {timeout_s} s; "
+                f"a device copy cannot be cancelled, so this engine rank stays torn until "
+                f"they finished",
+                running.settle,
+            )
 
     def _stream(self) -> torch.cuda.Stream:
         """The calling writer thread's own stream on the trainer's device."""

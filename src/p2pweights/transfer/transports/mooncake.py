@@ -48,6 +48,7 @@ from p2pweights.transfer.transports.base import (
     Publisher,
     Transport,
     Write,
+    poll_transfers,
     quarantine,
     reading,
     unsettled,
@@ -278,8 +279,8 @@ class MooncakeTransport(Transport):
                 break  # the peer is unreachable; the rest would fail the same way
             pending[batch_id] = i
         slow: set[int] = set()  # writes Mooncake reported timed out: still in flight
-        delay = 20e-6
-        while pending:
+
+        def all_ended() -> bool:
             for batch_id, i in list(pending.items()):
                 status = self._engine.transfer_check_status(batch_id)
                 if status == _PENDING:
@@ -290,10 +291,9 @@ class MooncakeTransport(Transport):
                 del pending[batch_id]  # ended (and its descriptor freed by the binding)
                 if status != _DONE:
                     failures.append(_describe(i, writes[i], "failed"))
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            return not pending
+
+        poll_transfers(all_ended, deadline)
         if pending:
             raise self._unsettled(target, writes, failures, pending, slow, timeout_s)
         if failures:

@@ -74,6 +74,7 @@ from p2pweights.transfer.transports.base import (
     Publisher,
     Transport,
     Write,
+    poll_transfers,
     quarantine,
     reading,
     unsettled,
@@ -325,12 +326,14 @@ class NixlTransport(Transport):
             if handle is not None:  # made, but refused: NIXL would keep it until close
                 self._release(handle)
             raise self._error(target, writes, f"NIXL refused the transfer ({exc!r})") from exc
-        delay = 20e-6
+
+        def ended() -> bool:
+            nonlocal state
+            state = self._agent.check_xfer_state(handle)
+            return state != "PROC"
+
         try:
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(delay)
-                delay = min(2 * delay, 1e-3)
-                state = self._agent.check_xfer_state(handle)
+            poll_transfers(ended, deadline, first=state != "PROC")
         except Exception as exc:  # the bindings raise e.g. nixlRemoteDisconnectError
             # an error status: the backend ended the transfer, nothing more of it moves
             self._release(handle)
