@@ -14,10 +14,13 @@ its heavy dependencies when it needs them.
 
 The public API is ``__all__`` here and in these modules (each pinned by a test):
 
-- ``p2pweights``: the session, its configs (``DeltaConfig`` too), the reports
-  (``UpdateReport``, ``EngineReport``, ``DeltaReport``, ``AbortReport``), the errors, and
-  ``EngineClient`` / ``verify_engine`` (an engine's HTTP API; bit-exact verification);
-- ``p2pweights.verify``: ``verify_engine`` and the checksums it compares;
+- ``p2pweights``: what a trainer uses: the session, its configs (``DeltaConfig`` too), the
+  reports (``UpdateReport``, ``EngineReport``, ``DeltaReport``, ``AbortReport``) and the
+  errors;
+- ``p2pweights.verify``: ``verify_engine``, the checksums it compares and ``EngineClient``
+  (an engine's HTTP API), for checking an engine bit-exactly (tests, demos); both were
+  top-level names in 0.1 and import from ``p2pweights`` with a ``DeprecationWarning``
+  for one more release;
 - ``p2pweights.adapters``: trainer glue such as ``torch_agree``;
 - ``p2pweights.local_engine``: ``LocalEngine``, a CPU engine for tests and demos;
 - ``p2pweights.testing``: shipped model configs and ``synthetic_weights``, the tensors
@@ -27,6 +30,7 @@ The public API is ``__all__`` here and in these modules (each pinned by a test):
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,7 +41,6 @@ if TYPE_CHECKING:
         NixlConfig,
         SyncConfig,
     )
-    from p2pweights.engines.client import EngineClient
     from p2pweights.engines.endpoint import EngineEndpoint
     from p2pweights.engines.update_session import AbortReport
     from p2pweights.errors import (
@@ -56,7 +59,6 @@ if TYPE_CHECKING:
     )
     from p2pweights.report import DeltaReport, EngineReport, UpdateReport
     from p2pweights.session import WeightSyncSession
-    from p2pweights.verify import verify_engine
 
 __version__ = "0.1.0"
 
@@ -66,7 +68,6 @@ __all__ = [
     "CudaIpcConfig",
     "DeltaConfig",
     "DeltaReport",
-    "EngineClient",
     "EngineEndpoint",
     "EngineError",
     "EngineReport",
@@ -86,7 +87,6 @@ __all__ = [
     "UpdateReport",
     "WeightSyncSession",
     "__version__",
-    "verify_engine",
 ]
 
 _WHERE = {
@@ -95,7 +95,6 @@ _WHERE = {
     "CudaIpcConfig": "p2pweights.config",
     "DeltaConfig": "p2pweights.config",
     "DeltaReport": "p2pweights.report",
-    "EngineClient": "p2pweights.engines.client",
     "EngineEndpoint": "p2pweights.engines.endpoint",
     "EngineError": "p2pweights.errors",
     "EngineReport": "p2pweights.report",
@@ -114,13 +113,27 @@ _WHERE = {
     "UnsettledWrite": "p2pweights.errors",
     "UpdateReport": "p2pweights.report",
     "WeightSyncSession": "p2pweights.session",
-    "verify_engine": "p2pweights.verify",
 }
 """Public name -> the module that defines it (imported on first use of the name)."""
+
+_MOVED = {
+    "EngineClient": "p2pweights.verify",
+    "verify_engine": "p2pweights.verify",
+}
+"""Former top-level names -> where they live now; the old name warns until the release
+after the move (checking an engine is not what a trainer does every step)."""
 
 
 def __getattr__(name: str) -> Any:
     """A public name, imported from its module on first use (then kept here)."""
+    if name in _MOVED:
+        warnings.warn(
+            f"p2pweights.{name} moved to {_MOVED[name]}.{name}; import it from there "
+            "(the top-level name goes in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)  # not cached: warns each time
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'p2pweights' has no attribute {name!r}")

@@ -25,7 +25,6 @@ PUBLIC = {
         "CudaIpcConfig",
         "DeltaConfig",
         "DeltaReport",
-        "EngineClient",
         "EngineReport",
         "EngineStateError",
         "EngineUnreachable",
@@ -45,7 +44,6 @@ PUBLIC = {
         "UpdateReport",
         "WeightSyncSession",
         "__version__",
-        "verify_engine",
     },
     "p2pweights.verify": {
         "EngineClient",
@@ -85,12 +83,18 @@ def test_documented_members_exist(module: str) -> None:
     assert AT_LEAST[module] <= set(mod.__all__)
 
 
-def test_one_name_one_object() -> None:
-    """A name exported from two public places is the same object in both."""
+@pytest.mark.parametrize("name", ["EngineClient", "verify_engine"])
+def test_moved_names_still_import_with_a_warning(name: str) -> None:
+    """Former top-level names (issue 30) still work for one release, warn naming their
+    new home, and are the same object as there; ``import *`` no longer brings them."""
     import p2pweights.verify
 
-    assert p2pweights.verify_engine is p2pweights.verify.verify_engine
-    assert p2pweights.EngineClient is p2pweights.verify.EngineClient
+    with pytest.warns(DeprecationWarning, match=f"p2pweights.verify.{name}"):
+        old = getattr(p2pweights, name)
+    assert old is getattr(p2pweights.verify, name)
+    with pytest.warns(DeprecationWarning, match="moved to p2pweights.verify"):
+        exec(f"from p2pweights import {name}", {})
+    assert name not in p2pweights.__all__
 
 
 def _documented_imports() -> set[tuple[str, str]]:
