@@ -34,7 +34,7 @@ from p2pweights.plan.targets import Targets, assign, moved
 from p2pweights.replica.registry import ReplicaHandle, replica_for
 from p2pweights.source.expected import ExpectedCheckpoint
 from p2pweights.transfer.executor import TransferExecutor
-from p2pweights.transfer.transports import create_transport
+from p2pweights.transports import create_transport
 
 logger = logging.getLogger(__name__)
 

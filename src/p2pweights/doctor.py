@@ -254,7 +254,7 @@ def _meminfo_bytes(field: str) -> int | None:
 def _loopback(kind: str) -> Finding:
     """One write from a registered buffer into a published one, both in this process."""
     from p2pweights.config import MooncakeConfig, NixlConfig
-    from p2pweights.transfer.transports import Write, create_publisher, create_transport
+    from p2pweights.transports import Write, create_publisher, create_transport
     from p2pweights.wire.publication import parse_publication
 
     device = "cuda" if kind == "nixl" and torch.cuda.is_available() else "cpu"
@@ -440,7 +440,7 @@ def _publication(check: str, client: EngineClient, rank: int) -> Finding:
 
 def _cuda_ipc_reach(name: str, detail: str, engine_host: str | None) -> Finding:
     """CUDA IPC reaches an engine on this host, from a process that sees a GPU."""
-    from p2pweights.transfer.transports.cuda_ipc import host_id
+    from p2pweights.transports.cuda_ipc import host_id
 
     if engine_host != host_id():
         return Finding(

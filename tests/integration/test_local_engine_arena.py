@@ -16,8 +16,8 @@ from p2pweights import MooncakeConfig
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
 from p2pweights.transfer.buffers import aligned
-from p2pweights.transfer.transports import Write, create_transport
-from p2pweights.transfer.transports.regions import merge_intervals
+from p2pweights.transports import Write, create_transport
+from p2pweights.transports.regions import merge_intervals
 from p2pweights.verify import verify_engine
 from p2pweights.wire.delta import SCRATCH_NAME
 from p2pweights.wire.publication import parse_publication

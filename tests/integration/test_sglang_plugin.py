@@ -32,7 +32,7 @@ from p2pweights.local_engine import LocalEngine
 from p2pweights.local_engine.process import free_port
 from p2pweights.session import WeightSyncSession
 from p2pweights.testing import write_model_dir
-from p2pweights.transfer.transports import Write, create_transport
+from p2pweights.transports import Write, create_transport
 from p2pweights.wire.delta import SCRATCH_NAME
 from p2pweights.wire.digest import digest
 from p2pweights.wire.publication import DIGESTS_ROLE, parse_publication

@@ -19,7 +19,7 @@ import torch
 
 from p2pweights.config import MooncakeConfig, NixlConfig
 from p2pweights.errors import TransferError, UnsettledWrite
-from p2pweights.transfer.transports import Write, create_publisher, create_transport
+from p2pweights.transports import Write, create_publisher, create_transport
 from p2pweights.wire.publication import RankPublication, parse_publication
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ import torch
 from p2pweights import CudaIpcConfig, SyncConfig
 from p2pweights.errors import ConfigError, EngineError, TransferError, TransportError
 from p2pweights.transfer.staging_device import staging_device_for
-from p2pweights.transfer.transports import Write
-from p2pweights.transfer.transports.cuda_ipc import (
+from p2pweights.transports import Write
+from p2pweights.transports.cuda_ipc import (
     CudaIpcPublisher,
     CudaIpcTransport,
     Opened,
@@ -28,7 +28,7 @@ from p2pweights.transfer.transports.cuda_ipc import (
     merge_adjacent,
     translate,
 )
-from p2pweights.transfer.transports.regions import RegionIndex
+from p2pweights.transports.regions import RegionIndex
 from p2pweights.wire.publication import parse_publication
 
 URL = "http://engine-a:30000"
@@ -295,7 +295,7 @@ class _FakeRuntime:
 
 
 def _transport(monkeypatch, runtime: _FakeRuntime) -> CudaIpcTransport:
-    from p2pweights.transfer.transports import cuda_ipc
+    from p2pweights.transports import cuda_ipc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -23,7 +23,7 @@ from p2pweights.doctor import (
     wanted_distribution,
 )
 from p2pweights.engines.client import EngineClient
-from p2pweights.transfer.transports.cuda_ipc import host_id
+from p2pweights.transports.cuda_ipc import host_id
 
 SGLANG = importlib.metadata.version("sglang")
 

@@ -19,7 +19,7 @@ from p2pweights.errors import LayoutMismatchError, TransferError
 from p2pweights.plan.byte_plan import ALIGNMENT_BYTES, aligned, build_byte_plan
 from p2pweights.testing.loaders import FnLoader
 from p2pweights.transfer.executor import RunHooks, TransferExecutor
-from p2pweights.transfer.transports.base import Transport, Write
+from p2pweights.transports.base import Transport, Write
 from p2pweights.wire.digest import digest
 from p2pweights.wire.publication import RankPublication, WeightRegion
 

@@ -14,7 +14,7 @@ import torch
 from p2pweights.plan.byte_plan import build_byte_plan
 from p2pweights.testing.loaders import FnLoader
 from p2pweights.transfer.executor import TransferExecutor
-from p2pweights.transfer.transports.base import Transport
+from p2pweights.transports.base import Transport
 from p2pweights.wire.publication import RankPublication, WeightRegion
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from p2pweights.config import MooncakeConfig
 from p2pweights.errors import TransportError
-from p2pweights.transfer.transports import mooncake
-from p2pweights.transfer.transports.base import Transport
+from p2pweights.transports import mooncake
+from p2pweights.transports.base import Transport
 
 
 def _sysfs(tmp_path: Path, *devices: str) -> Path:

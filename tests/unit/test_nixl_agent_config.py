@@ -8,7 +8,7 @@ import pytest
 
 nixl_api = pytest.importorskip("nixl._api")
 
-from p2pweights.transfer.transports import nixl as nixl_transport  # noqa: E402
+from p2pweights.transports import nixl as nixl_transport  # noqa: E402
 
 
 def _bindings():

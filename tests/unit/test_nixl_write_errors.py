@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from p2pweights.errors import TransferError, UnsettledWrite
-from p2pweights.transfer.transports.base import Write
-from p2pweights.transfer.transports.nixl import NixlTransport, _RemoteAgent
-from p2pweights.transfer.transports.regions import RegionIndex
+from p2pweights.transports.base import Write
+from p2pweights.transports.nixl import NixlTransport, _RemoteAgent
+from p2pweights.transports.regions import RegionIndex
 from p2pweights.wire.publication import RankPublication, WeightRegion
 
 

@@ -137,7 +137,7 @@ def test_nixl_configs_made_by_other_threads_keep_their_delay() -> None:
     nixl_api = pytest.importorskip("nixl._api")
     import sys
 
-    from p2pweights.transfer.transports import nixl as nixl_transport
+    from p2pweights.transports import nixl as nixl_transport
 
     bindings = sys.modules[nixl_api.nixl_agent.__module__].nixlBind
     original = bindings.nixlAgentConfig

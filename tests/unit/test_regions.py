@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2pweights.errors import ConfigError
-from p2pweights.transfer.transports.regions import (
+from p2pweights.transports.regions import (
     RegionIndex,
     RegisteredRegions,
     merge_intervals,

@@ -31,7 +31,7 @@ from p2pweights.errors import EngineError, EngineUnreachable, LayoutMismatchErro
 from p2pweights.plan import prepare as prepare_module
 from p2pweights.source.checkpoint_format import AS_GIVEN
 from p2pweights.source.inputs import ParamGroup
-from p2pweights.transfer.transports.base import Transport
+from p2pweights.transports.base import Transport
 from p2pweights.wire.publication import RankPublication, WeightRegion
 
 PARAMS = {"qkv": 600 * 1024, "o": 600 * 1024}  # two groups: two flushes of a 1 MiB buffer

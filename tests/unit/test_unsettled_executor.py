@@ -13,8 +13,8 @@ import torch
 from p2pweights.errors import TransferError, UnsettledWrite
 from p2pweights.plan.byte_plan import aligned, build_byte_plan
 from p2pweights.transfer.executor import TransferExecutor
-from p2pweights.transfer.transports.base import Transport, Write
 from p2pweights.transfer.writers import FailedTargets, RankWriter, WriteBatch
+from p2pweights.transports.base import Transport, Write
 from p2pweights.wire.publication import RankPublication, WeightRegion
 
 STUCK, GOOD = "http://stuck", "http://good"

@@ -12,9 +12,9 @@ import torch
 
 from p2pweights.config import MooncakeConfig
 from p2pweights.errors import TransferError, UnsettledWrite
-from p2pweights.transfer.transports.base import Write
-from p2pweights.transfer.transports.mooncake import MooncakeTransport
-from p2pweights.transfer.transports.regions import RegionIndex
+from p2pweights.transports.base import Write
+from p2pweights.transports.mooncake import MooncakeTransport
+from p2pweights.transports.regions import RegionIndex
 from p2pweights.wire.publication import RankPublication, WeightRegion
 
 _PENDING, _DONE, _FAILED, _TIMED_OUT = 0, 1, -1, -2
@@ -169,7 +169,7 @@ def test_a_write_whose_batches_all_ended_fails_plainly():
 
 
 def test_device_copies_given_up_on_settle_once_their_event_fired():
-    from p2pweights.transfer.transports.cuda_ipc import PendingCopies
+    from p2pweights.transports.cuda_ipc import PendingCopies
 
     class Event:
         fired = False

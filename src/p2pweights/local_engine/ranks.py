@@ -32,7 +32,7 @@ from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import facade
 from p2pweights.thread_patch import patched_call
 from p2pweights.transfer.buffers import aligned, staged_bytes
-from p2pweights.transfer.transports import Publisher, create_publisher
+from p2pweights.transports import Publisher, create_publisher
 
 BROADCAST_AREA = "__p2pweights_broadcast_area__"
 """The name the broadcast area is published under (never a parameter name)."""

@@ -20,7 +20,7 @@ import httpx
 
 from p2pweights import environment
 from p2pweights.errors import ConfigError, EngineError
-from p2pweights.transfer.transports.nixl import NixlPublisher
+from p2pweights.transports.nixl import NixlPublisher
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import DIGESTS_ROLE
 

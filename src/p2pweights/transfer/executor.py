@@ -48,7 +48,6 @@ from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
 from p2pweights.transfer.intra_op import one_intra_op_thread
 from p2pweights.transfer.late_writes import LateWrites, still_in_flight
-from p2pweights.transfer.transports.base import Transport, Write, quarantine
 from p2pweights.transfer.writers import (
     FailedTargets,
     RankWriter,
@@ -56,6 +55,7 @@ from p2pweights.transfer.writers import (
     WriteBatch,
     closed_writer,
 )
+from p2pweights.transports.base import Transport, Write, quarantine
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, pack_header
 from p2pweights.wire.publication import RankPublication, Runner
 

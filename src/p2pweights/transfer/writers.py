@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
-from p2pweights.transfer.transports.base import Transport, Write
+from p2pweights.transports.base import Transport, Write
 from p2pweights.wire.publication import RankPublication
 
 TargetKey = tuple[str, int]

@@ -6,17 +6,17 @@ import importlib
 from typing import Any
 
 from p2pweights.errors import ConfigError
-from p2pweights.transfer.transports.base import Publisher, Transport, Write
+from p2pweights.transports.base import Publisher, Transport, Write
 
 _TRANSPORTS = {
-    "mooncake": "p2pweights.transfer.transports.mooncake:MooncakeTransport",
-    "nixl": "p2pweights.transfer.transports.nixl:NixlTransport",
-    "cuda_ipc": "p2pweights.transfer.transports.cuda_ipc:CudaIpcTransport",
+    "mooncake": "p2pweights.transports.mooncake:MooncakeTransport",
+    "nixl": "p2pweights.transports.nixl:NixlTransport",
+    "cuda_ipc": "p2pweights.transports.cuda_ipc:CudaIpcTransport",
 }
 _PUBLISHERS = {
-    "mooncake": "p2pweights.transfer.transports.mooncake:MooncakePublisher",
-    "nixl": "p2pweights.transfer.transports.nixl:NixlPublisher",
-    "cuda_ipc": "p2pweights.transfer.transports.cuda_ipc:CudaIpcPublisher",
+    "mooncake": "p2pweights.transports.mooncake:MooncakePublisher",
+    "nixl": "p2pweights.transports.nixl:NixlPublisher",
+    "cuda_ipc": "p2pweights.transports.cuda_ipc:CudaIpcPublisher",
 }
 
 __all__ = ["Publisher", "Transport", "Write", "create_publisher", "create_transport"]

@@ -69,7 +69,7 @@ import torch
 from p2pweights.config import NixlConfig
 from p2pweights.environment import keep_ucx_efa_module_out
 from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite, where
-from p2pweights.transfer.transports.base import (
+from p2pweights.transports.base import (
     InFlight,
     Publisher,
     Transport,
@@ -79,7 +79,7 @@ from p2pweights.transfer.transports.base import (
     reading,
     unsettled,
 )
-from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
+from p2pweights.transports.regions import RegionIndex, merged_regions, weights_info
 from p2pweights.wire.publication import RankPublication, require_backend
 
 logger = logging.getLogger(__name__)

@@ -40,14 +40,14 @@ import torch
 from p2pweights.config import CudaIpcConfig
 from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite
 from p2pweights.polling import poll_until
-from p2pweights.transfer.transports.base import (
+from p2pweights.transports.base import (
     InFlight,
     Publisher,
     Transport,
     Write,
 )
-from p2pweights.transfer.transports.cuda_runtime import CudaRuntime, cuda_runtime
-from p2pweights.transfer.transports.regions import (
+from p2pweights.transports.cuda_runtime import CudaRuntime, cuda_runtime
+from p2pweights.transports.regions import (
     RegionIndex,
     RegisteredRegions,
     merged_regions,

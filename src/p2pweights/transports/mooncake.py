@@ -43,7 +43,7 @@ from p2pweights.errors import (
     some_of,
     where,
 )
-from p2pweights.transfer.transports.base import (
+from p2pweights.transports.base import (
     InFlight,
     Publisher,
     Transport,
@@ -53,7 +53,7 @@ from p2pweights.transfer.transports.base import (
     reading,
     unsettled,
 )
-from p2pweights.transfer.transports.regions import RegionIndex, merged_regions, weights_info
+from p2pweights.transports.regions import RegionIndex, merged_regions, weights_info
 from p2pweights.wire.publication import RankPublication, require_backend
 
 logger = logging.getLogger(__name__)
