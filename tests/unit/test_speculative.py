@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2pweights.engines.speculative import has_model_draft
 from p2pweights.errors import EngineError
+from p2pweights.replica.speculative import has_model_draft
 
 BASE = {"model_path": "/models/dsv3", "moe_runner_backend": "auto", "moe_a2a_backend": "none"}
 

@@ -13,9 +13,9 @@ from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.speculative import has_model_draft
 from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate
 from p2pweights.errors import EngineError, EngineUnreachable
+from p2pweights.replica.speculative import has_model_draft
 from p2pweights.report import EngineReport, Verification
 from p2pweights.wire.publication import RankPublication, require_backend
 

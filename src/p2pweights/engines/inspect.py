@@ -12,9 +12,9 @@ from typing import Any
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.fleet import num_engine_ranks
-from p2pweights.engines.speculative import has_model_draft
 from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError
+from p2pweights.replica.speculative import has_model_draft
 
 __all__ = ["LAYOUT_FIELDS", "describe_engine", "inspect_engine", "render_inspection"]
 

@@ -226,7 +226,7 @@ class EngineRank:
         transport: str,
         device: torch.device | str = "cpu",
     ):
-        from p2pweights.engines.speculative import has_model_draft
+        from p2pweights.replica.speculative import has_model_draft
 
         self.spec = spec
         self.device = torch.device(device)
