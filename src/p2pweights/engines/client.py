@@ -8,7 +8,8 @@ Two time bounds: ``timeout_s`` for reading what an engine serves (server info,
 publications, the weight checker, which hashes every weight) and ``control_timeout_s``
 for each update-session call that does no work on the weights (pause, flush, begin,
 version, continue), so a hung engine outside the writes costs at most that long.
-``end_weight_update`` re-processes the model and is bounded by ``timeout_s``.
+``end_weight_update`` re-processes the model and has its own bound,
+``end_update_timeout_s`` (default: ``timeout_s``).
 
 Every request is recorded in ``calls`` (route, time, whether it opened a TCP
 connection: httpx keeps connections alive and reuses them; the trace extension says
@@ -30,6 +31,7 @@ from pydantic import SecretStr
 from p2pweights.engines.calls import CallLog, ControlCall
 from p2pweights.engines.concurrency import at_once
 from p2pweights.errors import EngineError, EngineUnreachable
+from p2pweights.polling import poll_until
 from p2pweights.wire.publication import DIGESTS_ROLE, RankPublication, parse_publication
 
 _FLUSH_RETRY_S = 0.2
@@ -45,6 +47,7 @@ class EngineClient:
         timeout_s: float = 60.0,
         api_key: str | SecretStr | None = None,
         control_timeout_s: float | None = None,
+        end_update_timeout_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -59,6 +62,9 @@ class EngineClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout_s = timeout_s
         self._control_timeout_s = timeout_s if control_timeout_s is None else control_timeout_s
+        self._end_update_timeout_s = (
+            timeout_s if end_update_timeout_s is None else end_update_timeout_s
+        )
         self._http = httpx.Client(
             base_url=self.url, timeout=timeout_s, headers=headers, transport=transport
         )
@@ -178,21 +184,22 @@ class EngineClient:
     def flush_cache(self) -> None:
         """Flush the radix cache; sglang refuses while requests run, so retry until timeout."""
         deadline = time.monotonic() + self._control_timeout_s
-        while True:
-            response = self._send("GET", "/flush_cache", control=True)
-            if response.status_code == 200:
-                return
-            if time.monotonic() > deadline:
-                raise self._error("/flush_cache", response)
-            time.sleep(_FLUSH_RETRY_S)
+        last: list[httpx.Response] = []  # the latest answer
+
+        def flushed() -> bool:
+            last[:] = [self._send("GET", "/flush_cache", control=True)]
+            return last[0].status_code == 200
+
+        if not poll_until(flushed, deadline, sleep_s=_FLUSH_RETRY_S):
+            raise self._error("/flush_cache", last[0])
 
     def begin_weight_update(self, selector: str = "all") -> None:
         self._checked("/begin_weight_update", {"selector": selector}, control=True)
 
     def end_weight_update(self) -> None:
-        # bounded by timeout_s, not control_timeout_s: the engine re-processes the whole
-        # model here (derived weights, kernel layouts), seconds for a large fp8 MoE
-        self._checked("/end_weight_update", {})
+        # its own bound, not control_timeout_s: the engine re-processes the whole model
+        # here (derived weights, kernel layouts), seconds for a large fp8 MoE
+        self._checked("/end_weight_update", {}, end=True)
 
     def update_weight_version(self, new_version: str) -> None:
         self._checked(
@@ -211,11 +218,25 @@ class EngineClient:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _send(
-        self, method: str, route: str, *, control: bool = False, stream: bool = False, **kwargs: Any
+        self,
+        method: str,
+        route: str,
+        *,
+        control: bool = False,
+        end: bool = False,
+        stream: bool = False,
+        **kwargs: Any,
     ) -> httpx.Response:
         """One request; ``stream``: return once the headers came, the body unread and the
-        connection held until the caller closes the response."""
-        timeout = self._control_timeout_s if control else self._timeout_s
+        connection held until the caller closes the response. Bounded by
+        ``control_timeout_s`` (``control``), ``end_update_timeout_s`` (``end``) or
+        ``timeout_s``."""
+        if end:
+            timeout, setting = self._end_update_timeout_s, "end_update_timeout_s"
+        elif control:
+            timeout, setting = self._control_timeout_s, "control_timeout_s"
+        else:
+            timeout, setting = self._timeout_s, "http_timeout_s"
         opened: list[bool] = []
 
         def trace(event: str, info: dict[str, Any]) -> None:
@@ -231,8 +252,7 @@ class EngineClient:
         except httpx.TimeoutException as exc:
             raise EngineUnreachable(
                 f"engine {self.url}: {method} {route} got no answer within {timeout:g} s "
-                f"({'control_timeout_s' if control else 'http_timeout_s'}); the engine may be "
-                f"hung or overloaded"
+                f"({setting}); the engine may be hung or overloaded"
             ) from exc
         except httpx.HTTPError as exc:
             raise EngineUnreachable(f"engine {self.url}: {method} {route} failed: {exc!r}") from exc
@@ -259,10 +279,10 @@ class EngineClient:
         return body
 
     def _checked(
-        self, route: str, payload: dict[str, Any], *, control: bool = False
+        self, route: str, payload: dict[str, Any], *, control: bool = False, end: bool = False
     ) -> dict[str, Any]:
         """POST ``payload``; the answer's ``success`` must be true."""
-        body = self._json("POST", route, json=payload, control=control)
+        body = self._json("POST", route, json=payload, control=control, end=end)
         if body.get("success") is False:
             raise EngineError(f"engine {self.url}: {route} failed: {body.get('message')}")
         return body

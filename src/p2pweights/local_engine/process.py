@@ -15,6 +15,7 @@ from typing import IO
 import httpx
 
 from p2pweights.errors import EngineError
+from p2pweights.polling import poll_until
 
 _GIVEN_PORTS: set[int] = set()
 
@@ -141,19 +142,21 @@ class LocalEngine:
     def wait_ready(self) -> LocalEngine:
         if self._process is None:
             raise EngineError(f"local engine {self.url}: call start() before wait_ready()")
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+        process = self._process
+
+        def ready() -> bool:
+            if process.poll() is not None:
                 raise EngineError(
-                    f"local engine {self.url} exited with {self._process.returncode} while "
+                    f"local engine {self.url} exited with {process.returncode} while "
                     f"starting; its log ({self.log_path}) ends with:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
+                return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+                return False
+
+        if poll_until(ready, time.monotonic() + self.startup_timeout_s, sleep_s=0.25):
+            return self
         self.stop()
         raise EngineError(
             f"local engine {self.url} not ready after {self.startup_timeout_s} s; "

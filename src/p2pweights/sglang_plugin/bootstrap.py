@@ -32,6 +32,7 @@ import uvicorn
 from fastapi import Body, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 
+from p2pweights.polling import poll_until
 from p2pweights.wire.publication import DIGESTS_ROLE
 
 logger = logging.getLogger(__name__)
@@ -121,11 +122,11 @@ class NixlAwareBootstrapServer:
         return app
 
     def _wait_started(self) -> None:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        while not self._server.started and self._thread.is_alive():
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+        poll_until(
+            lambda: self._server.started or not self._thread.is_alive(),
+            time.monotonic() + _STARTUP_TIMEOUT_S,
+            sleep_s=0.01,
+        )
         if not self._server.started:
             self.close()
             raise RuntimeError(

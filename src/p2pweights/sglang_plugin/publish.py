@@ -20,6 +20,7 @@ import httpx
 
 from p2pweights import environment
 from p2pweights.errors import ConfigError, EngineError
+from p2pweights.polling import poll_until
 from p2pweights.transports.nixl import NixlPublisher
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import DIGESTS_ROLE
@@ -215,24 +216,26 @@ def put_publication(
     payload: dict[str, Any] = {"tp_rank": engine_rank, "transfer_engine_info": info}
     if role is not None:  # a record kept apart from the publication (bootstrap.DIGESTS_ROLE)
         payload["role"] = role
-    deadline = time.monotonic() + timeout_s
-    while True:
+    failed: list[httpx.TransportError] = []  # the latest connection failure
+
+    def answered() -> bool:
         try:
             response = httpx.put(url, json=payload, timeout=10.0)
         except httpx.TransportError as exc:
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"tp rank {engine_rank}: the engine info bootstrap server at {bootstrap_url} "
-                    f"did not answer within {timeout_s:g} s ({exc!r}); check "
-                    f"--engine-info-bootstrap-port and that the head node's launcher runs the "
-                    f"p2pweights_nixl plugin too"
-                ) from exc
-            time.sleep(0.5)
-            continue
+            failed[:] = [exc]
+            return False
         if response.status_code != 200:
             raise EngineError(
                 f"tp rank {engine_rank}: the engine info bootstrap server at {bootstrap_url} "
                 f"refused the NIXL publication ({response.status_code}: {response.text[:300]}); "
                 f"is SGLANG_PLUGINS=p2pweights_nixl set for the launching process too?"
             )
-        return
+        return True
+
+    if not poll_until(answered, time.monotonic() + timeout_s, sleep_s=0.5):
+        raise EngineError(
+            f"tp rank {engine_rank}: the engine info bootstrap server at {bootstrap_url} "
+            f"did not answer within {timeout_s:g} s ({failed[0]!r}); check "
+            f"--engine-info-bootstrap-port and that the head node's launcher runs the "
+            f"p2pweights_nixl plugin too"
+        ) from failed[0]
