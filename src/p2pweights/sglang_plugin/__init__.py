@@ -1,6 +1,6 @@
 """An sglang general plugin: released sglang servers publish their weights over NIXL.
 
-Enable it on the engine host with ``pip install 'p2pweights[nixl]'`` and
+Enable it on the engine host with ``pip install 'p2pweights[nixl,engine]'`` and
 ``SGLANG_PLUGINS=p2pweights_nixl`` (the entry point ``p2pweights_nixl`` in group
 ``sglang.srt.plugins``); ``SGLANG_REMOTE_INSTANCE_NIXL_BACKEND`` picks the NIXL
 backend (default UCX). See docs/nixl-plugin.md.
