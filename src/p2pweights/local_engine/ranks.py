@@ -31,7 +31,6 @@ from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import facade
 from p2pweights.thread_patch import patched_call
-from p2pweights.transfer.buffers import aligned, staged_bytes
 from p2pweights.transports import Publisher, create_publisher
 
 BROADCAST_AREA = "__p2pweights_broadcast_area__"
@@ -89,15 +88,21 @@ def move_into_arena(
     # shared parameters listed once
     params = [p for _, p in model.named_parameters() if id(p) not in kept]
     device = params[0].device if params else torch.device("cpu")
-    arena = torch.empty(staged_bytes(p.nbytes for p in params), dtype=torch.uint8, device=device)
+    arena_bytes = sum(_aligned(p.nbytes) for p in params)
+    arena = torch.empty(arena_bytes, dtype=torch.uint8, device=device)
     offset = 0
     for param in params:
         num_bytes = param.nbytes
         view = arena[offset : offset + num_bytes].view(param.dtype).view(param.shape)
         view.copy_(param.data)
         param.data = view
-        offset += aligned(num_bytes)
+        offset += _aligned(num_bytes)
     return arena
+
+
+def _aligned(num_bytes: int) -> int:
+    """``num_bytes`` rounded up to the arena's slice alignment (256 bytes)."""
+    return -(-num_bytes // 256) * 256
 
 
 class _TensorsStayOnHost(TorchFunctionMode):
