@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+import warnings
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -188,10 +189,15 @@ class SyncConfig(_Config):
     """Bound on each update-session call that does no work on the weights (pause, flush,
     begin, version, continue): a hung engine outside the writes fails the update after this
     long (its state is then unknown and asked again before it is written).
-    ``end_weight_update`` re-processes the model and is bounded by ``http_timeout_s``."""
+    ``end_weight_update`` re-processes the model and has its own bound,
+    ``end_update_timeout_s``."""
     http_timeout_s: float = 60.0
-    """Bound on reading what an engine serves (server info, published weights at connect),
-    on ``end_weight_update`` and on the weight checker (which hashes every weight)."""
+    """Bound on reading what an engine serves (server info, published weights at connect)
+    and on the weight checker (which hashes every weight)."""
+    end_update_timeout_s: float = 60.0
+    """Bound on each engine's ``end_weight_update``, where it re-processes every weight
+    (derived weights, kernel layouts: seconds for a large fp8 MoE). Left unset, it takes
+    ``http_timeout_s`` (which bounded it before it had its own setting)."""
     pause_mode: Literal["retract", "abort", "in_place", "caller"] = "retract"
     """How engines pause generation before the update (sglang's /pause_generation mode).
     "caller": the caller pauses every engine before ``update()`` (so that sglang can flush
@@ -203,8 +209,11 @@ class SyncConfig(_Config):
     engines still generate, pausing them only right before the first write (with several
     sending ranks and an iterator, which may run collectives as it is read, they pause
     first whatever this says). False pauses them before the inputs are read."""
-    check_weight_update_equal: bool = False
-    """Ask each engine's weight checker to compare the first update with its own weights."""
+    verify_with_weight_checker: bool = False
+    """Verify the first update with each engine's own weight checker (sglang's
+    ``/weights_checker``): snapshot its weights, reset them, update, compare. The first
+    update must then send the weights the engine started with. (Was
+    ``check_weight_update_equal``.)"""
     verify_writes: Literal["auto", "always", "off"] = "auto"
     """After ``end_weight_update``, compare each engine rank's digest of every parameter
     this trainer rank wrote (taken by the rank right before its end re-processes the
@@ -217,9 +226,9 @@ class SyncConfig(_Config):
     delta: DeltaConfig | None = None
     """Send only what changed since the previous update (``DeltaConfig(...)``); None
     (the default) writes every byte every update."""
-    check_finite: bool = False
+    verify_finite_inputs: bool = False
     """Refuse, before it is staged, any tensor holding NaN or Inf (reads every byte once
-    more, on the tensor's own device; off by default)."""
+    more, on the tensor's own device; off by default). (Was ``check_finite``.)"""
     allow_sglang_mismatch: bool = False
     """Connect to engines whose sglang release differs from the trainer's (a warning
     instead of an error; the replica runs the trainer's copy of sglang's model code)."""
@@ -248,7 +257,24 @@ class SyncConfig(_Config):
             raise ValueError(f"buffer_bytes must be at least 1 MiB, got {size}")
         return size
 
-    @field_validator("transfer_timeout_s", "http_timeout_s", "control_timeout_s")
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**_renamed(data, stacklevel=4))
+
+    @property
+    def check_weight_update_equal(self) -> bool:
+        """Deprecated: ``verify_with_weight_checker``."""
+        _warn_renamed("check_weight_update_equal", stacklevel=3)
+        return self.verify_with_weight_checker
+
+    @property
+    def check_finite(self) -> bool:
+        """Deprecated: ``verify_finite_inputs``."""
+        _warn_renamed("check_finite", stacklevel=3)
+        return self.verify_finite_inputs
+
+    @field_validator(
+        "transfer_timeout_s", "http_timeout_s", "control_timeout_s", "end_update_timeout_s"
+    )
     @classmethod
     def _positive(cls, value: float) -> float:
         if value <= 0:
@@ -304,3 +330,35 @@ class SyncConfig(_Config):
     def leads(self) -> bool:
         """Whether this rank drives the engines' update session (stage 0's trainer rank 0)."""
         return self.trainer_rank == 0 and self.pipeline_stage == 0
+
+
+_RENAMED = {
+    "check_weight_update_equal": "verify_with_weight_checker",
+    "check_finite": "verify_finite_inputs",
+}
+"""``SyncConfig`` fields renamed in 0.2 (issue 30): old name -> new; the old one is still
+accepted, with a ``DeprecationWarning``, until the release after."""
+
+
+def _warn_renamed(old: str, stacklevel: int) -> None:
+    warnings.warn(
+        f"SyncConfig.{old} is now SyncConfig.{_RENAMED[old]}; the old name goes in the "
+        "next release",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _renamed(data: dict[str, Any], stacklevel: int) -> dict[str, Any]:
+    """``SyncConfig``'s keyword arguments with renamed fields under their new names (each
+    old name warns), and ``end_update_timeout_s`` defaulting to ``http_timeout_s``."""
+    data = dict(data)
+    for old, new in _RENAMED.items():
+        if old in data:
+            _warn_renamed(old, stacklevel)
+            if new in data:
+                raise ConfigError(f"SyncConfig got both {old} and {new}; give only {new}")
+            data[new] = data.pop(old)
+    if "end_update_timeout_s" not in data and "http_timeout_s" in data:
+        data["end_update_timeout_s"] = data["http_timeout_s"]
+    return data

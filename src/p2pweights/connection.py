@@ -89,6 +89,7 @@ class Connection:
                     config.control_timeout_s,
                     config.api_key,
                     config.allow_sglang_mismatch,
+                    end_update_timeout_s=config.end_update_timeout_s,
                 ),
             )
         except BaseException:

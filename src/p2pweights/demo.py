@@ -113,7 +113,7 @@ def _run_updates(
     config = SyncConfig(
         transport=MooncakeConfig(protocol="tcp") if transport == "mooncake" else NixlConfig(),
         buffer_bytes=parse_bytes(buffer_bytes),
-        check_weight_update_equal=True,
+        verify_with_weight_checker=True,
     )
     rows = []
     with WeightSyncSession(config) as session:
@@ -178,6 +178,6 @@ def _print_table(rows: list[tuple[UpdateReport, Mismatches]]) -> None:
         "\nseconds: pause to resume. load: sglang's loaders into the staging buffers; wait: on\n"
         "writes; control: pause, begin, end, version, resume. Update 1 also does one-off work:\n"
         "probe (which loader writes which parameter) and the engines' own weight check\n"
-        "(check_weight_update_equal: snapshot and reset inside control, compare as check).\n"
+        "(verify_with_weight_checker: snapshot and reset inside control, compare as check).\n"
         "bit-exact: each rank's weights equal sglang's own load_weights of the same tensors."
     )

@@ -24,7 +24,7 @@ Verification = Literal["write_digests", "weight_check"]
 every parameter, taken right before its ``end_weight_update``, equal to the digest of
 the bytes staged for it; ``SyncConfig.verify_writes``), "weight_check" (the engine's
 own weight checker compared the update with the weights it started with;
-``SyncConfig.check_weight_update_equal``, first update only)."""
+``SyncConfig.verify_with_weight_checker``, first update only)."""
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ class UpdateAttempt:
             connection.targets,
             [expected for expected, _ in connection.expected if expected is not None],
             buffer_bytes=self.config.buffer_bytes,
-            finite=self.config.check_finite,
+            finite=self.config.verify_finite_inputs,
         )
         if tensors is not None:
             prepared.source.check_whole(tensors)

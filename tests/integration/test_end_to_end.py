@@ -88,10 +88,10 @@ def test_streamed_iterator_and_safetensors_engine(model_dir, start_engines, tmp_
         assert_bit_exact([engine], folder, 7)
 
 
-def test_check_weight_update_equal_passes_on_the_start_weights(model_dir, start_engines):
+def test_verify_with_weight_checker_passes_on_the_start_weights(model_dir, start_engines):
     folder = model_dir("qwen3-tiny")
     (engine,) = start_engines(folder, [2], seed=3)
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), check_weight_update_equal=True)
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), verify_with_weight_checker=True)
     with WeightSyncSession(config) as session:
         session.connect([engine.url])
         report = session.update(seed_weights(folder, 3))  # the weights the engine started with

@@ -185,7 +185,7 @@ def test_dead_engine_fails_the_update_naming_url_rank_and_parameter(model_dir, s
 def test_engine_check_fails_the_update_on_a_mismatch(model_dir, start_engines):
     folder = model_dir("qwen3-tiny")
     (checked,) = start_engines(folder, [1], seed=0)
-    with WeightSyncSession(_config(check_weight_update_equal=True)) as session:
+    with WeightSyncSession(_config(verify_with_weight_checker=True)) as session:
         session.connect([checked.url])
         # The engine snapshots its start weights (seed 0); these differ, so compare must fail.
         with pytest.raises(EngineError, match="weights_checker"):

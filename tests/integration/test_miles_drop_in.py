@@ -73,7 +73,7 @@ def _trainer(rank, world, num_stages, port, urls, folder, seeds, victim, out, go
         update_weight_buffer_size=BUCKET_BYTES,
         p2p_transfer_timeout=10.0,
         pause_generation_mode="retract",
-        check_weight_update_equal=False,
+        verify_with_weight_checker=False,
         on_bucket=None,
     )
     actor = _miles_double.MegatronTrainRayActor(model)

@@ -14,7 +14,7 @@ def test_defaults():
     assert config.transport == MooncakeConfig(protocol="rdma")
     assert config.buffer_bytes == 512 * 2**20
     assert (config.transfer_timeout_s, config.pause_mode) == (30.0, "retract")
-    assert config.check_weight_update_equal is False and config.api_key is None
+    assert config.verify_with_weight_checker is False and config.api_key is None
 
 
 @pytest.mark.parametrize(
@@ -80,3 +80,73 @@ def test_delta_updates_are_off_by_default_and_refused_where_unsafe():
         SyncConfig(delta=DeltaConfig(), num_pipeline_stages=2)
     with pytest.raises(ConfigError, match="max_fraction"):
         DeltaConfig(max_fraction=0)
+
+
+# -- issue 30: names that say what a user chooses; the old ones for one more release ----------
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("check_weight_update_equal", "verify_with_weight_checker"),
+        ("check_finite", "verify_finite_inputs"),
+    ],
+)
+def test_renamed_checks_still_work_with_a_warning(old: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"SyncConfig.{old} is now SyncConfig.{new}"):
+        config = SyncConfig(**{old: True})
+    assert getattr(config, new) is True
+    assert old not in config.model_dump()  # the dump (and a copy made from it) uses the new name
+    assert SyncConfig(**config.model_dump()) == config
+    with pytest.warns(DeprecationWarning, match=new):
+        assert getattr(config, old) is True  # reading the old name too
+    with (
+        pytest.raises(ConfigError, match=f"both {old} and {new}"),
+        pytest.warns(DeprecationWarning),
+    ):
+        SyncConfig(**{old: True, new: False})
+
+
+def test_new_check_names_do_not_warn(recwarn: pytest.WarningsRecorder) -> None:
+    config = SyncConfig(verify_with_weight_checker=True, verify_finite_inputs=True)
+    assert config.verify_with_weight_checker and config.verify_finite_inputs
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_end_update_timeout_is_its_own_setting() -> None:
+    assert SyncConfig().end_update_timeout_s == 60.0
+    # left unset it follows http_timeout_s, which bounded end_weight_update before
+    assert SyncConfig(http_timeout_s=300).end_update_timeout_s == 300
+    config = SyncConfig(http_timeout_s=10, end_update_timeout_s=900)
+    assert (config.http_timeout_s, config.end_update_timeout_s) == (10, 900)
+    with pytest.raises(ConfigError, match="positive"):
+        SyncConfig(end_update_timeout_s=0)
+
+
+def test_end_weight_update_is_bounded_by_its_own_timeout() -> None:
+    """The client gives end_weight_update its own bound and names it when it runs out."""
+    import httpx
+
+    from p2pweights import EngineUnreachable
+    from p2pweights.engines.client import EngineClient
+
+    timeouts: dict[str, object] = {}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        timeouts[request.url.path] = request.extensions["timeout"]["read"]
+        if request.url.path == "/end_weight_update":
+            raise httpx.ReadTimeout("slow", request=request)
+        return httpx.Response(200, json={"success": True})
+
+    client = EngineClient(
+        "http://engine:1",
+        timeout_s=5,
+        control_timeout_s=2,
+        end_update_timeout_s=120,
+        transport=httpx.MockTransport(handle),
+    )
+    client.begin_weight_update()
+    with pytest.raises(EngineUnreachable, match=r"within 120 s \(end_update_timeout_s\)"):
+        client.end_weight_update()
+    client.close()
+    assert timeouts == {"/begin_weight_update": 2, "/end_weight_update": 120}

@@ -124,7 +124,7 @@ def _args(**overrides) -> Namespace:
         "update_weight_buffer_size": 64 * 2**20,
         "p2p_transfer_timeout": 45.0,
         "pause_generation_mode": "in_place",
-        "check_weight_update_equal": True,
+        "verify_with_weight_checker": True,
         "update_weight_transfer_mode": "p2p",
     }
     return Namespace(**{**fields, **overrides})
@@ -253,7 +253,7 @@ def test_config_from_miles_flags(monkeypatch):
     assert config.pause_mode == "in_place"
     # miles checks the first update itself (snapshot and reset before training, compare
     # after); the session's own check would snapshot the reset weights
-    assert not config.check_weight_update_equal
+    assert not config.verify_with_weight_checker
     assert (config.pipeline_stage, config.num_pipeline_stages) == (1, 4)
     assert config.transport == MooncakeConfig(protocol="rdma", local_hostname="10.0.0.7")
 

@@ -297,7 +297,7 @@ def test_update_session_order(engines):
 
 
 def test_check_snapshots_once_and_compares_once(engines):
-    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True, pause_mode="in_place")
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True, pause_mode="in_place")
     with WeightSyncSession(config) as session:
         session.connect(["http://e0"])
         session.update(_tensors(0))  # the engine's start weights: the check passes
@@ -338,7 +338,7 @@ def _fail_once(engines, url, step, kind, reports_state):
 def test_failure_at_any_step_then_retry_converges(engines, step, kind, reports_state, num_engines):
     """The first update sends the engines' start weights (zeros), as the weight check needs;
     reset_tensors fills every weight with noise, so holding zeros proves the rewrite."""
-    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
     engine = _fail_once(engines, "http://e0", step, kind, reports_state)
     urls = ["http://e0", "http://e1"][:num_engines]
     with WeightSyncSession(config) as session:
@@ -363,7 +363,7 @@ def test_failure_at_any_step_then_retry_converges(engines, step, kind, reports_s
 def test_failure_at_any_step_then_giving_up_leaves_engines_running(
     engines, step, kind, reports_state, give_up
 ):
-    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
     engine = _fail_once(engines, "http://e0", step, kind, reports_state)
     session = WeightSyncSession(config)
     session.connect(["http://e0"])
@@ -659,7 +659,7 @@ def test_a_rank_that_fails_early_still_reads_a_stream_to_its_end_with_other_send
 
 
 def test_a_failed_weight_check_leaves_the_engine_torn_until_an_update_passes_it(engines):
-    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
     engine = engines.setdefault("http://c", FakeEngine("http://c"))
     with WeightSyncSession(config) as session:
         session.connect(["http://c"])
@@ -832,7 +832,7 @@ def test_long_steps_show_progress_when_asked(engines, capsys):
 
 
 def test_the_weight_check_is_not_repeated_after_a_reconnect(engines):
-    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
     with WeightSyncSession(config) as session:
         session.connect(["http://e0"])
         session.update(_tensors(0))  # the start weights: checked once

@@ -69,7 +69,7 @@ def test_the_report_says_which_engines_were_verified_and_how(engines):
 
 def test_the_engines_weight_check_counts_as_verification_on_the_update_it_ran(engines):
     engines.setdefault("http://plain", FakeEngine("http://plain"))
-    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
     with WeightSyncSession(config) as session:
         session.connect(["http://plain"])
         first = session.update(_tensors(0))  # the engine's own weights: the check passes
@@ -80,7 +80,7 @@ def test_the_engines_weight_check_counts_as_verification_on_the_update_it_ran(en
 
 def test_write_digests_and_the_weight_check_both_count(engines):
     engines.setdefault("http://e0", DigestEngine("http://e0"))
-    config = SyncConfig(buffer_bytes="1MiB", check_weight_update_equal=True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
     with WeightSyncSession(config) as session:
         session.connect(["http://e0"])
         report = session.update(_tensors(0))

@@ -62,7 +62,7 @@ def test_engine_kwargs_map_to_sync_config_fields():
                 "transport": {"kind": "mooncake", "protocol": "tcp", "device_name": "mlx5_0"},
                 "pause_mode": "abort",
                 "transfer_timeout_s": 90,
-                "check_weight_update_equal": True,
+                "verify_with_weight_checker": True,
             }
         }
     )["p2pweights"]
@@ -72,7 +72,7 @@ def test_engine_kwargs_map_to_sync_config_fields():
         buffer_bytes=2048 << 20,
         pause_mode="abort",
         transfer_timeout_s=90,
-        check_weight_update_equal=True,
+        verify_with_weight_checker=True,
     )
     nixl = sync_config(256 << 20, {"transport": {"kind": "nixl", "backend": "UCX"}})
     assert nixl.transport == NixlConfig(backend="UCX")

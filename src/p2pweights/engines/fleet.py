@@ -138,6 +138,8 @@ class ConnectOptions:
     control_timeout_s: float
     api_key: SecretStr | None = None
     allow_sglang_mismatch: bool = False
+    end_update_timeout_s: float | None = None
+    """Bound on ``end_weight_update``; None: ``timeout_s``."""
 
 
 def connect_engine(
@@ -148,6 +150,7 @@ def connect_engine(
         endpoint.url,
         timeout_s=options.timeout_s,
         control_timeout_s=options.control_timeout_s,
+        end_update_timeout_s=options.end_update_timeout_s,
         api_key=endpoint.api_key or options.api_key,
     )
     try:

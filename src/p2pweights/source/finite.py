@@ -1,4 +1,4 @@
-"""The opt-in NaN / Inf check of a trainer's tensors (``SyncConfig(check_finite=True)``).
+"""The opt-in NaN / Inf check of a trainer's tensors (``SyncConfig(verify_finite_inputs=True)``).
 
 Off by default: it reads every byte once more, on the tensor's own device (about 4
 TB/s for bf16 and 1 TB/s for fp8 on an H200; a few GB/s on a CPU core).
@@ -56,5 +56,5 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
         return
     raise ConfigError(
         f"HF tensor {name!r} holds {count} NaN or Inf value(s) among {tensor.numel()} "
-        f"(checked because SyncConfig(check_finite=True))"
+        f"(checked because SyncConfig(verify_finite_inputs=True))"
     )
