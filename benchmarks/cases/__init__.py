@@ -1,0 +1,1 @@
+"""The benchmark cases; each entry script in ``benchmarks/`` lists its own."""

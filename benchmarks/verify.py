@@ -1,0 +1,34 @@
+"""What verified writes cost: the same updates with verify_writes on and off, the write
+digest's throughput, and the digest kernel's variants.
+
+    .venv/bin/python benchmarks/verify.py digest --device cpu --layers 2
+"""
+
+import sys
+
+from harness import Case, main
+
+CASES = [
+    Case(
+        "cost",
+        "verify_cost",
+        "updates with SyncConfig.verify_writes on and off, alternated",
+        "verify_cost",
+    ),
+    Case(
+        "digest",
+        "verify_digest",
+        "the write digest's GB/s, whole and per staging batch",
+        "digest_throughput",
+    ),
+    Case(
+        "digest-kernel",
+        "verify_digest_kernel",
+        "the digest kernel's shapes vs torch",
+        "digest_kernel_variants",
+        needs_cuda=True,
+    ),
+]
+
+if __name__ == "__main__":
+    sys.exit(main(__file__, __doc__, CASES))
