@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2pweights.errors import TransferError, UnsettledWrite
-from p2pweights.transports.base import Write
+from p2pweights.transports.base import GivenUp, Write
 from p2pweights.transports.nixl import NixlTransport, _RemoteAgent
 from p2pweights.transports.regions import RegionIndex
 from p2pweights.wire.publication import RankPublication, WeightRegion
@@ -79,7 +79,7 @@ def _transport(agent: RefusingAgent, staging: torch.Tensor) -> NixlTransport:
     transport._local_device = {address: 0}
     transport._descs, transport._registered = {}, []
     transport._remote = {"engine_agent": _RemoteAgent("DRAM", {0: RegionIndex([(4096, 64)])})}
-    transport._in_flight = []
+    transport._given_up = GivenUp("NIXL", "agent", "transfer")
     return transport
 
 

@@ -12,7 +12,7 @@ import torch
 
 from p2pweights.config import MooncakeConfig
 from p2pweights.errors import TransferError, UnsettledWrite
-from p2pweights.transports.base import Write
+from p2pweights.transports.base import GivenUp, Write
 from p2pweights.transports.mooncake import MooncakeTransport
 from p2pweights.transports.regions import RegionIndex
 from p2pweights.wire.publication import RankPublication, WeightRegion
@@ -68,7 +68,7 @@ def _transport(engine: FakeMooncakeEngine) -> MooncakeTransport:
     transport._registered = []
     transport._local = RegionIndex([])
     transport._peers = set()
-    transport._in_flight = []
+    transport._given_up = GivenUp("Mooncake", "engine", "write")
     return transport
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from p2pweights.errors import ConfigError
 from p2pweights.polling import poll_until
 from p2pweights.wire.publication import RankPublication
 
@@ -147,15 +148,57 @@ class InFlight(ABC):
         """Release what the transfers held (called once, after they ended)."""
 
 
-def unsettled(in_flight: list[InFlight]) -> list[InFlight]:
-    """Those of ``in_flight`` that one poll does not find settled (settled ones are dropped)."""
-    return [entry for entry in in_flight if not entry.settle(0.0)]
+class GivenUp:
+    """The transfers one transport's writes gave up on (``InFlight``), until each ended:
+    the staging memory they read stays registered, and at close what drives them is kept
+    for the life of the process. The transport calls it under its own lock."""
+
+    def __init__(self, transport: str, driver: str, noun: str) -> None:
+        # for the log: "Mooncake", its "engine", "write(s)" given up on
+        self._transport, self._driver, self._noun = transport, driver, noun
+        self._entries: list[InFlight] = []
+
+    def add(self, entry: InFlight) -> None:
+        self._entries.append(entry)
+
+    def unended(self) -> list[InFlight]:
+        """Those one poll does not find ended (the ended ones are forgotten)."""
+        self._entries = [entry for entry in self._entries if not entry.settle(0.0)]
+        return list(self._entries)
+
+    def keep_registered(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` must stay registered: one not ended still reads it (logged)."""
+        address, num_bytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        if not any(entry.reads(address, num_bytes) for entry in self.unended()):
+            return False
+        logger.warning(
+            "%s: a staging buffer at 0x%x stays registered: a write given up on still reads it",
+            self._transport,
+            address,
+        )
+        return True
+
+    def keep_at_close(self, driver: object, name: Callable[[], str], registered: list[Any]) -> bool:
+        """At close, whether any has not ended; if so ``driver`` (the engine or agent whose
+        threads may still move their bytes, ``name()`` in the log) and ``registered`` (the
+        memory they read) are never freed (``quarantine``)."""
+        unended = self.unended()
+        if not unended:
+            return False
+        quarantine(
+            (driver, unended, registered),
+            f"{self._transport} {self._driver} {name()} with {len(registered)} registered "
+            f"buffer(s)",
+            f"{len(unended)} {self._noun}(s) given up on have not ended",
+        )
+        return True
 
 
-def reading(in_flight: Sequence[InFlight], buffer: torch.Tensor) -> bool:
-    """Whether any of ``in_flight`` reads ``buffer``'s memory."""
-    num_bytes = buffer.numel() * buffer.element_size()
-    return any(entry.reads(buffer.data_ptr(), num_bytes) for entry in in_flight)
+def source_region(buffer: torch.Tensor) -> tuple[int, int]:
+    """(address, num_bytes) of a staging buffer to register as a write source."""
+    if not buffer.is_contiguous():
+        raise ConfigError("a staging buffer must be contiguous to be registered")
+    return buffer.data_ptr(), buffer.numel() * buffer.element_size()
 
 
 _QUARANTINE: list[object] = []

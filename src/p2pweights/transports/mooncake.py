@@ -36,7 +36,6 @@ import torch
 from p2pweights import environment, logs
 from p2pweights.config import MooncakeConfig
 from p2pweights.errors import (
-    ConfigError,
     TransferError,
     TransportError,
     UnsettledWrite,
@@ -44,14 +43,13 @@ from p2pweights.errors import (
     where,
 )
 from p2pweights.transports.base import (
+    GivenUp,
     InFlight,
     Publisher,
     Transport,
     Write,
     poll_transfers,
-    quarantine,
-    reading,
-    unsettled,
+    source_region,
 )
 from p2pweights.transports.regions import RegionIndex, merged_regions, weights_info
 from p2pweights.wire.publication import RankPublication, require_backend
@@ -197,7 +195,7 @@ class MooncakeTransport(Transport):
         self._registered: list[tuple[int, int]] = []
         self._local = RegionIndex([])
         self._peers: set[str] = set()
-        self._in_flight: list[InFlight] = []
+        self._given_up = GivenUp("Mooncake", "engine", "write")
         """Batches writes gave up on that had not ended: their memory stays registered."""
 
     @property
@@ -211,9 +209,7 @@ class MooncakeTransport(Transport):
         return f"{self._config.local_hostname}:{self._engine.get_rpc_port()}"
 
     def register(self, buffer: torch.Tensor) -> None:
-        if not buffer.is_contiguous():
-            raise ConfigError("a staging buffer must be contiguous to be registered")
-        address, num_bytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        address, num_bytes = source_region(buffer)
         with self._lock:
             if self._local.covers(address, num_bytes):
                 return
@@ -231,13 +227,7 @@ class MooncakeTransport(Transport):
         with self._lock:
             if not any(a == address for a, _ in self._registered):
                 return
-            self._in_flight = unsettled(self._in_flight)
-            if reading(self._in_flight, buffer):
-                logger.warning(
-                    "Mooncake: a staging buffer at 0x%x stays registered: a write given up on "
-                    "still reads it",
-                    address,
-                )
+            if self._given_up.keep_registered(buffer):
                 return
             self._engine.unregister_memory(address)
             self._registered = [r for r in self._registered if r[0] != address]
@@ -323,7 +313,7 @@ class MooncakeTransport(Transport):
             [(writes[i].src_address, writes[i].num_bytes) for i in pending.values()],
         )
         with self._lock:
-            self._in_flight.append(batches)
+            self._given_up.add(batches)
         return UnsettledWrite(
             f"{self._message(target, writes, failures + late)}; {len(pending)} of them are "
             f"still in flight and may land later, so this engine rank stays torn until they "
@@ -343,18 +333,11 @@ class MooncakeTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            self._in_flight = unsettled(self._in_flight)
-            if self._in_flight:
-                # its worker threads may still move those bytes: neither the engine nor the
-                # memory it reads may go
-                quarantine(
-                    (self._engine, self._in_flight, self._registered),
-                    f"Mooncake engine {self.session_id} with {len(self._registered)} "
-                    f"registered buffer(s)",
-                    f"{len(self._in_flight)} write(s) given up on have not ended",
-                )
-            else:
-                for address, _ in self._registered:
+            # its worker threads may still move the bytes of writes given up on: then
+            # neither the engine nor the memory it reads may go
+            engine, registered = self._engine, self._registered
+            if not self._given_up.keep_at_close(engine, lambda: self.session_id, registered):
+                for address, _ in registered:
                     self._engine.unregister_memory(address)
             self._registered = []
             self._local = RegionIndex([])

@@ -70,14 +70,13 @@ from p2pweights.config import NixlConfig
 from p2pweights.environment import keep_ucx_efa_module_out
 from p2pweights.errors import ConfigError, TransferError, TransportError, UnsettledWrite, where
 from p2pweights.transports.base import (
+    GivenUp,
     InFlight,
     Publisher,
     Transport,
     Write,
     poll_transfers,
-    quarantine,
-    reading,
-    unsettled,
+    source_region,
 )
 from p2pweights.transports.regions import RegionIndex, merged_regions, weights_info
 from p2pweights.wire.publication import RankPublication, require_backend
@@ -181,7 +180,7 @@ class NixlTransport(Transport):
         self._local_device: dict[int, int] = {}  # buffer address -> device id
         self._descs: dict[int, Any] = {}  # buffer address -> its nixlRegDList
         self._remote: dict[str, _RemoteAgent] = {}  # agent name -> what we learnt
-        self._in_flight: list[InFlight] = []
+        self._given_up = GivenUp("NIXL", "agent", "transfer")
         """Transfers writes gave up on that had not ended: their memory stays registered."""
 
     @property
@@ -189,10 +188,8 @@ class NixlTransport(Transport):
         return str(self._agent.name)
 
     def register(self, buffer: torch.Tensor) -> None:
-        if not buffer.is_contiguous():
-            raise ConfigError("a staging buffer must be contiguous to be registered")
+        address, num_bytes = source_region(buffer)
         mem_type, device = _mem_type(buffer)
-        address, num_bytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         with self._lock:
             index = self._local_index.get(mem_type)
             if index is not None and index.covers(address, num_bytes):
@@ -213,13 +210,7 @@ class NixlTransport(Transport):
         mem_type, _ = _mem_type(buffer)
         address = buffer.data_ptr()
         with self._lock:
-            self._in_flight = unsettled(self._in_flight)
-            if reading(self._in_flight, buffer):
-                logger.warning(
-                    "NIXL: a staging buffer at 0x%x stays registered: a write given up on "
-                    "still reads it",
-                    address,
-                )
+            if self._given_up.keep_registered(buffer):
                 return
             descs = self._descs.pop(address, None)
             if descs is None:
@@ -252,10 +243,9 @@ class NixlTransport(Transport):
 
     def disconnect(self, target: RankPublication) -> None:
         with self._lock:
-            self._in_flight = unsettled(self._in_flight)
             if any(
                 isinstance(e, _PendingTransfer) and e.peer == target.agent_name
-                for e in self._in_flight
+                for e in self._given_up.unended()
             ):
                 # NIXL deletes a handle whose remote agent went (getXferStatus answers
                 # NOT_FOUND): it could then be neither polled nor released
@@ -343,7 +333,7 @@ class NixlTransport(Transport):
                 self._agent, handle, target.peer, [(w.src_address, w.num_bytes) for w in writes]
             )
             with self._lock:
-                self._in_flight.append(transfer)
+                self._given_up.add(transfer)
             message = self._error(target, writes, f"not done after {timeout_s:g} s")
             raise UnsettledWrite(
                 f"{message}; NIXL cannot confirm it cancelled, so it may still land and this "
@@ -394,16 +384,9 @@ class NixlTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            self._in_flight = unsettled(self._in_flight)
-            if self._in_flight:
-                # the agent may still move those bytes: neither it, its connections, nor
-                # the memory registered with it may go
-                quarantine(
-                    (self._agent, self._in_flight, self._registered),
-                    f"NIXL agent {self.agent_name} with {len(self._registered)} registered "
-                    f"buffer(s)",
-                    f"{len(self._in_flight)} transfer(s) given up on have not ended",
-                )
+            # the agent may still move the bytes of transfers given up on: then neither
+            # it, its connections, nor the memory registered with it may go
+            if self._given_up.keep_at_close(self._agent, lambda: self.agent_name, self._registered):
                 self._remote.clear()
                 self._registered = []
                 return
