@@ -30,11 +30,9 @@ import torch
 
 from p2pweights.delta.flush_compare import FlushSlot, encode_flush
 from p2pweights.wire.delta import DeltaEntry, encode
+from p2pweights.wire.publication import Runner
 
-__all__ = ["FlushLayout", "PreviousBytes", "TargetKey"]
-
-TargetKey = Hashable
-"""An engine rank's runner, as the caller names it: (engine URL, engine rank, role)."""
+__all__ = ["FlushLayout", "PreviousBytes"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,7 @@ class PreviousBytes:
         """Flush position in an update -> the image of that flush's range."""
         self._seen: set[tuple[Hashable, str]] = set()
         """Parameters this update's flushes staged so far."""
-        self._holders: set[TargetKey] = set()
+        self._holders: set[Runner] = set()
         self.sequence = 0
         """The update whose bytes are stored (0: none)."""
 
@@ -85,7 +83,7 @@ class PreviousBytes:
         session's (nanoseconds since the epoch)."""
         return max(time.time_ns(), self.sequence + 1)
 
-    def holds(self, target: TargetKey) -> bool:
+    def holds(self, target: Runner) -> bool:
         """Whether ``target`` holds the stored bytes (a delta against them fits it)."""
         return self.sequence != 0 and target in self._holders
 
@@ -169,7 +167,7 @@ class PreviousBytes:
         return entries
 
     def finish(
-        self, sequence: int, holders: Iterable[TargetKey], num_flushes: int | None = None
+        self, sequence: int, holders: Iterable[Runner], num_flushes: int | None = None
     ) -> None:
         """The update ``sequence`` succeeded: its bytes are stored, and ``holders``
         received all of them; images of flush positions past its ``num_flushes`` go."""
@@ -191,7 +189,7 @@ class PreviousBytes:
         self._holders.clear()
         self.sequence = 0
 
-    def forget_target(self, target: TargetKey) -> None:
+    def forget_target(self, target: Runner) -> None:
         """``target`` no longer holds the stored bytes (its next update is full)."""
         self._holders.discard(target)
 
