@@ -14,9 +14,9 @@ its heavy dependencies when it needs them.
 
 The public API is ``__all__`` here and in these modules (each pinned by a test):
 
-- ``p2pweights``: what a trainer uses: the session, its configs (``DeltaConfig`` too), the
-  reports (``UpdateReport``, ``EngineReport``, ``DeltaReport``, ``AbortReport``) and the
-  errors;
+- ``p2pweights``: what a trainer uses: the session, its configs (``DeltaConfig`` too),
+  ``TrainerTopology`` (where a process stands among the sending ranks), the reports
+  (``UpdateReport``, ``EngineReport``, ``DeltaReport``, ``AbortReport``) and the errors;
 - ``p2pweights.verify``: ``verify_engine``, the checksums it compares and ``EngineClient``
   (an engine's HTTP API), for checking an engine bit-exactly (tests, demos); both were
   top-level names in 0.1 and import from ``p2pweights`` with a ``DeprecationWarning``
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         MooncakeConfig,
         NixlConfig,
         SyncConfig,
+        TrainerTopology,
     )
     from p2pweights.engines.endpoint import EngineEndpoint
     from p2pweights.engines.update_session import AbortReport
@@ -82,6 +83,7 @@ __all__ = [
     "SessionBusyError",
     "SyncConfig",
     "TransferError",
+    "TrainerTopology",
     "TransportError",
     "UnsettledWrite",
     "UpdateReport",
@@ -109,6 +111,7 @@ _WHERE = {
     "SessionBusyError": "p2pweights.errors",
     "SyncConfig": "p2pweights.config",
     "TransferError": "p2pweights.errors",
+    "TrainerTopology": "p2pweights.config",
     "TransportError": "p2pweights.errors",
     "UnsettledWrite": "p2pweights.errors",
     "UpdateReport": "p2pweights.report",

@@ -173,6 +173,56 @@ class DeltaConfig(_Config):
         return value
 
 
+class TrainerTopology(_Config):
+    """Where this trainer process stands among the processes that send weights: facts of
+    the run, not choices. ``WeightSyncSession.from_torch_distributed`` builds it from
+    ``torch.distributed``; the default is one process sending every weight.
+
+    ``WeightSyncSession(config, topology=TrainerTopology(rank=r, num_ranks=n))`` for
+    ``n`` ranks holding the same weights (engine ranks are split among them; rank 0 of
+    stage 0 drives the engines' update session)."""
+
+    model_config = _FROZEN
+
+    rank: int = 0
+    """This process's rank among the trainer ranks that send the same weights (its
+    pipeline stage's ranks)."""
+    num_ranks: int = 1
+    """How many trainer ranks send the same weights; engine ranks are split among them.
+    With pipeline stages: the ranks of one stage."""
+    pipeline_stage: int = 0
+    """This process's pipeline stage. Each stage is its own group of sending ranks: it
+    sends only its own parameters, to every engine rank."""
+    num_pipeline_stages: int = 1
+    """How many pipeline stages send (disjoint parameters each); every stage has
+    ``num_ranks`` ranks."""
+
+    @field_validator("num_ranks", "num_pipeline_stages")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"rank and stage counts must be at least 1, got {value}")
+        return value
+
+    def model_post_init(self, _context: object) -> None:
+        if not 0 <= self.rank < self.num_ranks:
+            raise ConfigError(f"rank {self.rank} is outside 0..{self.num_ranks - 1}")
+        if not 0 <= self.pipeline_stage < self.num_pipeline_stages:
+            raise ConfigError(
+                f"pipeline_stage {self.pipeline_stage} is outside 0..{self.num_pipeline_stages - 1}"
+            )
+
+
+def _topology_fields(topology: TrainerTopology) -> dict[str, int]:
+    """``topology`` under the names of ``SyncConfig``'s copy of it."""
+    return {
+        "trainer_rank": topology.rank,
+        "num_trainer_ranks": topology.num_ranks,
+        "pipeline_stage": topology.pipeline_stage,
+        "num_pipeline_stages": topology.num_pipeline_stages,
+    }
+
+
 class SyncConfig(_Config):
     """Everything a ``WeightSyncSession`` needs besides the engines and the tensors."""
 
@@ -237,17 +287,15 @@ class SyncConfig(_Config):
     string; it is kept as a ``pydantic.SecretStr``, shown as ``**********`` in every repr,
     dump and log (``api_key.get_secret_value()`` reads it)."""
     trainer_rank: int = 0
-    """This process's rank among the trainer ranks that send the same weights (its
-    pipeline stage's ranks)."""
+    """The session's copy of ``TrainerTopology.rank``. Deprecated as a setting (a fact of
+    the run, not a choice): pass ``WeightSyncSession(config, topology=...)``."""
     num_trainer_ranks: int = 1
-    """How many trainer ranks send (hold the same weights); engine ranks are split among
-    them. With pipeline stages: the ranks of one stage."""
+    """The session's copy of ``TrainerTopology.num_ranks`` (deprecated as a setting)."""
     pipeline_stage: int = 0
-    """This process's pipeline stage. Each stage is its own group of sending ranks: it
-    sends only its own parameters, to every engine rank."""
+    """The session's copy of ``TrainerTopology.pipeline_stage`` (deprecated as a setting)."""
     num_pipeline_stages: int = 1
-    """How many pipeline stages send (disjoint parameters each); every stage has
-    ``num_trainer_ranks`` ranks. Stage 0's trainer rank 0 drives the engines."""
+    """The session's copy of ``TrainerTopology.num_pipeline_stages`` (deprecated as a
+    setting)."""
 
     @field_validator("buffer_bytes", mode="before")
     @classmethod
@@ -322,6 +370,24 @@ class SyncConfig(_Config):
         return "device copy"
 
     @property
+    def topology(self) -> TrainerTopology:
+        """Where the session that holds this config stands among the sending ranks."""
+        return TrainerTopology(
+            rank=self.trainer_rank,
+            num_ranks=self.num_trainer_ranks,
+            pipeline_stage=self.pipeline_stage,
+            num_pipeline_stages=self.num_pipeline_stages,
+        )
+
+    def with_topology(self, topology: TrainerTopology) -> SyncConfig:
+        """This config as a session standing at ``topology`` holds it."""
+        fields = {**self.model_dump(), **_topology_fields(topology)}
+        try:
+            return type(self).model_validate(fields)  # not __init__: no deprecation warning
+        except ValidationError as exc:
+            raise ConfigError(f"invalid SyncConfig: {_without_links(exc)}") from exc
+
+    @property
     def num_senders(self) -> int:
         """Every sending trainer rank, of every pipeline stage (the ranks that ``agree``)."""
         return self.num_trainer_ranks * self.num_pipeline_stages
@@ -340,6 +406,9 @@ _RENAMED = {
 accepted, with a ``DeprecationWarning``, until the release after."""
 
 
+_TOPOLOGY_FIELDS = ("trainer_rank", "num_trainer_ranks", "pipeline_stage", "num_pipeline_stages")
+
+
 def _warn_renamed(old: str, stacklevel: int) -> None:
     warnings.warn(
         f"SyncConfig.{old} is now SyncConfig.{_RENAMED[old]}; the old name goes in the "
@@ -353,6 +422,16 @@ def _renamed(data: dict[str, Any], stacklevel: int) -> dict[str, Any]:
     """``SyncConfig``'s keyword arguments with renamed fields under their new names (each
     old name warns), and ``end_update_timeout_s`` defaulting to ``http_timeout_s``."""
     data = dict(data)
+    given = [name for name in _TOPOLOGY_FIELDS if name in data]
+    if given:
+        warnings.warn(
+            f"SyncConfig({', '.join(given)}) is deprecated: where this process stands among "
+            "the sending ranks is not a setting; pass WeightSyncSession(config, "
+            "topology=TrainerTopology(...)) or use WeightSyncSession.from_torch_distributed "
+            "(the fields go in the next release)",
+            DeprecationWarning,
+            stacklevel=stacklevel - 1,  # called here, not through _warn_renamed
+        )
     for old, new in _RENAMED.items():
         if old in data:
             _warn_renamed(old, stacklevel)

@@ -51,7 +51,7 @@ import torch
 
 from p2pweights import logs
 from p2pweights.collective import Collective
-from p2pweights.config import SyncConfig
+from p2pweights.config import SyncConfig, TrainerTopology
 from p2pweights.connection import Connection
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.update_session import AbortReport
@@ -73,11 +73,14 @@ class WeightSyncSession:
         self,
         config: SyncConfig | None = None,
         *,
+        topology: TrainerTopology | None = None,
         agree: Callable[[bool], bool] | None = None,
         gather: Callable[[object], list[object]] | None = None,
         staging_device: torch.device | str | None = None,
     ):
-        """``agree(ok)`` must return whether every sending trainer rank, of every pipeline
+        """``topology``: where this process stands among the sending trainer ranks (default:
+        the only one); it replaces the deprecated ``SyncConfig`` fields of the same facts.
+        ``agree(ok)`` must return whether every sending trainer rank, of every pipeline
         stage, passed ``True`` (an all-reduce of the flags, e.g.
         ``p2pweights.adapters.torch_agree()``); it is required with more than one sending
         rank. ``gather(obj)`` must return every such rank's ``obj`` (picklable), in one
@@ -89,7 +92,9 @@ class WeightSyncSession:
         else pinned host memory. ``from_torch_distributed`` fills all of this in.
         """
         logs.configure()  # P2PWEIGHTS_LOG, and third-party noise kept out
-        self.config = config or SyncConfig()
+        config = config or SyncConfig()
+        # the config as this session holds it: its topology filled in
+        self.config = config if topology is None else config.with_topology(topology)
         if self.config.num_senders > 1 and agree is None:
             raise ConfigError(
                 "with several sending trainer ranks pass agree= (e.g. "
@@ -124,16 +129,18 @@ class WeightSyncSession:
         config: SyncConfig | None = None,
         *,
         group: Any = None,
+        pipeline_stage: int | None = None,
+        num_pipeline_stages: int | None = None,
         staging_device: torch.device | str | None = None,
     ) -> WeightSyncSession:
         """A session for every rank of a ``torch.distributed`` ``group`` (default: all).
 
         Every rank of ``group`` sends, and each must call this (it runs one all-gather).
-        ``config.pipeline_stage`` / ``num_pipeline_stages`` say which stage this rank
-        holds (default: one stage, all ranks holding the same weights, e.g. FSDP2);
-        ``trainer_rank`` and ``num_trainer_ranks`` are filled in (this rank's place
-        among its stage's ranks, in group order), replacing any given, as are ``agree``
-        and ``gather`` over ``group`` (gloo or NCCL).
+        ``pipeline_stage`` / ``num_pipeline_stages`` say which stage this rank holds
+        (default: the config's, else one stage, all ranks holding the same weights, e.g.
+        FSDP2); this rank's place among its stage's ranks, in group order, makes the
+        session's ``TrainerTopology``, and ``agree`` and ``gather`` run over ``group``
+        (gloo or NCCL).
         """
         from p2pweights.adapters.torch_distributed import (
             torch_agree,
@@ -142,14 +149,25 @@ class WeightSyncSession:
         )
 
         config = config or SyncConfig()
-        rank, size = torch_stage_ranks(config.pipeline_stage, config.num_pipeline_stages, group)
-        fields = {**config.model_dump(), "trainer_rank": rank, "num_trainer_ranks": size}
+        stage = config.pipeline_stage if pipeline_stage is None else pipeline_stage
+        num_stages = (
+            config.num_pipeline_stages if num_pipeline_stages is None else num_pipeline_stages
+        )
+        rank, size = torch_stage_ranks(stage, num_stages, group)
         return cls(
-            SyncConfig(**fields),
+            config,
+            topology=TrainerTopology(
+                rank=rank, num_ranks=size, pipeline_stage=stage, num_pipeline_stages=num_stages
+            ),
             agree=torch_agree(group),
             gather=torch_gather(group),
             staging_device=staging_device,
         )
+
+    @property
+    def topology(self) -> TrainerTopology:
+        """Where this process stands among the sending trainer ranks."""
+        return self.config.topology
 
     @property
     def _rank_name(self) -> str:

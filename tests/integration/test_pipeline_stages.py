@@ -51,16 +51,13 @@ def _trainer(rank: int, port: int, urls: list[str], folder: str, gos, out) -> No
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     stage = rank // 2
-    config = SyncConfig(
-        transport=MooncakeConfig(protocol="tcp"),
-        buffer_bytes="1MiB",
-        pipeline_stage=stage,
-        num_pipeline_stages=2,
-    )
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
     try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
+        with WeightSyncSession.from_torch_distributed(
+            config, pipeline_stage=stage, num_pipeline_stages=2
+        ) as session:
             session.connect(urls)
-            mine = (session.config.trainer_rank, session.config.num_trainer_ranks)
+            mine = (session.topology.rank, session.topology.num_ranks)
             for go, (step, seed) in zip(gos, SEEDS.items(), strict=True):
                 tensors = _stage_weights(folder, seed, stage)  # a generator: streamed
                 if step == "whole":

@@ -33,19 +33,15 @@ def _agree_over(barrier, flags, rank):
 
 
 def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds) -> None:
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights import MooncakeConfig, SyncConfig, TrainerTopology, WeightSyncSession
     from p2pweights.source import fp8_fused
 
     fp8_fused.poison_unset = True  # blocks left out of a box are NaN: a read of one shows
 
-    config = SyncConfig(
-        transport=MooncakeConfig(protocol="tcp"),
-        buffer_bytes="1MiB",
-        trainer_rank=rank,
-        num_trainer_ranks=2,
-    )
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
     agree = _agree_over(barrier, flags, rank)
-    with WeightSyncSession(config, agree=agree) as session:
+    topology = TrainerTopology(rank=rank, num_ranks=2)
+    with WeightSyncSession(config, topology=topology, agree=agree) as session:
         session.connect([url])
         for seed in seeds:
             weights = list(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))

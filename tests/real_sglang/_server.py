@@ -1,9 +1,12 @@
-"""A real ``python -m sglang.launch_server`` on this machine's CPU, started and stopped by tests.
+"""A real ``python -m sglang.launch_server``, started and stopped by tests.
 
-The server runs sglang 0.5.23's CPU backend (``SGLANG_USE_CPU_ENGINE=1``, the
-``intel_amx`` attention backend) with sglang's CPU kernel (``sgl_kernel``) from the
-folder ``scripts/real-sglang.sh build`` made, and, with ``nixl=True``, the p2pweights
-NIXL plugin. docs/real-sglang.md explains each setting.
+On the CPU (the default) the server runs sglang 0.5.23's CPU backend
+(``SGLANG_USE_CPU_ENGINE=1``, the ``intel_amx`` attention backend) with sglang's CPU
+kernel (``sgl_kernel``) from the folder ``scripts/real-sglang.sh build`` made. With
+``P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda`` it runs on the GPU with the kernel package
+installed beside sglang (scripts/gpu_sglang/ carries both to a lent GPU machine), with
+Triton attention and without CUDA graphs. With ``nixl=True`` the p2pweights NIXL plugin
+publishes. docs/real-sglang.md explains each setting.
 """
 
 from __future__ import annotations
@@ -29,6 +32,28 @@ PLUGIN_SITE = Path(__file__).with_name("plugin_site")
 """Where the test-only ``p2pweights_moving_storage`` plugin and its entry point live."""
 
 
+DEVICE_ENV = "P2PWEIGHTS_REAL_SGLANG_DEVICE"
+"""``cpu`` (default) or ``cuda``: where the servers run."""
+
+
+def on_gpu() -> bool:
+    return os.environ.get(DEVICE_ENV, "cpu") == "cuda"
+
+
+def unavailable() -> str | None:
+    """Why the suite cannot run here, or None where it can."""
+    if on_gpu():
+        import torch
+
+        return None if torch.cuda.is_available() else f"{DEVICE_ENV}=cuda but no GPU is visible"
+    if kernel_dir() is None:
+        return (
+            "sglang's CPU kernel is not built: run `bash scripts/real-sglang.sh test` "
+            "(docs/real-sglang.md)"
+        )
+    return None
+
+
 def kernel_dir() -> Path | None:
     """The built kernel's folder, or None where it is not built (the suite then skips)."""
     value = os.environ.get(KERNEL_ENV)
@@ -38,7 +63,10 @@ def kernel_dir() -> Path | None:
 
 
 def kernel_env() -> dict[str, str]:
-    """This process's environment plus what makes sglang's CPU backend with the kernel run."""
+    """This process's environment plus what makes sglang's CPU backend with the kernel run
+    (on the GPU: the environment, offline)."""
+    if on_gpu():
+        return {**os.environ, "SGLANG_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
     folder = kernel_dir()
     assert folder is not None
     env = dict(os.environ)
@@ -92,7 +120,7 @@ class RealServer:
             "--model-path",
             str(self.model_dir),
             "--device",
-            "cpu",
+            "cuda" if on_gpu() else "cpu",
             "--tp",
             str(self.tp),
             "--host",
@@ -103,7 +131,7 @@ class RealServer:
             str(self.bootstrap_port),
             "--skip-tokenizer-init",
             "--attention-backend",
-            "intel_amx",
+            "triton" if on_gpu() else "intel_amx",
             "--disable-overlap-schedule",
             "--max-total-tokens",
             "4096",
@@ -114,6 +142,11 @@ class RealServer:
             "--chunked-prefill-size",
             "1024",
         ]
+        if on_gpu():
+            # FA3 (flash_ops) is not carried to the GPU machine, and nothing here needs
+            # CUDA graphs, FlashInfer's sampling or a grammar backend
+            args += ["--sampling-backend", "pytorch", "--disable-cuda-graph"]
+            args += ["--grammar-backend", "none"]
         if self.mooncake:
             args.append("--remote-instance-weight-loader-start-seed-via-transfer-engine")
         return args
@@ -127,7 +160,7 @@ class RealServer:
             env["PYTHONPATH"] = os.pathsep.join([str(PLUGIN_SITE), env["PYTHONPATH"]])
         # an empty SGLANG_PLUGINS loads every installed plugin (p2pweights_nixl included)
         env["SGLANG_PLUGINS"] = ",".join(plugins) or "none"
-        if self.tp > 1:
+        if self.tp > 1 and not on_gpu():
             # one core per rank: sglang's CPU backend binds each rank's OpenMP threads
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
                 str(i % os.cpu_count()) for i in range(self.tp)

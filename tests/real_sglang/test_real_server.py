@@ -42,19 +42,16 @@ from p2pweights.verify import checksums_by_rank
 sys.path.insert(0, str(Path(__file__).parent))
 from _server import (
     RealServer,
-    kernel_dir,
     kernel_env,
+    on_gpu,
     remove_left_behind,
     shared_memory_files,
+    unavailable,
 )
 
 pytestmark = [
     pytest.mark.real_sglang,
-    pytest.mark.skipif(
-        kernel_dir() is None,
-        reason="sglang's CPU kernel is not built: run `bash scripts/real-sglang.sh test` "
-        "(docs/real-sglang.md)",
-    ),
+    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
 ]
 
 CONFIG = {
@@ -158,6 +155,8 @@ def _sglang_packs_for_amx() -> bool:
     """Whether sglang's CPU backend repacks the linear weights into new storage after
     every load on this host (its own test: ``torch.cpu._is_amx_tile_supported()``, with
     the kernel built, which the servers here have)."""
+    if on_gpu():
+        return False
     try:
         return bool(torch.cpu._is_amx_tile_supported())
     except AttributeError:
@@ -183,6 +182,8 @@ def assert_generates_as_transformers(server: RealServer, seed: int) -> None:
 def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
     name: str, start_server: Callable[[str], RealServer], model_folder: Path
 ) -> None:
+    if on_gpu() and SERVERS[name]["tp"] > torch.cuda.device_count():
+        pytest.skip(f"{name} needs {SERVERS[name]['tp']} GPUs")
     server = start_server(name)
     client = EngineClient(server.url)
     reference = reference_checksums(server.url, model_folder)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights import (
+    ConfigError,
+    MooncakeConfig,
+    NixlConfig,
+    SyncConfig,
+    TrainerTopology,
+    WeightSyncSession,
+)
 from p2pweights.config import parse_bytes
 
 
@@ -45,8 +52,6 @@ def test_buffer_bytes_accepts_strings():
         {"pause_mode": "later"},
         {"bogus": 1},
         {"transport": {"kind": "carrier-pigeon"}},
-        {"trainer_rank": 2, "num_trainer_ranks": 2},
-        {"num_trainer_ranks": 0},
     ],
 )
 def test_rejected(kwargs):
@@ -77,7 +82,7 @@ def test_delta_updates_are_off_by_default_and_refused_where_unsafe():
     with pytest.raises(ConfigError, match="verify_writes"):
         SyncConfig(delta=DeltaConfig(), verify_writes="off")
     with pytest.raises(ConfigError, match="pipeline stages"):
-        SyncConfig(delta=DeltaConfig(), num_pipeline_stages=2)
+        SyncConfig(delta=DeltaConfig()).with_topology(TrainerTopology(num_pipeline_stages=2))
     with pytest.raises(ConfigError, match="max_fraction"):
         DeltaConfig(max_fraction=0)
 
@@ -150,3 +155,33 @@ def test_end_weight_update_is_bounded_by_its_own_timeout() -> None:
         client.end_weight_update()
     client.close()
     assert timeouts == {"/begin_weight_update": 2, "/end_weight_update": 120}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"rank": 2, "num_ranks": 2}, {"rank": -1}, {"num_ranks": 0}, {"num_pipeline_stages": 0}],
+)
+def test_topology_rejected(fields):
+    with pytest.raises(ConfigError):
+        TrainerTopology(**fields)
+
+
+def test_topology_is_given_to_the_session_not_the_config():
+    topology = TrainerTopology(rank=1, num_ranks=2)
+    session = WeightSyncSession(SyncConfig(), topology=topology, agree=lambda ok: ok)
+    assert session.topology == topology
+    assert (session.config.trainer_rank, session.config.num_senders) == (1, 2)
+    assert not session.config.leads
+    assert WeightSyncSession(SyncConfig()).topology == TrainerTopology()  # one sending process
+
+
+def test_topology_fields_in_the_config_still_work_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"SyncConfig\(trainer_rank, num_trainer_ranks\)"):
+        config = SyncConfig(trainer_rank=1, num_trainer_ranks=2)
+    session = WeightSyncSession(config, agree=lambda ok: ok)
+    assert session.topology == TrainerTopology(rank=1, num_ranks=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="outside"):
+        SyncConfig(trainer_rank=2, num_trainer_ranks=2)
+    # topology= replaces what the config says
+    replaced = WeightSyncSession(config, topology=TrainerTopology())
+    assert replaced.topology == TrainerTopology()

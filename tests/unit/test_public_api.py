@@ -39,6 +39,7 @@ PUBLIC = {
         "P2PWeightsError",
         "PlanError",
         "SyncConfig",
+        "TrainerTopology",
         "TransferError",
         "TransportError",
         "UpdateReport",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pweights import ConfigError, SyncConfig, TransferError, WeightSyncSession
+from p2pweights import ConfigError, SyncConfig, TrainerTopology, TransferError, WeightSyncSession
 from p2pweights import connection as connection_module
 from p2pweights import update_attempt as update_attempt_module
 from p2pweights.engines import fleet as fleet_module
@@ -445,8 +445,9 @@ def test_with_other_senders_a_failed_refresh_on_the_leader_leaves_the_engines_to
     refresh then fails: the engines must count as torn, so abort() does not resume them."""
     grown = engines.setdefault("http://g", FakeEngine("http://g", grows="qkv"))
     other = engines.setdefault("http://h", FakeEngine("http://h", grows="qkv"))
-    config = SyncConfig(buffer_bytes="1MiB", trainer_rank=0, num_trainer_ranks=2)
-    with WeightSyncSession(config, agree=lambda ok: ok) as session:
+    config = SyncConfig(buffer_bytes="1MiB")
+    two = TrainerTopology(rank=0, num_ranks=2)
+    with WeightSyncSession(config, topology=two, agree=lambda ok: ok) as session:
         session.connect(["http://g", "http://h"])
         session.update(_tensors(1))
         with pytest.raises(LayoutMismatchError):
@@ -639,8 +640,9 @@ def test_a_rank_that_fails_early_still_reads_a_stream_to_its_end_with_other_send
     """A stream may run collectives as it is read (FSDP2 gathers bucket by bucket): a
     trainer rank whose write step fails before it read the stream (here: cancelled by
     abort()) must still read it whole, or the other ranks hang in those collectives."""
-    config = SyncConfig(buffer_bytes="1MiB", trainer_rank=0, num_trainer_ranks=2)
-    with WeightSyncSession(config, agree=lambda ok: ok) as session:
+    config = SyncConfig(buffer_bytes="1MiB")
+    two = TrainerTopology(rank=0, num_ranks=2)
+    with WeightSyncSession(config, topology=two, agree=lambda ok: ok) as session:
         session.connect(["http://e0"])
         session.update(_tensors(1))
         read = []
@@ -725,8 +727,9 @@ def test_versions_continue_from_the_engine_and_never_go_back(engines):
 
 def test_other_rank_failure_fails_this_rank(engines):
     votes = iter([True, True, False])  # prepare and open agreed; another rank's write failed
-    config = SyncConfig(buffer_bytes="1MiB", trainer_rank=1, num_trainer_ranks=2)
-    with WeightSyncSession(config, agree=lambda ok: ok and next(votes)) as session:
+    config = SyncConfig(buffer_bytes="1MiB")
+    second = TrainerTopology(rank=1, num_ranks=2)
+    with WeightSyncSession(config, topology=second, agree=lambda ok: ok and next(votes)) as session:
         session.connect(["http://e0"])
         with pytest.raises(TransferError, match="another trainer rank failed the 'write' step"):
             session.update(_tensors(1))
@@ -736,7 +739,7 @@ def test_other_rank_failure_fails_this_rank(engines):
 
 def test_usage_errors(engines):
     with pytest.raises(ConfigError, match="agree="):
-        WeightSyncSession(SyncConfig(num_trainer_ranks=2))
+        WeightSyncSession(SyncConfig(), topology=TrainerTopology(num_ranks=2))
     session = WeightSyncSession(CONFIG)
     with pytest.raises(ConfigError, match="connect"):
         session.update(_tensors(1))

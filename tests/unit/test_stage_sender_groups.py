@@ -19,7 +19,13 @@ from test_session_sequence import (  # the fake engines, client, replica and tra
     engines,  # noqa: F401  (the fixture)
 )
 
-from p2pweights import ConfigError, P2PWeightsError, SyncConfig, WeightSyncSession
+from p2pweights import (
+    ConfigError,
+    P2PWeightsError,
+    SyncConfig,
+    TrainerTopology,
+    WeightSyncSession,
+)
 from p2pweights import connection as connection_module
 from p2pweights.adapters.torch_distributed import stage_ranks
 from p2pweights.update_attempt import UpdateAttempt
@@ -84,15 +90,14 @@ def _run_stages(body, num_stages: int = 2, per_stage: int = 2, collectives=None)
 
     def run(stage: int, rank: int) -> None:
         index = stage * per_stage + rank
-        config = SyncConfig(
-            buffer_bytes="1MiB",
-            trainer_rank=rank,
-            num_trainer_ranks=per_stage,
-            pipeline_stage=stage,
-            num_pipeline_stages=num_stages,
+        topology = TrainerTopology(
+            rank=rank, num_ranks=per_stage, pipeline_stage=stage, num_pipeline_stages=num_stages
         )
         session = WeightSyncSession(
-            config, agree=collectives.agree(index), gather=collectives.gather(index)
+            SyncConfig(buffer_bytes="1MiB"),
+            topology=topology,
+            agree=collectives.agree(index),
+            gather=collectives.gather(index),
         )
         try:
             session.connect(URLS)
@@ -205,11 +210,12 @@ def test_the_stages_together_must_feed_every_parameter_once(checked, names, expe
 
 
 def test_a_session_with_stages_needs_gather():
-    config = SyncConfig(num_pipeline_stages=2, pipeline_stage=1)
+    stage = TrainerTopology(num_pipeline_stages=2, pipeline_stage=1)
     with pytest.raises(ConfigError, match="gather="):
-        WeightSyncSession(config, agree=lambda ok: ok)
+        WeightSyncSession(SyncConfig(), topology=stage, agree=lambda ok: ok)
     with pytest.raises(ConfigError, match="agree="):
-        WeightSyncSession(config)
+        WeightSyncSession(SyncConfig(), topology=stage)
+    config = SyncConfig().with_topology(stage)
     assert not config.leads and SyncConfig().leads and config.num_senders == 2
 
 
@@ -250,4 +256,4 @@ def test_stage_ranks_refused(stages, match):
 )
 def test_stage_fields_are_validated(fields):
     with pytest.raises(ConfigError):
-        SyncConfig(**fields)
+        TrainerTopology(**fields)

@@ -21,7 +21,7 @@ from test_session_sequence import (  # the fake engines, client, replica and tra
     _tensors,
 )
 
-from p2pweights import SyncConfig, TransferError, WeightSyncSession
+from p2pweights import SyncConfig, TrainerTopology, TransferError, WeightSyncSession
 from p2pweights import connection as connection_module
 from p2pweights import update_attempt as update_attempt_module
 from p2pweights.engine_rank.steps import RankSide
@@ -213,10 +213,11 @@ def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines
         steps.append(ok)
         return ok and len(steps) != 5  # prepare, open, write, close, verify_writes
 
-    config = SyncConfig(buffer_bytes="1MiB", trainer_rank=0, num_trainer_ranks=2)
+    config = SyncConfig(buffer_bytes="1MiB")
+    two = TrainerTopology(rank=0, num_ranks=2)
     a = engines.setdefault("http://a", DigestEngine("http://a"))
     b = engines.setdefault("http://b", DigestEngine("http://b"))
-    with WeightSyncSession(config, agree=agree) as session:
+    with WeightSyncSession(config, topology=two, agree=agree) as session:
         session.connect(["http://a", "http://b"])
         with pytest.raises(TransferError, match="another trainer rank failed the 'verify_writes'"):
             session.update(_tensors(6))

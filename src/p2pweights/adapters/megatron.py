@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from p2pweights.config import SyncConfig
+from p2pweights.config import SyncConfig, TrainerTopology
 from p2pweights.errors import ConfigError
 
 __all__ = ["MegatronExport", "Rename", "stage_config"]
@@ -145,13 +145,13 @@ def stage_config(config: SyncConfig | None = None, *, per_stage: bool = True) ->
     ``WeightSyncSession.from_torch_distributed`` over all ranks."""
     from megatron.core import parallel_state
 
-    fields = (config or SyncConfig()).model_dump()
+    stage = TrainerTopology()  # the ranks are filled in by from_torch_distributed
     if per_stage:
-        fields["pipeline_stage"] = parallel_state.get_pipeline_model_parallel_rank()
-        fields["num_pipeline_stages"] = parallel_state.get_pipeline_model_parallel_world_size()
-    else:
-        fields["pipeline_stage"], fields["num_pipeline_stages"] = 0, 1
-    return SyncConfig(**fields)
+        stage = TrainerTopology(
+            pipeline_stage=parallel_state.get_pipeline_model_parallel_rank(),
+            num_pipeline_stages=parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+    return (config or SyncConfig()).with_topology(stage)
 
 
 def renamed(

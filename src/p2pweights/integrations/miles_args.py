@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from p2pweights import environment
-from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, TransportConfig
+from p2pweights.config import (
+    MooncakeConfig,
+    NixlConfig,
+    SyncConfig,
+    TrainerTopology,
+    TransportConfig,
+)
 from p2pweights.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -75,8 +81,11 @@ def config_from_args(
         fields["transport"] = transport_from_args(args)
     if config is not None:
         fields.update({name: getattr(config, name) for name in config.model_fields_set})
-    fields["pipeline_stage"], fields["num_pipeline_stages"] = pipeline_stage, num_pipeline_stages
-    return SyncConfig(**fields)
+    # this rank's stage; its place among the stage's ranks comes from from_torch_distributed
+    for name in ("trainer_rank", "num_trainer_ranks", "pipeline_stage", "num_pipeline_stages"):
+        fields.pop(name, None)
+    stage = TrainerTopology(pipeline_stage=pipeline_stage, num_pipeline_stages=num_pipeline_stages)
+    return SyncConfig(**fields).with_topology(stage)
 
 
 def transport_from_args(args: Any) -> TransportConfig:

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU machine's side of the relay (scripts/gpu_sglang/pack.sh packs this machine's side).
+# Run from the repository root on the lent machine; .relay/ is git-ignored, so pieces carried
+# by earlier calls stay there while the machine stays warm.
+#
+#   bash scripts/gpu_sglang/device.sh status    # which pieces are here, each checked
+#   bash scripts/gpu_sglang/device.sh install   # join, check sha256, pip install --target .relay/site
+#   bash scripts/gpu_sglang/device.sh smoke     # torch 2.14.1 on the GPU, sgl_kernel imports
+#   bash scripts/gpu_sglang/device.sh serve     # tiny Qwen3 on a real sglang server, one generation
+#
+# Everything installs into .relay/site, first on PYTHONPATH; the machine's own packages
+# (triton, the CUDA 13 libraries, numpy, ...) are used for the rest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+RELAY=.relay
+SITE=$RELAY/site
+export PYTHONPATH=$PWD/$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+
+status() {
+  [ -f $RELAY/MANIFEST ] || { echo "relay: no MANIFEST"; return 1; }
+  local have=0 want=0
+  while read -r sum name; do
+    [ "$name" = payload.tar ] && continue
+    want=$((want + 1))
+    if [ -f "$RELAY/$name" ] && [ "$(sha256sum "$RELAY/$name" | cut -d' ' -f1)" = "$sum" ]; then
+      have=$((have + 1))
+    else
+      echo "relay: missing or damaged: $name"
+    fi
+  done < $RELAY/MANIFEST
+  echo "relay: $have of $want pieces here"
+  [ "$have" = "$want" ]
+}
+
+install() {
+  if [ -f $SITE/.installed ]; then echo "relay: already installed in $SITE"; return; fi
+  status
+  cat $RELAY/piece.* > $RELAY/payload.tar
+  (cd $RELAY && grep ' payload.tar$' MANIFEST | sha256sum -c -)
+  rm -rf $RELAY/unpacked && mkdir -p $RELAY/unpacked
+  tar -C $RELAY/unpacked -xf $RELAY/payload.tar
+  (cd $RELAY/unpacked && sha256sum -c --quiet wheels.sha256)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE \
+    $RELAY/unpacked/wheels/*.whl
+  rm -rf $RELAY/unpacked $RELAY/payload.tar
+  touch $SITE/.installed
+  echo "relay: installed $(ls $SITE | wc -l) entries into $SITE"
+}
+
+smoke() {
+  python3 - <<'PY'
+import torch, time
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize(); t = time.perf_counter(); y = x @ x; torch.cuda.synchronize()
+print("matmul ok", float(y.float().abs().mean()), f"{(time.perf_counter()-t)*1e3:.1f} ms")
+import triton
+print("triton", triton.__version__)
+import sgl_kernel
+print("sgl_kernel", sgl_kernel.__version__)
+import sglang
+print("sglang", sglang.__version__)
+PY
+}
+
+serve() {
+  local model=$RELAY/tiny-qwen3 port=${PORT:-31000}
+  python3 scripts/gpu_sglang/tiny_model.py "$model"
+  python3 -m sglang.launch_server --model-path "$model" --device cuda --tp 1 \
+    --host 127.0.0.1 --port "$port" --skip-tokenizer-init \
+    --attention-backend triton --sampling-backend pytorch --disable-cuda-graph \
+    --grammar-backend none --mem-fraction-static 0.2 --max-total-tokens 4096 \
+    > $RELAY/server.log 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 "${WAIT_S:-300}"); do
+    if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then break; fi
+    if ! kill -0 $pid 2>/dev/null; then echo "relay: server exited"; tail -60 $RELAY/server.log; return 1; fi
+    sleep 1
+  done
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "relay: not ready"; tail -60 $RELAY/server.log; kill $pid; return 1; }
+  echo "relay: server ready"
+  curl -s "http://127.0.0.1:$port/generate" -H 'content-type: application/json' \
+    -d '{"input_ids": [1, 2, 3, 4, 5], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}'
+  echo
+  tail -5 $RELAY/server.log
+  kill $pid; wait $pid 2>/dev/null || true
+}
+
+"${1:-status}"
