@@ -7,6 +7,7 @@
 #   bash scripts/gpu_sglang/device.sh install   # join, check sha256, pip install --target .relay/site
 #   bash scripts/gpu_sglang/device.sh smoke     # torch 2.14.1 on the GPU, sgl_kernel imports
 #   bash scripts/gpu_sglang/device.sh serve     # tiny Qwen3 on a real sglang server, one generation
+#   bash scripts/gpu_sglang/device.sh test [ARGS]  # the real-server suite on the GPU (pytest ARGS)
 #
 # Everything installs into .relay/site, first on PYTHONPATH; the machine's own packages
 # (triton, the CUDA 13 libraries, numpy, ...) are used for the rest.
@@ -87,4 +88,15 @@ serve() {
   kill $pid; wait $pid 2>/dev/null || true
 }
 
-"${1:-status}"
+test() {
+  # p2pweights itself as a wheel (its sglang plugin is found through the entry point)
+  if ls $RELAY/p2pw/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $SITE $RELAY/p2pw/*.whl
+  fi
+  P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda python3 -m pytest tests/real_sglang -m real_sglang \
+    -p no:cacheprovider -q -rs "$@"
+}
+
+cmd=${1:-status}
+shift || true
+"$cmd" "$@"
