@@ -308,7 +308,7 @@ def main(
         "--out",
         type=Path,
         default=RESULTS / f"{case.result}.json",
-        help="where the JSON result goes (default: benchmarks/results/%(prog)s's)",
+        help=f"where the JSON result goes (default: benchmarks/results/{case.result}.json)",
     )
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
