@@ -57,6 +57,33 @@ def test_trainer_side_imports_builds_a_session_and_plans(tmp_path):
     assert "trainer side ok" in done.stdout
 
 
+def test_no_trainer_side_module_imports_them():
+    # the engine side's servers need the extra; verl's checkpoint engine imports uvicorn itself
+    done = _run(
+        """
+        import importlib, pkgutil
+
+        import p2pweights
+
+        ENGINE_SIDE = ("p2pweights.local_engine", "p2pweights.sglang_plugin")
+        VERL = "p2pweights.integrations.verl"  # verl's own modules import uvicorn
+        failed = []
+        for module in pkgutil.walk_packages(p2pweights.__path__, "p2pweights."):
+            if module.name.startswith(ENGINE_SIDE) or module.name == VERL:
+                continue
+            try:
+                importlib.import_module(module.name)
+            except ImportError as exc:  # another optional package missing is not ours
+                if exc.name in ("fastapi", "uvicorn"):
+                    failed.append(f"{module.name}: {exc}")
+        assert not failed, failed
+        print("imported")
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "imported" in done.stdout
+
+
 def test_engine_command_names_the_extra():
     done = _run(
         """
