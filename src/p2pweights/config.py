@@ -381,11 +381,10 @@ class SyncConfig(_Config):
 
     def with_topology(self, topology: TrainerTopology) -> SyncConfig:
         """This config as a session standing at ``topology`` holds it."""
-        fields = {**self.model_dump(), **_topology_fields(topology)}
-        try:
-            return type(self).model_validate(fields)  # not __init__: no deprecation warning
-        except ValidationError as exc:
-            raise ConfigError(f"invalid SyncConfig: {_without_links(exc)}") from exc
+        # a copy, not __init__: no deprecation warning, and the fields a user set stay so
+        config = self.model_copy(update=_topology_fields(topology))
+        config.model_post_init(None)
+        return config
 
     @property
     def num_senders(self) -> int:
@@ -407,6 +406,12 @@ accepted, with a ``DeprecationWarning``, until the release after."""
 
 
 _TOPOLOGY_FIELDS = ("trainer_rank", "num_trainer_ranks", "pipeline_stage", "num_pipeline_stages")
+_ONE_SENDER = {
+    "trainer_rank": 0,
+    "num_trainer_ranks": 1,
+    "pipeline_stage": 0,
+    "num_pipeline_stages": 1,
+}
 
 
 def _warn_renamed(old: str, stacklevel: int) -> None:
@@ -422,7 +427,10 @@ def _renamed(data: dict[str, Any], stacklevel: int) -> dict[str, Any]:
     """``SyncConfig``'s keyword arguments with renamed fields under their new names (each
     old name warns), and ``end_update_timeout_s`` defaulting to ``http_timeout_s``."""
     data = dict(data)
-    given = [name for name in _TOPOLOGY_FIELDS if name in data]
+    # a dumped config holds them too: only values other than one sending process warn
+    given = [
+        name for name in _TOPOLOGY_FIELDS if data.get(name, _ONE_SENDER[name]) != _ONE_SENDER[name]
+    ]
     if given:
         warnings.warn(
             f"SyncConfig({', '.join(given)}) is deprecated: where this process stands among "
