@@ -66,7 +66,7 @@ print(json.dumps({"import_s": imported, "connect_s": first, "connect_cpu_s": fir
 VERIFY = r"""
 import json, sys, time
 import torch
-from p2pweights import EngineClient, verify_engine
+from p2pweights.verify import EngineClient, verify_engine
 from p2pweights.testing import synthetic_weights
 url, folder = sys.argv[1:]
 t = time.perf_counter()
