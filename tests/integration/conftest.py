@@ -1,12 +1,22 @@
-"""Shared fixtures for integration tests: model folders and local engines in their own processes."""
+"""Shared fixtures for integration tests: model folders and local engines in their own processes.
+
+``start_engines`` / ``start_module_engines``: engines of the test's (module's) own, stopped
+after it; for tests that kill, freeze or restart an engine, or need its start weights.
+``shared_engines``: engines from a pool for the whole run, keyed by what they were started
+with, for tests whose first update resets what an earlier test left.
+"""
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from p2pweights.engines.client import EngineClient
+from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.local_engine import LocalEngine
 from p2pweights.testing import write_model_dir
 
@@ -65,3 +75,116 @@ def start_module_engines() -> Iterator[_Engines]:
     engines = _Engines()
     yield engines
     engines.stop()
+
+
+_Key = tuple[str, int, str, str, str, int]
+
+
+class _EnginePool:
+    """Local engines kept running across tests, one per (model folder, TP, extra server
+    args, transport, start arguments).
+
+    At most ``max_engines`` processes stay up (each holds about 1 GB), the least recently
+    used stopped first. An engine is checked before it is handed out again: one that died,
+    or was left paused, torn or with an update session open, is replaced by a fresh one.
+    """
+
+    def __init__(self, max_engines: int = 4) -> None:
+        self.max_engines = max_engines
+        self._idle: OrderedDict[_Key, LocalEngine] = OrderedDict()
+        self.num_started = 0
+        self.num_reused = 0
+
+    def take(
+        self, folder: Path, tps: list, transport: str, kwargs: dict
+    ) -> list[tuple[_Key, LocalEngine]]:
+        keys: list[_Key] = []
+        for tp in tps:
+            size, extra = tp if isinstance(tp, tuple) else (tp, {})
+            base = (str(folder), size, json.dumps(extra, sort_keys=True), transport)
+            base += (json.dumps(kwargs, sort_keys=True, default=str),)
+            keys.append((*base, sum(k[:-1] == base for k in keys)))  # the same twice: two
+        found: dict[_Key, LocalEngine] = {}
+        for key in keys:
+            engine = self._idle.pop(key, None)
+            if engine is not None and _healthy(engine):
+                found[key] = engine
+            elif engine is not None:
+                engine.stop()
+        missing = [k for k in keys if k not in found]
+        self._evict(len(keys))
+        fresh = [
+            LocalEngine(
+                folder, tp=k[1], transport=transport, server_args=json.loads(k[2]), **kwargs
+            )
+            for k in missing
+        ]
+        try:
+            for engine in fresh:
+                engine.start()
+            for engine in fresh:
+                engine.wait_ready()
+        except BaseException:
+            for engine in [*fresh, *found.values()]:
+                engine.stop()
+            raise
+        self.num_started += len(fresh)
+        self.num_reused += len(found)
+        found.update(zip(missing, fresh, strict=True))
+        return [(k, found[k]) for k in keys]
+
+    def give_back(self, lent: list[tuple[_Key, LocalEngine]]) -> None:
+        for key, engine in lent:
+            self._idle[key] = engine
+        self._evict(0)
+
+    def _evict(self, num_needed: int) -> None:
+        while self._idle and len(self._idle) + num_needed > self.max_engines:
+            _, engine = self._idle.popitem(last=False)
+            engine.stop()
+
+    def stop(self) -> None:
+        while self._idle:
+            self._idle.popitem()[1].stop()
+
+
+def _healthy(engine: LocalEngine) -> bool:
+    """Running, resumed, no update session open, and a version that is not a torn marker."""
+    if engine._process is None or engine._process.poll() is not None:
+        return False
+    client = EngineClient(engine.url)
+    try:
+        state = client.server_info().get("p2pweights_engine_state")
+        version = client.weight_version()
+    except Exception:
+        return False
+    finally:
+        client.close()
+    running = state == {"paused": False, "update_open": False}
+    return running and not version.startswith(UPDATING_PREFIX)
+
+
+@pytest.fixture(scope="session")
+def _engine_pool() -> Iterator[_EnginePool]:
+    pool = _EnginePool()
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def shared_engines(_engine_pool: _EnginePool) -> Iterator[Callable[..., list[LocalEngine]]]:
+    """``shared_engines(folder, [2, 1], transport=..., seed=0)``: as ``start_engines``, but
+    the engines come from a pool for the whole run. They may have served earlier tests (their
+    weights and weight version are what those left: the first update resets the weights, and
+    a session numbers its versions on from theirs) and may serve later ones. For tests that
+    neither kill, freeze nor restart an engine, and that do not rely on its start weights."""
+    lent: list[tuple[_Key, LocalEngine]] = []
+
+    def take(folder: Path, tps: list, transport: str = "mooncake", **kwargs) -> list[LocalEngine]:
+        assert not lent, "one shared_engines call per test"
+        # LocalEngine's default seed named, so that leaving it out keys the same engines
+        lent.extend(_engine_pool.take(folder, tps, transport, {"seed": 0, **kwargs}))
+        return [engine for _, engine in lent]
+
+    yield take
+    _engine_pool.give_back(lent)

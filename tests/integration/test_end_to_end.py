@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _bit_exact import assert_bit_exact, seed_weights
+from _bit_exact import assert_bit_exact, engine_mismatches, next_version, seed_weights
 
 from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import save_safetensors, synthetic_weights
-from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
 
@@ -32,21 +31,52 @@ MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
-@pytest.mark.parametrize(("model", "tps"), MATRIX, ids=[m for m, _ in MATRIX])
-def test_updates_are_bit_exact_at_every_rank(model, tps, transport, model_dir, start_engines):
+# Over Mooncake by default; the same matrix over NIXL is `slow` (NIXL's whole path stays in
+# the default run below: GLM4-MoE, the speculative draft, tests/integration/test_update_state.py;
+# its bytes in tests/integration/test_transports.py).
+CASES = [
+    pytest.param(model, tps, transport, id=f"{model}-{transport}", marks=marks)
+    for transport, marks in (("mooncake", ()), ("nixl", pytest.mark.slow))
+    for model, tps in MATRIX
+]
+
+
+@pytest.mark.parametrize(("model", "tps", "transport"), CASES)
+def test_updates_are_bit_exact_at_every_rank(model, tps, transport, model_dir, shared_engines):
     folder = model_dir(model)
-    engines = start_engines(folder, tps, transport=transport, seed=0)
+    engines = shared_engines(folder, tps, transport=transport, seed=0)
     config = SyncConfig(transport=TRANSPORTS[transport], buffer_bytes="1MiB")
     with WeightSyncSession(config) as session:
         session.connect([e.url for e in engines])
+        first = next_version(e.url for e in engines)  # shared engines: on from what they hold
         for step, seed in enumerate([11, 12]):
             report = session.update(seed_weights(folder, seed))
-            assert report.version == str(step + 1)
+            assert report.version == str(first + step)
             assert set(report.bytes_by_target) == {(e.url, r) for e in engines for r in range(e.tp)}
             assert_bit_exact(engines, folder, seed)
             for engine in engines:
                 assert EngineClient(engine.url).weight_version() == report.version
+
+
+def test_the_reference_cache_misses_for_other_weights(model_dir, shared_engines):
+    """The bit-exact check memoises sglang's reference per (weights' digest, config, layout,
+    rank): the same check again is answered from it, and a check against weights the engine
+    does not hold still finds every rank different."""
+    import _bit_exact
+
+    folder = model_dir("qwen3-tiny")
+    (engine,) = shared_engines(folder, [2], seed=0)
+    config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        session.update(seed_weights(folder, 13))
+    assert_bit_exact([engine], folder, 13)
+    hits, misses = _bit_exact.stats["hits"], _bit_exact.stats["misses"]
+    assert_bit_exact([engine], folder, 13)
+    assert (_bit_exact.stats["hits"], _bit_exact.stats["misses"]) == (hits + 2, misses)
+    other = engine_mismatches(engine.url, lambda: seed_weights(folder, 14))
+    assert _bit_exact.stats["misses"] == misses + 2
+    assert all(other[rank] for rank in (0, 1)), other
 
 
 # MoE and MLA families through the whole path (the replica-level matrix of every layout is
@@ -62,9 +92,9 @@ MOE_MATRIX = [
 @pytest.mark.parametrize(
     ("model", "layouts", "transport"), MOE_MATRIX, ids=[m for m, *_ in MOE_MATRIX]
 )
-def test_moe_and_mla_updates_are_bit_exact(model, layouts, transport, model_dir, start_engines):
+def test_moe_and_mla_updates_are_bit_exact(model, layouts, transport, model_dir, shared_engines):
     folder = model_dir(model)
-    engines = start_engines(folder, layouts, transport=transport, seed=0)
+    engines = shared_engines(folder, layouts, transport=transport, seed=0)
     config = SyncConfig(transport=TRANSPORTS[transport], buffer_bytes="1MiB")
     with WeightSyncSession(config) as session:
         session.connect([e.url for e in engines])
@@ -135,14 +165,14 @@ def test_fp8_engines_get_sender_quantized_bytes(block, layouts, start_engines, t
     ids=["deepseek-v3-tp2ep2-mooncake", "glm4-moe-tp2-nixl"],
 )
 def test_speculative_draft_runners_are_updated_too(
-    model, layouts, transport, model_dir, start_engines
+    model, layouts, transport, model_dir, shared_engines
 ):
     """Same-model MTP draft (--speculative-algorithm NEXTN): every rank's draft runner,
     published apart from its target, gets the MTP layer its own loader loads; target and
     draft are each bit-exact with sglang's loader for that runner."""
     folder = model_dir(model)
     nextn = [(tp, {**args, "speculative_algorithm": "NEXTN"}) for tp, args in layouts]
-    engines = start_engines(folder, nextn, transport=transport, seed=0)
+    engines = shared_engines(folder, nextn, transport=transport, seed=0)
     config = SyncConfig(transport=TRANSPORTS[transport], buffer_bytes="1MiB")
     shared = frozenset({"model.embed_tokens.weight", "lm_head.weight"})  # the target's
     with WeightSyncSession(config) as session:
@@ -151,9 +181,10 @@ def test_speculative_draft_runners_are_updated_too(
             session.update(seed_weights(folder, seed))
             assert_bit_exact(engines, folder, seed)
             for engine in engines:
-                client = EngineClient(engine.url)
-                draft = verify_engine(
-                    client, lambda seed=seed: seed_weights(folder, seed), role="draft", skip=shared
+                draft = engine_mismatches(
+                    engine.url,
+                    lambda seed=seed: seed_weights(folder, seed),
+                    role="draft",
+                    skip=shared,
                 )
-                client.close()
                 assert draft == {r: [] for r in range(engine.tp)}, f"{engine.url}: {draft}"
