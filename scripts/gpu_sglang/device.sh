@@ -17,6 +17,11 @@ RELAY=.relay
 SITE=$RELAY/site
 export PYTHONPATH=$PWD/$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# .pth files only work in site directories, and .relay/site is a PYTHONPATH entry: a
+# sitecustomize makes it one (nvidia-cutlass-dsl puts its `cutlass` on sys.path from a .pth)
+mkdir -p $RELAY/boot
+echo "import site; site.addsitedir('$PWD/$SITE')" > $RELAY/boot/sitecustomize.py
+export PYTHONPATH=$PWD/$RELAY/boot:$PYTHONPATH
 
 status() {
   [ -f $RELAY/MANIFEST ] || { echo "relay: no MANIFEST"; return 1; }

@@ -38,6 +38,13 @@ pip_dl() {  # cp312 manylinux wheels for the GPU machine, no dependencies
 [ -n "$(ls "$DL"/torch-2.14.1-*.whl 2>/dev/null)" ] || pip_dl torch==2.14.1
 [ -n "$(ls "$DL"/sglang_kernel-0.4.10-*.whl 2>/dev/null)" ] || pip_dl sglang-kernel==0.4.10
 [ -n "$(ls "$DL"/nvidia_nccl_cu13-2.30.7-*.whl 2>/dev/null)" ] || pip_dl nvidia-nccl-cu13==2.30.7
+# sglang 0.5.23 builds every Qwen2/Qwen3 MLP with a DualGemm that imports CuTe DSL on CUDA
+# (sglang/kernels/ops/gemm/cutedsl_dual_gemm.py); sglang pins nvidia-cutlass-dsl[cu13]==4.8.0
+CUTLASS=(nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13 nvidia-cutlass-dsl-libs-cu12)
+for name in "${CUTLASS[@]}"; do
+  norm=$(echo "$name" | tr '-' '_')
+  [ -n "$(ls "$DL"/${norm}-4.8.0-*.whl 2>/dev/null)" ] || pip_dl "$name==4.8.0"
+done
 # What the CPU server imports beyond the benchmark wheel set (scripts/real-sglang.sh installs
 # the same on this machine), pinned to the versions in .venv.
 server_extras=(xgrammar interegular setproctitle blobfile pycryptodomex zstandard soundfile cffi
@@ -52,7 +59,8 @@ done
 bash benchmarks/device_wheels.sh >/dev/null
 
 rm -rf "$STAGE" && mkdir -p "$STAGE/wheels"
-cp "$DL"/torch-2.14.1-*.whl "$DL"/nvidia_nccl_cu13-2.30.7-*.whl "$STAGE/wheels/"
+cp "$DL"/torch-2.14.1-*.whl "$DL"/nvidia_nccl_cu13-2.30.7-*.whl "$DL"/nvidia_cutlass_dsl*-4.8.0-*.whl \
+  "$STAGE/wheels/"
 for name in "${server_extras[@]}"; do
   norm=$(echo "$name" | tr '-' '_')
   cp "$DL"/${norm}-*.whl "$STAGE/wheels/" 2>/dev/null || cp "$DL"/${name}-*.whl "$STAGE/wheels/"
