@@ -445,9 +445,9 @@ def _broadcast_worker(
     refill(tensors, seed=7)
     model_ = None
     if rank == 1:
-        from p2pweights.local_engine.serve import resolved_server_info
         from p2pweights.replica.ranks import RankSpec
         from p2pweights.replica.sglang import env as sglang_env
+        from p2pweights.replica.sglang.facade import resolved_server_info
         from p2pweights.replica.sglang.reference import load_real_rank_model
 
         server_info = resolved_server_info(
@@ -511,9 +511,9 @@ def load_weights_floor(model: str, num_updates: int) -> dict[str, Any]:
     on ``cuda:0`` in this one process: no transfer, no HTTP, no pause; the least any
     in-place update of those weights could take (what the issue's pause target is
     measured against)."""
-    from p2pweights.local_engine.serve import resolved_server_info
     from p2pweights.replica.ranks import RankSpec
     from p2pweights.replica.sglang import env as sglang_env
+    from p2pweights.replica.sglang.facade import resolved_server_info
     from p2pweights.replica.sglang.reference import load_real_rank_model
 
     config = named_config(model)
