@@ -172,7 +172,7 @@ class UpdateAttempt:
         if not self.leader:
             return
         # each engine snapshots and resets once (it records that), before the first check
-        snapshot = self.config.check_weight_update_equal and not self.connection.checked
+        snapshot = self.config.verify_with_weight_checker and not self.connection.checked
         self.connection.fleet.open(self.config.pause_mode, self.version, snapshot)
 
     def _write(
@@ -286,7 +286,7 @@ class UpdateAttempt:
                 self._verify_writes(result)
             stages["digest"] = result.digest_s
             stages["engine_digest"] = connection.write_check.engine_digest_s
-        if self.config.check_weight_update_equal and not connection.checked:
+        if self.config.verify_with_weight_checker and not connection.checked:
             with self._timed("verify"):
                 self.collective.step("check", self._check)
             # once, after it passed on every engine: later updates send other weights than
