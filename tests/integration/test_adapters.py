@@ -15,12 +15,11 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from _bit_exact import engine_mismatches
 from safetensors.torch import load_file
 
-from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
 from p2pweights.testing import model_config
-from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
 
@@ -83,16 +82,12 @@ def _checkpoint(model, folder) -> list[tuple[str, torch.Tensor]]:
 
 
 def _assert_bit_exact(url: str, tensors) -> None:
-    client = EngineClient(url)
-    try:
-        assert verify_engine(client, lambda: tensors) == {0: [], 1: []}
-    finally:
-        client.close()
+    assert engine_mismatches(url, lambda: tensors) == {0: [], 1: []}
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
-def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, start_engines, tmp_path):
-    (engine,) = start_engines(model_dir(name), [2], seed=0)
+def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, shared_engines, tmp_path):
+    (engine,) = shared_engines(model_dir(name), [2], seed=0)
     reference = _model(name)  # the same weights, unsharded
     first = _checkpoint(reference, tmp_path / "first")
     _shift(reference)

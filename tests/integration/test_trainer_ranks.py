@@ -12,11 +12,10 @@ import multiprocessing as mp
 
 import pytest
 import torch
-from _bit_exact import assert_bit_exact
+from _bit_exact import assert_bit_exact, engine_mismatches, next_version
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
-from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
 
@@ -71,22 +70,22 @@ def _run_trainers(url: str, folder, seeds: tuple[int, ...], timeout_s: float) ->
     return sorted(results.get(timeout=5) for _ in range(2 * len(seeds)))
 
 
-def test_two_trainer_ranks_split_the_engine_ranks(model_dir, start_engines):
+def test_two_trainer_ranks_split_the_engine_ranks(model_dir, shared_engines):
     folder = model_dir("qwen3-tiny")
-    (engine,) = start_engines(folder, [2], seed=0)
+    (engine,) = shared_engines(folder, [2], seed=0)
+    first = next_version([engine.url])
     reports = _run_trainers(engine.url, folder, (21, 22), timeout_s=300)
     # each trainer rank wrote exactly one engine rank, the two together both ranks, every update
     written = {seed: [] for seed in (21, 22)}
     for _rank, seed, version, targets, _regions in reports:
         assert len(targets) == 1
         written[seed] += targets
-        assert version == {21: "1", 22: "2"}[seed]
+        assert version == str(first + {21: 0, 22: 1}[seed])
     for targets in written.values():
         assert sorted(targets) == [(engine.url, 0), (engine.url, 1)]
-    client = EngineClient(engine.url)
-    assert client.weight_version() == "2"
-    mismatches = verify_engine(
-        client, lambda: list(synthetic_weights(folder, seed=22, dtype=torch.bfloat16))
+    assert EngineClient(engine.url).weight_version() == str(first + 1)
+    mismatches = engine_mismatches(
+        engine.url, lambda: list(synthetic_weights(folder, seed=22, dtype=torch.bfloat16))
     )
     assert mismatches == {0: [], 1: []}
 
