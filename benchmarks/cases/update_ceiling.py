@@ -88,11 +88,14 @@ def packed_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
 
 
 def arena_of(pub: RankPublication) -> WeightRegion:
-    """The rank's weight arena: the span of its published parameters (one region)."""
-    start = min(r.address for r in pub.regions.values())
-    end = max(r.end for r in pub.regions.values())
-    gpu = next(iter(pub.regions.values())).gpu_id
-    return WeightRegion(start, end - start, gpu)
+    """The rank's weight arena: the span of its published parameters (one region); the
+    delta scratch, published beside them from its own allocation, is not part of it."""
+    from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME
+
+    regions = [r for name, r in pub.regions.items() if name != SCRATCH_NAME]
+    start = min(r.address for r in regions)
+    end = max(r.end for r in regions)
+    return WeightRegion(start, end - start, regions[0].gpu_id)
 
 
 class BenchTargets:
@@ -416,9 +419,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "command": command,
     }
     partial.unlink(missing_ok=True)
-    plot(results)
     text = report(results, meta, command)
-    if not args.no_doc:
+    if not args.no_doc:  # the figure belongs to the doc's section: both or neither
+        plot(results)
         write_doc_section(NAME, text)
     print(text)
     return {"meta": meta, "results": results}

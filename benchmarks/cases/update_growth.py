@@ -278,9 +278,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "wall_s": time.perf_counter() - started,
         "fit": line,
     }
-    plot(results, line)
     text = report(results, meta)
-    if not args.no_doc:
+    if not args.no_doc:  # the figure belongs to the doc's section: both or neither
+        plot(results, line)
         write_doc_section(NAME, text)
     print(text)
     return {"meta": meta, "results": results}

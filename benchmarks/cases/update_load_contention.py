@@ -32,6 +32,7 @@ import torch
 from cases.update_stages import update_without_writes
 from harness import CONFIGS, hf_tensors, machine, markdown_table, median
 from p2pweights.config import MooncakeConfig, SyncConfig
+from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import LocalEngine
 from p2pweights.session import WeightSyncSession
@@ -52,7 +53,10 @@ def traffic(url: str, tp: int, per_param: bool, stop: Any) -> None:
     transport.register(source)
     plans: list[tuple[RankPublication, list[Write]]] = []
     for pub in pubs:
-        regions = sorted(pub.regions.values(), key=lambda r: r.address)
+        # the weights only: the delta scratch is published beside them from its own memory
+        regions = sorted(
+            (r for name, r in pub.regions.items() if name != SCRATCH_NAME), key=lambda r: r.address
+        )
         if per_param:
             writes = [Write(source.data_ptr(), r.address, r.num_bytes) for r in regions]
         else:
@@ -83,7 +87,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     tensors = hf_tensors(args.model)
     weights = tempfile.mkdtemp(prefix="p2pweights-contention-")
     save_safetensors(weights, tensors)
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes=256 * 2**20)
+    # verify_writes off: the measured updates write nothing, so nothing could be verified
+    # (and verification came after the recorded runs)
+    config = SyncConfig(
+        transport=MooncakeConfig(protocol="tcp"), buffer_bytes=256 * 2**20, verify_writes="off"
+    )
     rows: dict[str, list[float]] = {}
     with (
         LocalEngine(args.model, tp=args.tp, weights=weights) as engine,
