@@ -9,7 +9,7 @@ aligned slices; each ``Parameter`` keeps its identity and attributes, only its
 ``.data`` points at the slice), as a GPU server's caching allocator keeps weights in
 a few large segments: a rank's weights are then one registered region.
 
-For the broadcast baseline of ``benchmarks/update_vs_ceiling.py`` a rank can also
+For the broadcast baseline of ``benchmarks/update.py ceiling`` a rank can also
 hold a *broadcast area*: a registered receive buffer sized for the full HF tensor
 set, applied with sglang's own ``model.load_weights`` (what an NCCL broadcast update
 runs at the engine, with the broadcast replaced by writes over the same transport).

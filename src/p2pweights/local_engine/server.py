@@ -5,7 +5,7 @@ weight-sync library reads or triggers (server args, published weights, the
 update session, the weight checker) is served as sglang 0.5.23 serves it.
 
 Two benchmark routes, not sglang's, serve the broadcast baseline of
-``benchmarks/update_vs_ceiling.py``: ``POST /p2pweights/broadcast_area`` allocates
+``benchmarks/update.py ceiling``: ``POST /p2pweights/broadcast_area`` allocates
 and publishes each rank's receive area for the full HF tensor set, and ``POST
 /p2pweights/apply_broadcast`` runs each rank's sglang ``load_weights`` from it
 inside an open update session (what an NCCL broadcast update runs at the engine).

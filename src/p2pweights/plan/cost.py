@@ -102,7 +102,7 @@ class PipelineModel:
     loader_call_s: float = 12e-6
     """CPU time per HF tensor of a warm update's load with host staging: the loader's
     copies replayed one by one (``replica/sglang/replay.py``), measured on the 2-core
-    development machine with kilobyte tensors (``benchmarks/loader_overhead.py``): 11-12
+    development machine with kilobyte tensors (``benchmarks/replica.py loader``): 11-12
     us for Qwen3, Qwen3-MoE and DeepSeek-V3 (MLA); the first two updates run sglang's
     loaders (24-99 us). Assumed the same on a GPU host's CPU, where each GPU-to-pinned
     copy is queued one by one."""
@@ -110,7 +110,7 @@ class PipelineModel:
     """The same with device staging, where a step's replayed copies run in one Triton
     launch (``gathered_copies.py``): on the H200 host, per HF tensor, copies included,
     3.1-6.3 us for a Qwen3-MoE replica (TP 4 and 1) and 5.1 us for a Kimi-K2-shaped fp8
-    one (384 experts, TP 16) (``benchmarks/replay_cost.py``,
+    one (384 experts, TP 16) (``benchmarks/replica.py replay``,
     ``results/replay_cost_*_h200.json``); the highest taken. Replicas with few tensors per
     parameter group cost more (11.7 us at 4), which MoE rows hardly have."""
     quantize_gbps: float = 1700.0
@@ -118,12 +118,12 @@ class PipelineModel:
     the library's own call of the fused Triton kernel on an H200 took 1,674-2,091 GB/s
     for DeepSeek-V3 weight shapes, measured at 8 warps before the switch to 4 (the raw
     kernel at 4 warps 1,883-2,345;
-    ``benchmarks/fp8_kernel_variants.py``); the lower reading is taken. torch's several
+    ``benchmarks/fp8.py kernel``); the lower reading is taken. torch's several
     passes ran at 95."""
     quantize_call_s: float = 10.4e-6
     """Host time per quantized HF tensor, measured on the H200 host with weights of one
     shape quantized in batches (one launch and two output allocations per batch, and
-    the per-weight bookkeeping; ``benchmarks/fp8_convert.py``: 8.8-10.4 us, the higher
+    the per-weight bookkeeping; ``benchmarks/fp8.py convert``: 8.8-10.4 us, the higher
     taken; one launch per weight took 36-49 us). Launches queue while earlier ones run,
     so a sender's quantization takes the longer of its host time and its GPU time."""
     flush_overhead_s: float = (
@@ -147,7 +147,7 @@ class PipelineModel:
     update's and copied over them (``delta.store``: 8-byte words compared, the differing
     ones' elements, the copy), plus ``delta_host_changed_s`` per changed element. Fitted
     to the H200 host's CPU (16 cores), 256 MiB of bf16: 2.21 GB/s at 2 % changed, 0.79 at
-    10 % (``benchmarks/delta_encode_cost.py``, ``results/delta_encode_cost_h200.json``)."""
+    10 % (``benchmarks/delta.py encode``, ``results/delta_encode_cost_h200.json``)."""
     delta_host_changed_s: float = 20.4e-9
     """Per changed element on the CPU (gathering its index and value), from the same fit."""
     delta_device_gbps: float = 620.0

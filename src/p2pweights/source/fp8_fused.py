@@ -7,7 +7,7 @@ Here each Triton program owns one scaling block: it loads the block once, takes 
 absolute maximum, computes the scale and writes the fp8 block and its scale.
 
 Bit-equal to the torch quantizer, operation by operation (checked on an H200 by
-``tests/integration/test_fp8_fused_gpu.py`` and ``benchmarks/fp8_convert.py``):
+``tests/integration/test_fp8_fused_gpu.py`` and ``benchmarks/fp8.py convert``):
 
 * the maximum of ``|w|`` is exact in any float format; a block holding a NaN gets a
   NaN maximum, as ``torch.amax`` gives;

@@ -2,7 +2,7 @@
 
 The loaders' work on the host is mostly large ``copy_``s, which torch splits over its
 intra-op threads and joins at a barrier; when a writer thread or another process holds
-a core, every copy waits for it. Measured on the 2-core machine (benchmarks/cpu_cost.py,
+a core, every copy waits for it. Measured on the 2-core machine (benchmarks/footprint.py cpu-cost,
 1 GB into a TP-2 engine): the load stage took 1-4 s with two threads while using
 0.2-0.4 CPU-s, and 0.055-0.07 s with one.
 

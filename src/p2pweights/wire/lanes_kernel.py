@@ -47,7 +47,7 @@ _BLOCKS = 256
 CHUNK_WORDS = _BLOCK * _BLOCKS
 """Words per program at most: 4 MiB, so a GB is a few hundred programs (and rows of
 partial sums). On an H200 programs of 256 KiB summed 0.6 TB/s, of 1 MiB 1.3-1.7, of
-4 MiB 1.8-3.1 (``benchmarks/digest_kernel_variants.py``)."""
+4 MiB 1.8-3.1 (``benchmarks/verify.py digest-kernel``)."""
 
 _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 _LAYOUTS: LruCache[tuple[torch.device, tuple[int, ...]], _Layout] = LruCache(1024)

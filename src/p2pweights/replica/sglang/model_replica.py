@@ -488,7 +488,7 @@ def _named_parameters_cached(
 
     sglang's ``load_weights`` starts with ``dict(self.named_parameters())``, a walk of the
     whole module tree; staging calls it once per flush, and on a 36-layer model the walk
-    cost as much as loading the flush's tensors (benchmarks/gpu_update.py). The replica's
+    cost as much as loading the flush's tensors (benchmarks/gpu.py update). The replica's
     Parameter objects never change after it is built, so the default call is answered
     from the dict made then; a call with arguments takes the real walk.
     """

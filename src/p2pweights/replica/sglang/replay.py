@@ -1,7 +1,7 @@
 """Replaying a loader: after real loads, later loads of the same inputs repeat its copies.
 
 sglang's loaders are Python: per HF tensor they map names, narrow to this rank's shard
-and copy (tens of microseconds each, measured in benchmarks/loader_overhead.py and on
+and copy (tens of microseconds each, measured in benchmarks/replica.py loader and on
 the H200, where they were most of an update). What they do to the bytes, though, is
 almost always a fixed list of strided copies from views of the inputs into views of
 the parameters, plus constant fills (padding). ``LoadRecorder`` watches one real load
