@@ -219,7 +219,7 @@ def _launch(
                 PAD_K=_pow2(bk),
                 UE8M0=ue8m0,
                 TABLE=table is not None,
-                num_warps=4,  # the fastest of 4, 8 and 16 on an H200 (fp8_kernel_variants.py)
+                num_warps=4,  # the fastest of 4, 8 and 16 on an H200 (benchmarks/fp8.py kernel)
             )
     return q, scale
 
