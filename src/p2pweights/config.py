@@ -27,21 +27,22 @@ from p2pweights.errors import ConfigError
 _FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 """Frozen, no unknown fields, and each field's docstring as its ``description``."""
 _BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
-_WHOLE_SIZE = re.compile(ByteSize.byte_string_pattern + r"\s*$", re.IGNORECASE)
-"""pydantic's spelling of a size, to the end of the string (its own pattern reads only a
-prefix: "512MiB of it" would be 512 MiB)."""
+_SIZE = re.compile(r"\s*\d+(\.\d+)?\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+"""The spellings a size may take (tests/unit/test_byte_sizes.py lists them). pydantic's
+``ByteSize`` reads more (PB, EiB, bits, ".5GiB") and only a prefix ("512MiB of it"): it
+does the arithmetic, on text this grammar accepted."""
 
 
 def parse_bytes(value: int | str) -> int:
     """``536870912``, ``"512MiB"``, ``"1GiB"`` or ``"1.5GB"`` as a number of bytes
-    (pydantic's ``ByteSize``: KB is 1000 bytes, KiB 1024; case is ignored)."""
+    (B and K, M, G, T with B or iB: KB is 1000 bytes, KiB 1024; case is ignored)."""
     if isinstance(value, bool):
         raise ValueError("a size must be a number of bytes or a string such as '512MiB'")
     if isinstance(value, int):
         return value
     text = str(value)
     try:
-        if _WHOLE_SIZE.match(text) is None:
+        if _SIZE.fullmatch(text) is None:
             raise ValueError(text)
         return int(_BYTE_SIZE.validate_python(text))
     except ValueError as exc:  # pydantic's ValidationError is one

@@ -3,6 +3,8 @@ they refuse: the table the byte-size parser is held to."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from p2pweights import ConfigError, SyncConfig
@@ -60,6 +62,16 @@ REFUSED = [
     "512 mebibytes",
     "0x100",
     "1,5GB",
+    # refused before sizes were read by pydantic's ByteSize, and still: units past TiB,
+    # a unit without a number, no digit before the point, bits
+    "1PB",
+    "1PiB",
+    "1EiB",
+    "EiB",
+    ".5GiB",
+    "8bit",
+    "1kbit",
+    "1Mibit",
 ]
 
 
@@ -71,7 +83,9 @@ def test_accepted(given, expected):
 
 @pytest.mark.parametrize("given", REFUSED, ids=repr)
 def test_refused(given):
-    with pytest.raises(ValueError, match="size"):
+    # one message for every refused spelling, whichever check refused it
+    message = "size" if isinstance(given, bool) else rf"^cannot read {re.escape(repr(given))} as"
+    with pytest.raises(ValueError, match=message):
         parse_bytes(given)
 
 
