@@ -373,14 +373,22 @@ def test_caller_mode_neither_pauses_nor_resumes_but_runs_every_step_between():
     assert update.paused_s is None and not update.paused_by_us
 
 
-def test_caller_mode_refuses_an_engine_that_says_it_is_generating_before_any_call():
+def test_caller_mode_refuses_a_generating_engine_before_any_engine_is_marked_or_flushed():
     clock = Clock()
-    client = ReportingClient(clock)
-    update = EngineUpdate(client, clock=clock)  # type: ignore[arg-type]
-    update.adopt()
-    with pytest.raises(EngineStateError, match="is generating: pause_mode='caller'"):
-        update.open("caller", "4")
-    assert client.log == [] and client.version == "3"
+    fleet, _ = _fleet(clock, ["http://a", "http://b"])
+    clients = []
+    for engine, generating in zip(fleet.engines, (False, True), strict=True):
+        client = ReportingClient(clock, url=engine.url)
+        client.paused = not generating  # the caller paused http://a only
+        engine.client = client  # type: ignore[assignment]
+        engine.update = EngineUpdate(client, clock=clock)  # type: ignore[arg-type]
+        engine.update.adopt()
+        clients.append(client)
+    with pytest.raises(EngineStateError, match="http://b is generating: pause_mode='caller'"):
+        fleet.open("caller", "4", snapshot=False)
+    for client in clients:  # the paused one too: neither marked, flushed nor begun
+        assert [step for _, step in client.log] == ["reachable", "reachable"]
+        assert client.version == "3" and not client.open
 
 
 def test_caller_mode_abort_closes_the_engine_and_leaves_it_to_the_caller():
@@ -392,3 +400,23 @@ def test_caller_mode_abort_closes_the_engine_and_leaves_it_to_the_caller():
     assert not client.open and client.version == "3" and client.paused
     report = AbortReport(outcomes={client.url: outcome})
     assert report.ok
+
+
+@pytest.mark.parametrize("failed_check", [False, True])
+def test_caller_mode_abort_of_a_torn_engine_says_not_to_resume_it(failed_check):
+    update, client = _update(Clock())
+    client.paused = True
+    update.open("caller", "4")
+    update.mark_written()
+    if failed_check:
+        update.writes_landed()
+        update.writes_wrong()
+    outcome = update.abort()
+    assert outcome.startswith("left paused by the caller")
+    assert "must not be resumed" in outcome
+    assert ("weights may be wrong" if failed_check else "weights may be torn") in outcome
+    assert not client.open and client.version == "p2pweights-updating:4" and client.paused
+    report = AbortReport(outcomes={client.url: outcome})
+    assert not report.ok and report.left_paused == [client.url]
+    with pytest.raises(EngineStateError, match="must not be resumed"):
+        report.raise_if_not_ok()

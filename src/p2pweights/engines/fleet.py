@@ -220,7 +220,8 @@ class Fleet:
 
         Every engine must answer first: an engine that died since the last update fails
         the update before any engine is paused (a retry would otherwise pause the
-        healthy ones, then stop at the dead one).
+        healthy ones, then stop at the dead one). With ``pause_mode="caller"`` every engine
+        must then say it is paused (where it reports its state), before any is marked.
 
         The check also readies (opens, or finds kept alive) as many connections per
         engine as the update later uses at once, so no call in the pause opens one:
@@ -237,6 +238,8 @@ class Fleet:
                 f"{exc} (before the update: no engine was paused or written; restart or drop "
                 f"it and connect() again)"
             ) from exc
+        if pause_mode == "caller":  # refuse a generating engine before any engine changes
+            self.each(lambda e: e.update.check_paused_by_caller())
         self.each(lambda e: e.update.open(pause_mode, version, snapshot=snapshot))
 
     def mark_written(self) -> None:

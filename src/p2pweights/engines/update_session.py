@@ -177,8 +177,7 @@ class EngineUpdate:
         self._probe_if_unknown()
         self.caller_pauses = pause_mode == "caller"
         self.pause_made = not self.caller_pauses and self.phase in (Phase.RUNNING, Phase.UNKNOWN)
-        if self.caller_pauses:
-            self._check_paused_by_caller()
+        if self.caller_pauses:  # the fleet checked that the caller paused it
             self.pause_began = began
         elif self.pause_made:
             self._pause(pause_mode)
@@ -265,15 +264,16 @@ class EngineUpdate:
             self._call(lambda c: c.update_weight_version(holds))
             self.shows_updating = False
         if self.caller_pauses:
+            if self.incomplete:  # the caller resumes it: say it must not
+                return (
+                    f"left paused by the caller: {self._why_torn()}; it must not be resumed "
+                    "before an update to it completes (pause_mode caller)"
+                )
             return "left as the caller paused it, for the caller to resume (pause_mode caller)"
         if not self.paused_by_us:
             return "left as it was (not paused by this session)"
         if self.incomplete and not resume_incomplete:
-            if self.check_failed:
-                return (
-                    "left paused: its weight check failed or went unanswered (weights may be wrong)"
-                )
-            return "left paused: its writes did not all land (weights may be torn)"
+            return f"left paused: {self._why_torn()}"
         self._resume()
         if self.incomplete:
             return "resumed with incomplete weights"
@@ -331,9 +331,15 @@ class EngineUpdate:
         else:
             mark()
 
-    def _check_paused_by_caller(self) -> None:
-        """Refuse, before anything changes, an engine that says it is generating (engines
-        that do not report their state are trusted to be paused)."""
+    def _why_torn(self) -> str:
+        if self.check_failed:
+            return "its weight check failed or went unanswered (weights may be wrong)"
+        return "its writes did not all land (weights may be torn)"
+
+    def check_paused_by_caller(self) -> None:
+        """Refuse an engine that says it is generating (engines that do not report their
+        state are trusted to be paused); ``Fleet.open`` asks every engine before any
+        changes."""
         reported = self.client.engine_state()
         if reported is not None and not reported["paused"]:
             raise EngineStateError(
@@ -411,7 +417,8 @@ class AbortReport:
     """What ``WeightSyncSession.abort`` did to each engine."""
 
     outcomes: dict[str, str] = field(default_factory=dict)
-    """Engine URL -> "resumed", "left paused: ...", "left as it was" or "unreachable: ..."."""
+    """Engine URL -> "resumed", "left paused: ...", "left paused by the caller: ..." (torn,
+    with ``pause_mode="caller"``), "left as ..." or "unreachable: ..."."""
 
     @property
     def left_paused(self) -> list[str]:
@@ -423,7 +430,8 @@ class AbortReport:
 
     @property
     def ok(self) -> bool:
-        """Every engine this session paused runs again."""
+        """Every engine this session paused runs again, and none the caller paused
+        (``pause_mode="caller"``) is left with torn weights."""
         return not self.left_paused
 
     def raise_if_not_ok(self) -> None:
