@@ -271,7 +271,10 @@ class WeightSyncSession:
         serves torn weights, and still shows that version). Returns what happened to
         each engine, including those that could not be reached; it does not raise.
         Only trainer rank 0 drives the engines; on other ranks this returns an empty
-        report. Called from another thread while ``update()`` runs, it cancels that
+        report. With ``pause_mode="caller"`` it resumes nothing: each engine is left to the
+        caller, and one with torn weights is reported "left paused by the caller: ... must
+        not be resumed" (``AbortReport.ok`` False). Called from another thread while
+        ``update()`` runs, it cancels that
         update (which raises ``TransferError`` before its writes or at its next parameter
         group) and waits for it to stop (writes in flight are bounded by ``transfer_timeout_s``,
         engine calls by their time limits) before giving up as above. While ``connect``,
