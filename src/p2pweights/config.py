@@ -245,9 +245,9 @@ class SyncConfig(_Config):
     http_timeout_s: float = 60.0
     """Bound on reading what an engine serves (server info, published weights at connect)
     and on the weight checker (which hashes every weight)."""
-    end_update_timeout_s: float = 60.0
+    end_update_timeout_s: float | None = None
     """Bound on each engine's ``end_weight_update``, where it re-processes every weight
-    (derived weights, kernel layouts: seconds for a large fp8 MoE). Left unset, it takes
+    (derived weights, kernel layouts: seconds for a large fp8 MoE). Unset (None), it takes
     ``http_timeout_s`` (which bounded it before it had its own setting)."""
     pause_mode: Literal["retract", "abort", "in_place", "caller"] = "retract"
     """How engines pause generation before the update (sglang's /pause_generation mode).
@@ -325,8 +325,8 @@ class SyncConfig(_Config):
         "transfer_timeout_s", "http_timeout_s", "control_timeout_s", "end_update_timeout_s"
     )
     @classmethod
-    def _positive(cls, value: float) -> float:
-        if value <= 0:
+    def _positive(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
             raise ValueError(f"timeouts must be positive, got {value}")
         return value
 
@@ -426,7 +426,7 @@ def _warn_renamed(old: str, stacklevel: int) -> None:
 
 def _renamed(data: dict[str, Any], stacklevel: int) -> dict[str, Any]:
     """``SyncConfig``'s keyword arguments with renamed fields under their new names (each
-    old name warns), and ``end_update_timeout_s`` defaulting to ``http_timeout_s``."""
+    old name warns; the deprecated topology fields warn too)."""
     data = dict(data)
     # a dumped config holds them too: only values other than one sending process warn
     given = [
@@ -447,6 +447,4 @@ def _renamed(data: dict[str, Any], stacklevel: int) -> dict[str, Any]:
             if new in data:
                 raise ConfigError(f"SyncConfig got both {old} and {new}; give only {new}")
             data[new] = data.pop(old)
-    if "end_update_timeout_s" not in data and "http_timeout_s" in data:
-        data["end_update_timeout_s"] = data["http_timeout_s"]
     return data

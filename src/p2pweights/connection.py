@@ -89,7 +89,12 @@ class Connection:
                     config.control_timeout_s,
                     config.api_key,
                     config.allow_sglang_mismatch,
-                    end_update_timeout_s=config.end_update_timeout_s,
+                    # unset, end_weight_update is bounded by http_timeout_s
+                    end_update_timeout_s=(
+                        config.http_timeout_s
+                        if config.end_update_timeout_s is None
+                        else config.end_update_timeout_s
+                    ),
                 ),
             )
         except BaseException:

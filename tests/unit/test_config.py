@@ -119,13 +119,46 @@ def test_new_check_names_do_not_warn(recwarn: pytest.WarningsRecorder) -> None:
 
 
 def test_end_update_timeout_is_its_own_setting() -> None:
-    assert SyncConfig().end_update_timeout_s == 60.0
-    # left unset it follows http_timeout_s, which bounded end_weight_update before
-    assert SyncConfig(http_timeout_s=300).end_update_timeout_s == 300
+    assert SyncConfig().end_update_timeout_s is None  # unset: http_timeout_s
     config = SyncConfig(http_timeout_s=10, end_update_timeout_s=900)
     assert (config.http_timeout_s, config.end_update_timeout_s) == (10, 900)
     with pytest.raises(ConfigError, match="positive"):
         SyncConfig(end_update_timeout_s=0)
+
+
+def _end_update_bound(config: SyncConfig, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The bound on end_weight_update that connecting with ``config`` gives the engines."""
+    import torch
+
+    from p2pweights.connection import Connection
+    from p2pweights.engines.fleet import Fleet
+
+    given = []
+
+    def connect(endpoints: object, options: object) -> Fleet:
+        given.append(options)
+        raise RuntimeError("connected no further")
+
+    monkeypatch.setattr(Fleet, "connect", connect)
+    with pytest.raises(RuntimeError, match="no further"):
+        Connection(config, torch.device("cpu")).connect(["http://engine:1"])
+    return given[0].end_update_timeout_s  # type: ignore[attr-defined]
+
+
+def test_end_update_timeout_follows_http_timeout_however_the_config_was_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # unset, it is http_timeout_s (which bounded end_weight_update before it had a name),
+    # in a config built, copied or rebuilt from a dump with another http_timeout_s
+    for config in [
+        SyncConfig(http_timeout_s=300),
+        SyncConfig().model_copy(update={"http_timeout_s": 300}),
+        SyncConfig(**{**SyncConfig().model_dump(), "http_timeout_s": 300}),
+    ]:
+        assert _end_update_bound(config, monkeypatch) == 300
+    assert _end_update_bound(SyncConfig(), monkeypatch) == 60
+    given = SyncConfig(end_update_timeout_s=900).model_copy(update={"http_timeout_s": 300})
+    assert _end_update_bound(given, monkeypatch) == 900
 
 
 def test_end_weight_update_is_bounded_by_its_own_timeout() -> None:
