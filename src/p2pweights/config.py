@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,6 +24,9 @@ from pydantic import (
 
 from p2pweights import environment
 from p2pweights.errors import ConfigError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 """Frozen, no unknown fields, and each field's docstring as its ``description``."""
@@ -309,6 +313,13 @@ class SyncConfig(_Config):
     def __init__(self, **data: Any) -> None:
         super().__init__(**_renamed(data, stacklevel=4))
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy with ``update``'s fields replaced, renamed and deprecated ones read and
+        warned about as ``SyncConfig(...)`` does (pydantic's copy does not validate)."""
+        if update:
+            update = _renamed(dict(update), stacklevel=4)
+        return super().model_copy(update=update, deep=deep)
+
     @property
     def check_weight_update_equal(self) -> bool:
         """Deprecated: ``verify_with_weight_checker``."""
@@ -383,7 +394,7 @@ class SyncConfig(_Config):
     def with_topology(self, topology: TrainerTopology) -> SyncConfig:
         """This config as a session standing at ``topology`` holds it."""
         # a copy, not __init__: no deprecation warning, and the fields a user set stay so
-        config = self.model_copy(update=_topology_fields(topology))
+        config = super().model_copy(update=_topology_fields(topology))
         config.model_post_init(None)
         return config
 

@@ -218,3 +218,32 @@ def test_topology_fields_in_the_config_still_work_with_a_warning():
     # topology= replaces what the config says
     replaced = WeightSyncSession(config, topology=TrainerTopology())
     assert replaced.topology == TrainerTopology()
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("check_weight_update_equal", "verify_with_weight_checker"),
+        ("check_finite", "verify_finite_inputs"),
+    ],
+)
+def test_renamed_checks_in_model_copy_work_as_in_the_constructor(old: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"SyncConfig.{old} is now SyncConfig.{new}"):
+        copied = SyncConfig().model_copy(update={old: True})
+    assert getattr(copied, new) is True
+    assert old not in copied.model_dump() and new in copied.model_fields_set
+    with (
+        pytest.raises(ConfigError, match=f"both {old} and {new}"),
+        pytest.warns(DeprecationWarning),
+    ):
+        SyncConfig().model_copy(update={old: True, new: False})
+
+
+def test_topology_fields_in_model_copy_warn(recwarn: pytest.WarningsRecorder) -> None:
+    with pytest.warns(DeprecationWarning, match=r"SyncConfig\(trainer_rank, num_trainer_ranks\)"):
+        copied = SyncConfig().model_copy(update={"trainer_rank": 1, "num_trainer_ranks": 2})
+    assert copied.topology == TrainerTopology(rank=1, num_ranks=2)
+    recwarn.clear()
+    SyncConfig().model_copy(update={"http_timeout_s": 5, "trainer_rank": 0})
+    SyncConfig().with_topology(TrainerTopology(rank=1, num_ranks=2))
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
