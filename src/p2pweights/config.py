@@ -393,8 +393,10 @@ class SyncConfig(_Config):
 
     def with_topology(self, topology: TrainerTopology) -> SyncConfig:
         """This config as a session standing at ``topology`` holds it."""
-        # a copy, not __init__: no deprecation warning, and the fields a user set stay so
+        # a copy, not __init__: no deprecation warning; and the fields a user set stay the
+        # only ones set (a copy's update marks its fields set, as a user's would be)
         config = super().model_copy(update=_topology_fields(topology))
+        object.__setattr__(config, "__pydantic_fields_set__", set(self.model_fields_set))
         config.model_post_init(None)
         return config
 

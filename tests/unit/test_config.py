@@ -247,3 +247,13 @@ def test_topology_fields_in_model_copy_warn(recwarn: pytest.WarningsRecorder) ->
     SyncConfig().model_copy(update={"http_timeout_s": 5, "trainer_rank": 0})
     SyncConfig().with_topology(TrainerTopology(rank=1, num_ranks=2))
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_with_topology_keeps_the_fields_the_user_set(recwarn: pytest.WarningsRecorder) -> None:
+    config = SyncConfig(buffer_bytes="64MiB")
+    placed = config.with_topology(TrainerTopology(rank=1, num_ranks=2))
+    assert placed.model_fields_set == {"buffer_bytes"}
+    topology = TrainerTopology(rank=1, num_ranks=2)
+    session = WeightSyncSession(config, topology=topology, agree=lambda ok: ok)
+    assert SyncConfig(**session.config.model_dump(exclude_unset=True)) == config
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from p2pweights import ConfigError, SyncConfig
+from p2pweights import ConfigError, SyncConfig, TrainerTopology
 from p2pweights.adapters.megatron import (
     MegatronExport,
     renamed,
@@ -121,6 +121,16 @@ def test_stage_config_from_megatrons_parallel_state(parallel_state):
     assert (staged.buffer_bytes, staged.transfer_timeout_s) == (64 * 2**20, 5)
     gathered = stage_config(config, per_stage=False)
     assert (gathered.pipeline_stage, gathered.num_pipeline_stages) == (0, 1)
+    assert staged.model_fields_set == config.model_fields_set  # what the user set, only
+
+
+def test_stage_config_keeps_a_given_trainer_rank(parallel_state):
+    with pytest.warns(DeprecationWarning):
+        config = SyncConfig(trainer_rank=1, num_trainer_ranks=2)
+    staged = stage_config(config)
+    assert staged.topology == TrainerTopology(
+        rank=1, num_ranks=2, pipeline_stage=1, num_pipeline_stages=4
+    )
 
 
 class FakeBridge:

@@ -145,13 +145,19 @@ def stage_config(config: SyncConfig | None = None, *, per_stage: bool = True) ->
     ``WeightSyncSession.from_torch_distributed`` over all ranks."""
     from megatron.core import parallel_state
 
-    stage = TrainerTopology()  # the ranks are filled in by from_torch_distributed
+    config = config or SyncConfig()
+    stage, num_stages = 0, 1
     if per_stage:
-        stage = TrainerTopology(
-            pipeline_stage=parallel_state.get_pipeline_model_parallel_rank(),
-            num_pipeline_stages=parallel_state.get_pipeline_model_parallel_world_size(),
-        )
-    return (config or SyncConfig()).with_topology(stage)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        num_stages = parallel_state.get_pipeline_model_parallel_world_size()
+    # the config's ranks stay (from_torch_distributed fills them in); only the stage is set
+    topology = TrainerTopology(
+        rank=config.trainer_rank,
+        num_ranks=config.num_trainer_ranks,
+        pipeline_stage=stage,
+        num_pipeline_stages=num_stages,
+    )
+    return config.with_topology(topology)
 
 
 def renamed(
