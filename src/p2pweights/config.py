@@ -257,8 +257,12 @@ class SyncConfig(_Config):
     """How engines pause generation before the update (sglang's /pause_generation mode).
     "caller": the caller pauses every engine before ``update()`` (so that sglang can flush
     its cache: no request running) and resumes it after; p2pweights still opens, writes,
-    checks, versions and closes each engine, and refuses one that says it is generating
-    (where it reports its state). verl's own checkpoint manager works so."""
+    checks, versions and closes each engine, and refuses, before any engine changes, an
+    update where one says it is generating (where it reports its state). The caller pauses
+    with sglang's "abort" or "retract" mode, not "in_place": p2pweights flushes the cache,
+    which sglang refuses while requests run (an in_place pause keeps them), so the update
+    would fail after ``control_timeout_s``. verl's own checkpoint manager and slime work
+    so (both pause with "abort")."""
     stage_before_pause: bool = True
     """Read, check and convert the inputs and load the first staging buffer while the
     engines still generate, pausing them only right before the first write (with several
