@@ -130,6 +130,8 @@ class _EnginePool:
             raise
         self.num_started += len(fresh)
         self.num_reused += len(found)
+        _POOL_COUNTS["started"] += len(fresh)
+        _POOL_COUNTS["reused"] += len(found)
         found.update(zip(missing, fresh, strict=True))
         return [(k, found[k]) for k in keys]
 
@@ -146,6 +148,19 @@ class _EnginePool:
     def stop(self) -> None:
         while self._idle:
             self._idle.popitem()[1].stop()
+
+
+_POOL_COUNTS = {"started": 0, "reused": 0}
+"""Engines the pool started and lent again in this run, printed at the end (a pool that
+stops reusing, say because ``_healthy`` turned strict, only shows as a slower suite)."""
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if any(_POOL_COUNTS.values()):
+        terminalreporter.write_line(
+            f"shared engines: {_POOL_COUNTS['started']} started, "
+            f"{_POOL_COUNTS['reused']} lent again"
+        )
 
 
 def _healthy(engine: LocalEngine) -> bool:
@@ -177,7 +192,9 @@ def shared_engines(_engine_pool: _EnginePool) -> Iterator[Callable[..., list[Loc
     the engines come from a pool for the whole run. They may have served earlier tests (their
     weights and weight version are what those left: the first update resets the weights, and
     a session numbers its versions on from theirs) and may serve later ones. For tests that
-    neither kill, freeze nor restart an engine, and that do not rely on its start weights."""
+    neither kill, freeze nor restart an engine, and that do not rely on its start weights.
+    A test writes seeds no other test writes into engines of the same key: a bit-exact check
+    after an update that wrote nothing would otherwise pass on an earlier test's bytes."""
     lent: list[tuple[_Key, LocalEngine]] = []
 
     def take(folder: Path, tps: list, transport: str = "mooncake", **kwargs) -> list[LocalEngine]:
