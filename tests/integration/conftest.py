@@ -92,8 +92,6 @@ class _EnginePool:
     def __init__(self, max_engines: int = 4) -> None:
         self.max_engines = max_engines
         self._idle: OrderedDict[_Key, LocalEngine] = OrderedDict()
-        self.num_started = 0
-        self.num_reused = 0
 
     def take(
         self, folder: Path, tps: list, transport: str, kwargs: dict
@@ -128,8 +126,6 @@ class _EnginePool:
             for engine in [*fresh, *found.values()]:
                 engine.stop()
             raise
-        self.num_started += len(fresh)
-        self.num_reused += len(found)
         _POOL_COUNTS["started"] += len(fresh)
         _POOL_COUNTS["reused"] += len(found)
         found.update(zip(missing, fresh, strict=True))

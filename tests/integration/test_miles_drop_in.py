@@ -22,6 +22,7 @@ from argparse import Namespace
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
+from _lockstep import run_in_lockstep
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -112,7 +113,7 @@ def _trainer(rank, world, num_stages, port, urls, folder, seeds, victim, out, go
         dist.destroy_process_group()
 
 
-def _run(folder, engines, *, world, num_stages, seeds, victim=None, check=None):
+def _run(folder, engines, *, world, num_stages, seeds, check, victim=None):
     """Start ``world`` trainer processes; after each update, gather their results (by
     rank), call ``check(index, results)`` and let them go on."""
     ctx = mp.get_context("spawn")
@@ -122,18 +123,7 @@ def _run(folder, engines, *, world, num_stages, seeds, victim=None, check=None):
     port = free_port()
     args = (world, num_stages, port, urls, str(folder), seeds, victim, out, gos)
     trainers = [ctx.Process(target=_trainer, args=(rank, *args)) for rank in range(world)]
-    for p in trainers:
-        p.start()
-    try:
-        for index in range(len(seeds)):
-            results = sorted(out.get(timeout=300) for _ in trainers)
-            assert [r[:2] for r in results] == [(index, rank) for rank in range(world)]
-            check(index, results)
-            gos[index].set()
-    finally:
-        for p in trainers:
-            p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0] * world
+    run_in_lockstep(trainers, out, gos, check)
 
 
 def _assert_updated(results, engines, folder, seed, version):

@@ -24,6 +24,7 @@ from argparse import Namespace
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
+from _lockstep import run_in_lockstep
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -112,18 +113,7 @@ def _run(folder, engines, *, world, num_stages, seeds, check, counts=True):
         ctx.Process(target=_trainer, args=(rank, *args), kwargs={"counts": counts})
         for rank in range(world)
     ]
-    for p in trainers:
-        p.start()
-    try:
-        for index in range(len(seeds)):
-            results = sorted(out.get(timeout=300) for _ in trainers)
-            assert [r[:2] for r in results] == [(index, rank) for rank in range(world)]
-            check(index, results)
-            gos[index].set()
-    finally:
-        for p in trainers:
-            p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0] * world
+    run_in_lockstep(trainers, out, gos, check)
 
 
 @pytest.fixture(scope="module")
