@@ -93,8 +93,9 @@ def _trainer(config: dict[str, Any], lr: float, seed: int, device: str = "cpu"):
 
 
 def _row(report: Any, session: Any) -> dict[str, Any]:
-    run = getattr(session, "_last_run", None)
-    delta = getattr(run, "delta", None)
+    # the sender's own summary (the report's DeltaReport gives the decision as a line); read
+    # directly, so that a rename of the session's private state fails here, not silently
+    delta = session._last_attempt.last_run.delta
     decision = getattr(delta, "decision", None)
     return {
         "seconds": report.seconds,

@@ -358,14 +358,14 @@ def p2pweights_updates(
                         ) in session._connection.fleet.control_calls().by_route().items()
                     },
                 }
-                delta = getattr(getattr(session, "_last_run", None), "delta", None)
+                delta = report.delta
                 if delta is not None:
                     row["delta"] = {
                         "sent_fraction": delta.fraction,
                         "full_bytes": delta.full_bytes,
-                        "delta_slots": delta.num_delta_slots,
-                        "full_slots": delta.num_full_slots,
-                        "unchanged_slots": delta.num_unchanged_slots,
+                        "delta_slots": delta.num_delta_params,
+                        "full_slots": delta.num_full_params,
+                        "unchanged_slots": delta.num_unchanged_params,
                         "store_bytes": delta.store_bytes,
                     }
                 if k == 0 or k == num_updates - 1 or (verify_every and k % verify_every == 0):

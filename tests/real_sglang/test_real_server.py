@@ -49,9 +49,12 @@ from _server import (
     unavailable,
 )
 
+UNAVAILABLE = unavailable()
+"""Why the suite cannot run here (None: it can)."""
+
 pytestmark = [
     pytest.mark.real_sglang,
-    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
 ]
 
 CONFIG = {
