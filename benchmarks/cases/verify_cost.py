@@ -21,7 +21,8 @@ run on the lent GPU machine) and take CUDA IPC, loaded directly (``--no-direct``
 staged on the GPU and written)::
 
     .venv/bin/python benchmarks/verify.py cost                       # qwen3-1g, CPU
-    python3 benchmarks/verify.py cost --device cuda --models qwen3-1g qwen3-4b-shape
+    python3 benchmarks/verify.py cost --device cuda \
+        --models qwen3-1g:staged:1GiB qwen3-4b-shape:direct:2GiB
 """
 
 from __future__ import annotations
@@ -56,7 +57,13 @@ MODES = {"on": "always", "off": "off"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", nargs="+", default=["qwen3-1g"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["qwen3-1g"],
+        help="model[:staged|direct[:BUFFER]] each, measured one after the other in this run "
+        "(GPU: staged or loaded directly, and the staging buffer, per model)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--transport", choices=["mooncake", "nixl"], default="mooncake")
@@ -75,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING)
     command = args.command
     before, started = machine(), time.perf_counter()
-    results = {model: measure(model, args) for model in args.models}
+    results = {spec: measure(*_spec(spec, args)) for spec in args.models}
     result: dict[str, Any] = {
         "meta": {
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -93,6 +100,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_doc_section(NAME, text)
     print(text)
     return result
+
+
+def _spec(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """``model[:staged|direct[:BUFFER]]`` -> the model and this run's arguments for it."""
+    model, *rest = spec.split(":")
+    own = argparse.Namespace(**vars(args))
+    if rest:
+        if rest[0] not in ("staged", "direct"):
+            raise SystemExit(f"verify cost: {spec!r}: say staged or direct after the model")
+        own.no_direct = rest[0] == "staged"
+    if len(rest) > 1:
+        own.buffer = rest[1]
+    return model, own
 
 
 def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -158,6 +178,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     parts = {p: median([r.stage_seconds.get(p, 0.0) for r in reports["on"]]) for p in PARTS}
     return {
+        "path": (
+            f"{'staged' if args.no_direct else 'loaded directly'}, buffer {args.buffer}"
+            if gpu
+            else f"buffer {args.buffer}"
+        ),
         "bytes_written": reports["on"][0].bytes_written,
         "median_update_s": seconds,
         "median_paused_s": paused,
@@ -177,8 +202,7 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
 def describe(result: dict[str, Any], args: argparse.Namespace) -> str:
     meta = result["meta"]
     where = (
-        f"one {meta['device']}, both engines colocated on it, CUDA IPC "
-        f"({'staged' if args.no_direct else 'loaded directly'})"
+        f"one {meta['device']}, both engines colocated on it, CUDA IPC"
         if args.device == "cuda"
         else f"this CPU, {args.transport} over loopback"
     )
@@ -187,7 +211,7 @@ def describe(result: dict[str, Any], args: argparse.Namespace) -> str:
         s, p = r["median_update_s"], r["median_paused_s"]
         rows.append(
             [
-                f"{model} ({r['bytes_written'] / GB:.2f} GB)",
+                f"{model} ({r['bytes_written'] / GB:.2f} GB, {r['path']})",
                 f"{s['off'] * 1e3:.1f}",
                 f"{s['on'] * 1e3:.1f}",
                 f"{r['cost_fraction'] * 100:+.1f} %",

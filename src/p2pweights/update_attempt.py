@@ -29,6 +29,7 @@ import torch
 from p2pweights.collective import Collective
 from p2pweights.connection import Connection, not_connected
 from p2pweights.engines.calls import ControlCalls
+from p2pweights.engines.concurrency import at_once
 from p2pweights.engines.update_session import updating_version
 from p2pweights.errors import ConfigError, TransferError
 from p2pweights.integrity.check import Mismatch, WriteCheck
@@ -280,7 +281,11 @@ class UpdateAttempt:
         """The steps after the writes: close, verify the writes, check, finish."""
         connection, stages = self.connection, self.stages
         with self._timed("control_plane"):
-            self.collective.step("close", self._close)
+            if connection.write_check:
+                # this rank hashes its digests while the engines end (and take theirs)
+                at_once(lambda: self.collective.step("close", self._close), lambda: result.digests)
+            else:
+                self.collective.step("close", self._close)
         if connection.write_check:
             with self._timed("verify_writes"):
                 self._verify_writes(result)

@@ -96,8 +96,9 @@ class RecordingClient:
     def begin_weight_update(self, selector: str = "all") -> None:
         self._step("begin", lambda: setattr(self, "open", True))
 
-    def end_weight_update(self) -> None:
+    def end_weight_update(self) -> dict:
         self._step("end", lambda: setattr(self, "open", False))
+        return {}
 
     def continue_generation(self) -> None:
         self._step("continue", lambda: setattr(self, "paused", False))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from _interpreted import assert_prints_ok
 
-from p2pweights.wire.digest import LANES, SMALL_BYTES, digest, digests
+from p2pweights.wire.digest import LANES, SMALL_BYTES, digest, digests, hex_digests, span_sums
 
 
 def _bytes(num_bytes: int, seed: int = 0) -> torch.Tensor:
@@ -156,6 +156,33 @@ def test_cpu_and_gpu_agree(num_bytes):
     assert digest(data.cuda()) == digest(data)
     regions = {"a": data, "b": data[: num_bytes // 2 + 1]}
     assert digests({n: t.cuda() for n, t in regions.items()}) == digests(regions)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+        ),
+    ],
+)
+def test_spans_of_a_buffer_digest_as_their_views(device):
+    """A sender digests a staging buffer's slots by (offset, length): the same digests as
+    views of them, for aligned and unaligned slots, empty ones, and again once the
+    address table is kept (a second update's call), after the bytes changed."""
+    buffer = _bytes(3 * SMALL_BYTES + 4099).to(device)
+    spans = {
+        "first": (0, 1000),
+        "odd": (1001, 13),  # not 8-aligned: torch
+        "large": (2048, SMALL_BYTES + 77),
+        "empty": (4096, 0),
+        "tail": (2 * SMALL_BYTES + 8, SMALL_BYTES + 4091),
+    }
+    for _ in range(2):
+        views = {name: buffer[o : o + n] for name, (o, n) in spans.items()}
+        assert hex_digests(span_sums(buffer, spans)) == digests(views)
+        buffer[2048 + 9] += 1  # the next update's bytes, at the same addresses
 
 
 def _reference(data: torch.Tensor) -> str:

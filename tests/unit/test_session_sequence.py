@@ -165,6 +165,7 @@ class FakeClient:
 
     def end_weight_update(self):
         self.engine.call("end", self.engine.end)
+        return {}  # sglang's answer carries no write-digest records
 
     def update_weight_version(self, version):
         step = "version_marker" if version.startswith(UPDATING_PREFIX) else "version"

@@ -95,7 +95,7 @@ def gates(engines, monkeypatch) -> dict[str, Gate]:  # noqa: F811
 
         def end_weight_update(self):
             gates["end"]()
-            super().end_weight_update()
+            return super().end_weight_update()
 
     def client_for(url, **kwargs):
         from test_session_sequence import FakeEngine

@@ -30,6 +30,7 @@ from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError
 from p2pweights.plan import prepare as prepare_module
 from p2pweights.wire.digest import SCHEME
+from p2pweights.wire.publication import end_records
 
 
 @dataclass
@@ -70,13 +71,24 @@ class DigestClient(FakeClient):
         return self.engine.call("digests", lambda: dict(self.engine.record or {}))
 
 
+class CarryingClient(DigestClient):
+    """Answers its end with the rank's record, as the local engine does."""
+
+    def end_weight_update(self):
+        super().end_weight_update()
+        entry = {"rank": 0, "runner": "target", "record": dict(self.engine.record or {})}
+        return end_records(self.engine.url, [entry])
+
+
 @pytest.fixture
 def engines(monkeypatch):
     engines: dict[str, FakeEngine] = {}
 
     def client_for(url, **kwargs):
         engine = engines.setdefault(url, DigestEngine(url))
-        return (DigestClient if isinstance(engine, DigestEngine) else FakeClient)(engine)
+        if not isinstance(engine, DigestEngine):
+            return FakeClient(engine)
+        return (CarryingClient if url.startswith("http://carry") else DigestClient)(engine)
 
     monkeypatch.setattr(fleet_module, "EngineClient", client_for)
     monkeypatch.setattr(connection_module, "replica_for", lambda *a: FakeHandle())
@@ -120,6 +132,51 @@ def test_a_byte_changed_after_the_writes_fails_the_update_and_leaves_that_engine
         session.update(_tensors(4))  # the retry rewrites it whole, verifies and resumes it
     assert bad.running and _holds(bad, 4) and bad.version == good.version
     assert bad.violations == [] and good.violations == []
+
+
+def test_records_carried_by_the_end_answer_are_compared_without_a_read(engines):
+    """The local engine answers its end with every rank's record: the trainer that ended
+    the session reads none, and a byte changed after the writes still fails the update."""
+    carry = engines.setdefault("http://carry", DigestEngine("http://carry"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://carry"])
+        report = session.update(_tensors(5))
+        assert report.engines["http://carry"].verified_by == ("write_digests",)
+        carry.corrupt_at_end = "o"
+        with pytest.raises(TransferError, match=r"engine http://carry rank 0: 1 of 2 .*'o'"):
+            session.update(_tensors(6))
+        session.abort()
+        session.update(_tensors(7))
+    assert "digests" not in carry.events and carry.running and _holds(carry, 7)
+
+
+def test_a_carried_record_of_an_earlier_end_is_never_compared(engines):
+    """A record in the end answer is held to the same rule as one read: taken after
+    this update's writes (its number grown), else the update fails."""
+    carry = engines.setdefault("http://carry", DigestEngine("http://carry"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://carry"])
+        session.update(_tensors(1))
+        carry.end = lambda: FakeEngine.end(carry)  # type: ignore[method-assign]
+        with pytest.raises(TransferError, match="no write digests for this update"):
+            session.update(_tensors(1))
+
+
+@pytest.mark.parametrize(
+    "listed",
+    [
+        {"rank": 0},
+        ["x"],
+        [{"rank": "0", "runner": "target", "record": {}}],
+        [{"rank": True, "runner": "target", "record": {}}],
+        [{"rank": -1, "runner": "target", "record": {}}],
+        [{"rank": 0, "runner": 3, "record": {}}],
+        [{"rank": 0, "runner": "target", "record": []}],
+    ],
+)
+def test_records_of_the_wrong_shape_in_an_end_answer_are_refused(listed):
+    with pytest.raises(EngineError, match="engine http://e: end_weight_update's"):
+        end_records("http://e", listed)
 
 
 def test_digests_of_an_earlier_end_are_never_compared(engines):

@@ -32,7 +32,13 @@ from p2pweights.engines.calls import CallLog, ControlCall
 from p2pweights.engines.concurrency import at_once
 from p2pweights.errors import EngineError, EngineUnreachable
 from p2pweights.polling import poll_until
-from p2pweights.wire.publication import DIGESTS_ROLE, RankPublication, parse_publication
+from p2pweights.wire.publication import (
+    DIGESTS_ROLE,
+    END_RECORDS_KEY,
+    RankPublication,
+    end_records,
+    parse_publication,
+)
 
 _FLUSH_RETRY_S = 0.2
 
@@ -196,10 +202,15 @@ class EngineClient:
     def begin_weight_update(self, selector: str = "all") -> None:
         self._checked("/begin_weight_update", {"selector": selector}, control=True)
 
-    def end_weight_update(self) -> None:
+    def end_weight_update(self) -> dict[tuple[int, str], dict[str, Any]]:
+        """End the update session; the write-digest records the answer carried, by (engine
+        rank, runner): the local engine answers with every rank's record taken before
+        this end (``END_RECORDS_KEY``), so the trainer need not read them one call a rank;
+        sglang's own answer carries none (empty)."""
         # its own bound, not control_timeout_s: the engine re-processes the whole model
         # here (derived weights, kernel layouts), seconds for a large fp8 MoE
-        self._checked("/end_weight_update", {}, end=True)
+        body = self._checked("/end_weight_update", {}, end=True)
+        return end_records(self.url, body.get(END_RECORDS_KEY))
 
     def update_weight_version(self, new_version: str) -> None:
         self._checked(

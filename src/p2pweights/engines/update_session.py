@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import at_once
@@ -109,6 +110,10 @@ class EngineUpdate:
     caller_pauses: bool = False
     """The last update ran with ``pause_mode="caller"``: the caller pauses and resumes the
     engine, so this session neither pauses nor resumes it (nor aborts to resume it)."""
+    end_records: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict, repr=False)
+    """The write-digest records the answer to this update's ``end_weight_update`` carried,
+    by (engine rank, runner) (``EngineClient.end_weight_update``; empty where the engine
+    sends none, or before the end answered)."""
     last_error: str | None = field(default=None, repr=False)
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     """Monotonic seconds (injectable for tests)."""
@@ -366,6 +371,7 @@ class EngineUpdate:
         self.reset_done = True
 
     def _begin(self) -> None:
+        self.end_records = {}  # a record from before this session is never this one's
         try:
             self._call(lambda c: c.begin_weight_update("all"))
         except EngineError as exc:
@@ -378,8 +384,11 @@ class EngineUpdate:
         self.phase = Phase.OPEN
 
     def _end(self) -> None:
+        def end(client: EngineClient) -> None:
+            self.end_records = client.end_weight_update()
+
         try:
-            self._call(lambda c: c.end_weight_update())
+            self._call(end)
         except EngineError as exc:
             if _NOT_OPEN not in str(exc):
                 raise  # closed already: our earlier end whose answer was lost

@@ -1,13 +1,14 @@
 """The trainer side of verified writes: which engines can be checked, and the check.
 
 After ``end_weight_update`` each trainer rank reads, at once, the record every engine
-rank it wrote took right before its end (``p2pweights.engine_rank.steps``) and compares
-the digest of each parameter it staged for that rank (``RunResult.digests``) with the
-rank's digest of the same parameter. A record belongs to this update only if it was
-taken after this update's writes: the rank clears it when a session opens (``begin``),
-its ``update`` number must have grown since the last record this session read, and
-where the rank reports the weight version it must be this update's
-``p2pweights-updating:<v>``.
+rank it wrote took right before its end (``p2pweights.engine_rank.steps``; the trainer
+rank that ended the sessions finds them in the local engine's answer to that end, and
+reads none) and compares the digest of each parameter it staged for that rank
+(``RunResult.digests``) with the rank's digest of the same parameter. A record belongs
+to this update only if it was taken after this update's writes: the rank clears it when
+a session opens (``begin``), its ``update`` number must have grown since the last record
+this session read, and where the rank reports the weight version it must be this
+update's ``p2pweights-updating:<v>``.
 
 Direct loads (CUDA IPC into the trainer's own GPU: the replica's loaders wrote the
 engine's memory themselves) are checked the same way, by the digest of the bytes the
@@ -210,8 +211,13 @@ class WriteCheck:
         )
 
     def _read(self, runner: Runner) -> dict[str, Any]:
+        """The runner's record: from the end answer where it carried one (the local
+        engine, to the trainer rank that ended the session), else read from the engine."""
         url, rank, role = runner
         engine = self.engines[url]
+        carried = engine.update.end_records.get((rank, role))
+        if carried is not None:
+            return carried
         port = engine.server_info.get("engine_info_bootstrap_port")
         started = time.perf_counter()
         try:

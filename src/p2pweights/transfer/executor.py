@@ -99,10 +99,9 @@ class RunResult:
     wait_s: float = 0.0
     num_flushes: int = 0
     failures: dict[TargetKey, BaseException] = field(default_factory=dict)
-    digests: dict[Runner, dict[str, str]] = field(default_factory=dict)
-    """With ``RunHooks.digest_staged``: runner -> parameter -> digest of the bytes staged
-    for it, or, for a direct load, of the bytes its loaders left at the addresses this
-    rank mapped (so the engine's own digest of the parameter checks the mapping)."""
+    staged_digests: StagedDigests | None = field(default=None, repr=False)
+    """With ``RunHooks.digest_staged``: the sums taken, not yet hashed (``digests``)."""
+    _digests: dict[Runner, dict[str, str]] = field(default_factory=dict, repr=False)
     digest_s: float = 0.0
     delta_s: float = 0.0
     """With ``SyncConfig.delta``: comparing staged slots with the previous update's."""
@@ -110,6 +109,21 @@ class RunResult:
     """With ``SyncConfig.delta``: the bytes a full update would have written, those
     written instead, the memory the previous update's copy takes, and whether the update
     went as a delta or in full and why (``DeltaSummary.decision``, ``DeltaConfig.mode``)."""
+
+    @property
+    def digests(self) -> dict[Runner, dict[str, str]]:
+        """With ``RunHooks.digest_staged``: runner -> parameter -> digest of the bytes staged
+        for it, or, for a direct load, of the bytes its loaders left at the addresses this
+        rank mapped (so the engine's own digest of the parameter checks the mapping).
+
+        Hashed on first use (on a GPU it waits for the sums there): an update asks while
+        the engines end their sessions, so the host work overlaps their end."""
+        if self.staged_digests is not None:
+            started = time.perf_counter()
+            self.staged_digests.into(self._digests)
+            self.staged_digests = None
+            self.digest_s += time.perf_counter() - started
+        return self._digests
 
     @property
     def bytes_written(self) -> int:
@@ -533,10 +547,13 @@ class _Run:
         with contextlib.ExitStack() as scope:
             if not buffer.tensor.is_cuda:  # beside the writer threads: see intra_op
                 scope.enter_context(one_intra_op_thread())
-            self._staged_digests.add(
-                (slot.param, buffer.view(p.base + slot.offset, slot.num_bytes), p.targets)
-                for p in placed
-                for slot in p.group.slots
+            self._staged_digests.add_spans(
+                buffer.tensor,
+                (
+                    (slot.param, p.base + slot.offset, slot.num_bytes, p.targets)
+                    for p in placed
+                    for slot in p.group.slots
+                ),
             )
         self.result.digest_s += time.perf_counter() - started
 
@@ -696,10 +713,8 @@ class _Run:
             self._wait(index)
         self._buffers.current.used_bytes = 0
         self.result.failures = self._failed.errors()
-        if self._hooks.digest_staged:  # on a GPU, the one wait for the staged digests
-            started = time.perf_counter()
-            self._staged_digests.into(self.result.digests)
-            self.result.digest_s += time.perf_counter() - started
+        if self._hooks.digest_staged:  # hashed when asked for (``RunResult.digests``)
+            self.result.staged_digests = self._staged_digests
         return self.result
 
     def abort(self) -> None:

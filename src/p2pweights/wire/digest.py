@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -53,6 +52,7 @@ __all__ = [
     "hex_digests",
     "lane_sums",
     "lanes_hex",
+    "span_sums",
 ]
 
 LANES = lanes_kernel.LANES
@@ -63,6 +63,8 @@ SCHEME = "lanes16-rows-v2"
 """The digest's definition, named: an engine rank records it beside its digests, and a
 sender refuses to compare digests made another way (a p2pweights release apart)."""
 _ROW_BYTES = LANES * 8
+_ROW_SUMS_BYTES = SUMS * 8
+"""One region's sums as little-endian int64 bytes: what is hashed, with its length."""
 _BLOCK_ROWS = 1024
 """Rows per block of ``_lanes``' two reductions (128 KiB)."""
 SMALL_BYTES = 256 * 1024
@@ -138,23 +140,60 @@ def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, Lanes]:
     return {name: found[name] for name in regions}
 
 
+def span_sums(buffer: torch.Tensor, spans: Mapping[str, tuple[int, int]]) -> dict[str, Lanes]:
+    """``lane_sums`` of regions of one contiguous tensor, each given as (byte offset, byte
+    length): where the kernel runs, read at their addresses, with no tensor view made
+    per region (a sender digests every slot of a staging buffer this way)."""
+    found: dict[str, Lanes] = {}
+    device, base = buffer.device, buffer.data_ptr()
+    if buffer.is_contiguous() and lanes_kernel.usable(device):
+        aligned = {
+            name: (offset, size)
+            for name, (offset, size) in spans.items()
+            if size and (base + offset) % 8 == 0
+        }
+        if aligned:
+            sizes = [size for _, size in aligned.values()]
+            addresses = [base + offset for offset, _ in aligned.values()]
+            rows = lanes_kernel.kernel_lanes(addresses, sizes, device)
+            if rows is not None:
+                found.update(
+                    (name, Lanes(rows, i, size))
+                    for i, (name, size) in enumerate(zip(aligned, sizes, strict=True))
+                )
+    flat = buffer.reshape(-1).view(torch.uint8) if len(found) < len(spans) else buffer
+    rest = {
+        name: flat[offset : offset + size]
+        for name, (offset, size) in spans.items()
+        if name not in found
+    }
+    found.update(lane_sums(rest))
+    return {name: found[name] for name in spans}
+
+
 def hex_digests(sums: Mapping[str, Lanes]) -> dict[str, str]:
-    """The digests of ``lane_sums``' results: one copy to the host per device."""
+    """The digests of ``lane_sums``' results: one copy to the host per device, and each
+    region's sums hashed from one byte string (no array per region)."""
     tensors: dict[int, torch.Tensor] = {id(lanes.rows): lanes.rows for lanes in sums.values()}
     by_device: dict[torch.device, list[int]] = {}
     for key, rows in tensors.items():
         by_device.setdefault(rows.device, []).append(key)
     first: dict[int, int] = {}
-    on_host: dict[int, Any] = {}
+    on_host: dict[int, memoryview] = {}
     for keys in by_device.values():
         host = torch.cat([tensors[k] for k in keys]).cpu().numpy().astype("<i8", copy=False)
+        data = memoryview(host.tobytes())
         at = 0
         for key in keys:
-            first[key], on_host[key] = at, host
-            at += len(tensors[key])
+            first[key], on_host[key] = at, data
+            at += len(tensors[key]) * _ROW_SUMS_BYTES
     return {
         name: _hashed(
-            on_host[id(lanes.rows)][first[id(lanes.rows)] + lanes.row].tobytes(), lanes.num_bytes
+            on_host[id(lanes.rows)][
+                first[id(lanes.rows)] + lanes.row * _ROW_SUMS_BYTES : first[id(lanes.rows)]
+                + (lanes.row + 1) * _ROW_SUMS_BYTES
+            ],
+            lanes.num_bytes,
         )
         for name, lanes in sums.items()
     }
@@ -165,7 +204,7 @@ def lanes_hex(lanes: torch.Tensor, num_bytes: int) -> str:
     return _hashed(lanes.contiguous().numpy().astype("<i8").tobytes(), num_bytes)
 
 
-def _hashed(lane_bytes: bytes, num_bytes: int) -> str:
+def _hashed(lane_bytes: bytes | memoryview, num_bytes: int) -> str:
     hasher = hashlib.blake2b(lane_bytes, digest_size=16)
     hasher.update(num_bytes.to_bytes(8, "little"))
     return hasher.hexdigest()

@@ -41,6 +41,40 @@ publication (``?rank=R&role=p2pweights-digests``: the local engine's route, the 
 bootstrap server)."""
 
 
+END_RECORDS_KEY = "p2pweights_write_digests"
+"""Where an ``end_weight_update`` answer carries the records its ranks took before that
+end: a list of ``{"rank": R, "runner": "target" | "draft", "record": {...}}`` (the
+local engine; the same records ``?role=p2pweights-digests`` serves)."""
+
+
+def end_records(url: str, listed: Any) -> dict[tuple[int, str], dict[str, Any]]:
+    """(engine rank, runner) -> record, from an end answer's ``END_RECORDS_KEY`` (None:
+    the engine sent none). An engine's answer is untrusted: anything but a list of
+    entries of an int rank, a runner name and an object is refused (``EngineError``)."""
+    if listed is None:
+        return {}
+    if not isinstance(listed, list):
+        raise EngineError(f"engine {url}: end_weight_update's {END_RECORDS_KEY} is not a list")
+    found: dict[tuple[int, str], dict[str, Any]] = {}
+    for entry in listed:
+        rank = entry.get("rank") if isinstance(entry, dict) else None
+        runner = entry.get("runner") if isinstance(entry, dict) else None
+        record = entry.get("record") if isinstance(entry, dict) else None
+        if (
+            not isinstance(rank, int)
+            or isinstance(rank, bool)
+            or rank < 0
+            or not isinstance(runner, str)
+            or not isinstance(record, dict)
+        ):
+            raise EngineError(
+                f"engine {url}: end_weight_update's {END_RECORDS_KEY} holds {entry!r}; "
+                f"expected {{'rank': int >= 0, 'runner': str, 'record': object}}"
+            )
+        found[(rank, runner)] = record
+    return found
+
+
 class Runner(NamedTuple):
     """One model runner of an engine rank: what writes, deltas and digests are filed under
     (``RankPublication.runner``)."""
