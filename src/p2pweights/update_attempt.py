@@ -22,14 +22,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent import futures
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 from p2pweights.collective import Collective
 from p2pweights.connection import Connection, not_connected
 from p2pweights.engines.calls import ControlCalls
-from p2pweights.engines.concurrency import at_once
 from p2pweights.engines.update_session import updating_version
 from p2pweights.errors import ConfigError, TransferError
 from p2pweights.integrity.check import Mismatch, WriteCheck
@@ -40,12 +41,29 @@ from p2pweights.report import DeltaReport, UpdateReport, Verification
 from p2pweights.source.inputs import InputSpec, describe_inputs, described_inputs
 from p2pweights.source.receipts import Receipts, checked_loaders
 from p2pweights.transfer.executor import RunHooks, RunResult
+from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NamedTensors", "UpdateAttempt"]
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+T = TypeVar("T")
+
+
+def _in_background(call: Callable[[], T]) -> futures.Future[T]:
+    """``call()`` on a thread of its own; its result or exception, when asked."""
+    future: futures.Future[T] = futures.Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(call())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="p2pweights-digests", daemon=True).start()
+    return future
 
 
 class UpdateAttempt:
@@ -280,15 +298,19 @@ class UpdateAttempt:
     def _complete(self, result: RunResult) -> None:
         """The steps after the writes: close, verify the writes, check, finish."""
         connection, stages = self.connection, self.stages
-        with self._timed("control_plane"):
-            if connection.write_check:
-                # this rank hashes its digests while the engines end (and take theirs)
-                at_once(lambda: self.collective.step("close", self._close), lambda: result.digests)
-            else:
+        # this rank hashes its digests while the engines end (and take theirs); a failure
+        # there fails the verify step, which every rank takes
+        hashed = _in_background(lambda: result.digests) if connection.write_check else None
+        try:
+            with self._timed("control_plane"):
                 self.collective.step("close", self._close)
-        if connection.write_check:
+        except BaseException:
+            if hashed is not None:
+                futures.wait([hashed])  # nothing of this update runs on after it failed
+            raise
+        if hashed is not None:
             with self._timed("verify_writes"):
-                self._verify_writes(result)
+                self._verify_writes(hashed)
             stages["digest"] = result.digest_s
             stages["engine_digest"] = connection.write_check.engine_digest_s
         if self.config.verify_with_weight_checker and not connection.checked:
@@ -304,7 +326,7 @@ class UpdateAttempt:
         if self.leader:
             self.connection.fleet.close()
 
-    def _verify_writes(self, result: RunResult) -> None:
+    def _verify_writes(self, hashed: futures.Future[dict[Runner, dict[str, str]]]) -> None:
         """Every rank compares the digests its engine ranks took before their end with
         those of the bytes it staged for them, and all agree. An engine found wrong stays
         torn (``incomplete``, ``check_failed``); where another rank failed, every
@@ -313,7 +335,8 @@ class UpdateAttempt:
         found: list[Mismatch] = []
 
         def check() -> None:
-            found.extend(write_check.check(result.digests, updating_version(self.version)))
+            staged = hashed.result()  # this rank's digests (``RunResult.digests``)
+            found.extend(write_check.check(staged, updating_version(self.version)))
             WriteCheck.raise_if_wrong(found)
 
         try:

@@ -8,6 +8,7 @@ copies bytes); only the engine's digest record is added here."""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,12 +73,18 @@ class DigestClient(FakeClient):
 
 
 class CarryingClient(DigestClient):
-    """Answers its end with the rank's record, as the local engine does."""
+    """Answers its end with the rank's record, as the local engine does; ``stuck`` keeps
+    answering with the first record that had digests (an engine that stopped renewing it)."""
+
+    stuck: dict | None = None
 
     def end_weight_update(self):
         super().end_weight_update()
-        entry = {"rank": 0, "runner": "target", "record": dict(self.engine.record or {})}
-        return end_records(self.engine.url, [entry])
+        record = dict(self.engine.record or {})
+        if getattr(self.engine, "stuck", False):
+            CarryingClient.stuck = CarryingClient.stuck or record
+            record = CarryingClient.stuck
+        return end_records([{"rank": 0, "runner": "target", "record": record}])
 
 
 @pytest.fixture
@@ -150,33 +157,86 @@ def test_records_carried_by_the_end_answer_are_compared_without_a_read(engines):
     assert "digests" not in carry.events and carry.running and _holds(carry, 7)
 
 
-def test_a_carried_record_of_an_earlier_end_is_never_compared(engines):
-    """A record in the end answer is held to the same rule as one read: taken after
-    this update's writes (its number grown), else the update fails."""
+def test_a_carried_record_of_an_earlier_end_is_never_compared(engines, monkeypatch):
+    """A record in the end answer is held to the same rule as one read: taken after this
+    update's writes (its number grown since the last one compared), else the update fails."""
+    carry = engines.setdefault("http://carry", DigestEngine("http://carry"))
+    monkeypatch.setattr(CarryingClient, "stuck", None)
+    carry.stuck = True  # every end answers with the first end's record, digests and all
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://carry"])
+        session.update(_tensors(1))
+        with pytest.raises(TransferError, match=r"stale write digests \(record 1, last read 1\)"):
+            session.update(_tensors(1))
+
+
+def test_a_carried_record_counts_for_the_end_that_carried_it_only(engines):
+    """Records carried by an end answer are dropped when the next session begins and
+    when the next end is asked: an end without records (sglang's) is read, never
+    compared with the last end's records."""
     carry = engines.setdefault("http://carry", DigestEngine("http://carry"))
     with WeightSyncSession(CONFIG) as session:
         session.connect(["http://carry"])
         session.update(_tensors(1))
-        carry.end = lambda: FakeEngine.end(carry)  # type: ignore[method-assign]
-        with pytest.raises(TransferError, match="no write digests for this update"):
-            session.update(_tensors(1))
+        (engine,) = session._connection.fleet.engines
+        assert engine.update.end_records  # what the last end carried
+        reads = carry.events.count("digests")
+        engine.client.end_weight_update = lambda: (  # type: ignore[method-assign]
+            DigestClient.end_weight_update(engine.client) or {}
+        )
+        session.update(_tensors(2))
+        assert carry.events.count("digests") == reads + 1  # read, not the old carried one
+        assert engine.update.end_records == {} and _holds(carry, 2)
+
+
+def test_a_digest_that_cannot_be_hashed_fails_the_update_and_leaves_the_engine_torn(
+    engines, monkeypatch
+):
+    """The sender hashes its digests on a thread of its own while the engines end: a
+    failure there fails the verify step, the engine stays paused and torn through
+    ``abort()``, and the next update repairs it."""
+    from p2pweights.integrity.staged import StagedDigests
+
+    engine = engines.setdefault("http://e0", DigestEngine("http://e0"))
+    original = StagedDigests.into
+
+    def broken(self, out):
+        raise RuntimeError("the device went away")
+
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+        monkeypatch.setattr(StagedDigests, "into", broken)
+        with pytest.raises(RuntimeError, match="the device went away"):
+            session.update(_tensors(2))
+        report = session.abort()
+        assert report.left_paused == ["http://e0"]
+        assert engine.paused and engine.version == f"{UPDATING_PREFIX}2"
+        monkeypatch.setattr(StagedDigests, "into", original)
+        repaired = session.update(_tensors(3))
+    assert engine.running and _holds(engine, 3) and engine.version == repaired.version
 
 
 @pytest.mark.parametrize(
-    "listed",
+    ("listed", "says"),
     [
-        {"rank": 0},
-        ["x"],
-        [{"rank": "0", "runner": "target", "record": {}}],
-        [{"rank": True, "runner": "target", "record": {}}],
-        [{"rank": -1, "runner": "target", "record": {}}],
-        [{"rank": 0, "runner": 3, "record": {}}],
-        [{"rank": 0, "runner": "target", "record": []}],
+        ({"rank": 0}, "not a list but dict"),
+        (["x"], "entry 0 is str, not an object"),
+        ([{"rank": "0", "runner": "target", "record": {}}], "rank '0' is not an int >= 0"),
+        ([{"rank": True, "runner": "target", "record": {}}], "rank 'True' is not an int"),
+        ([{"rank": -1, "runner": "target", "record": {}}], "rank '-1' is not an int >= 0"),
+        ([{"rank": 0, "runner": 3, "record": {}}], "runner int and record dict, expected"),
+        ([{"rank": 0, "runner": "target", "record": []}], "runner str and record list"),
+        (
+            [{"rank": 0, "runner": "target", "record": {"digests": {"p": "x" * 10**5}}}] * 2,
+            "rank 0 runner 'target' appears twice",
+        ),
     ],
 )
-def test_records_of_the_wrong_shape_in_an_end_answer_are_refused(listed):
-    with pytest.raises(EngineError, match="engine http://e: end_weight_update's"):
-        end_records("http://e", listed)
+def test_records_of_the_wrong_shape_in_an_end_answer_are_refused(listed, says):
+    with pytest.raises(ValueError, match=re.escape(says)) as refused:
+        end_records(listed)
+    assert len(str(refused.value)) < 200  # never the records themselves
 
 
 def test_digests_of_an_earlier_end_are_never_compared(engines):

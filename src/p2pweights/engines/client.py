@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from p2pweights.wire.publication import (
     end_records,
     parse_publication,
 )
+
+logger = logging.getLogger(__name__)
 
 _FLUSH_RETRY_S = 0.2
 
@@ -206,11 +209,21 @@ class EngineClient:
         """End the update session; the write-digest records the answer carried, by (engine
         rank, runner): the local engine answers with every rank's record taken before
         this end (``END_RECORDS_KEY``), so the trainer need not read them one call a rank;
-        sglang's own answer carries none (empty)."""
+        sglang's own answer carries none, and malformed ones are dropped with a warning
+        (empty: the records are then read from each rank)."""
         # its own bound, not control_timeout_s: the engine re-processes the whole model
         # here (derived weights, kernel layouts), seconds for a large fp8 MoE
         body = self._checked("/end_weight_update", {}, end=True)
-        return end_records(self.url, body.get(END_RECORDS_KEY))
+        try:
+            return end_records(body.get(END_RECORDS_KEY))
+        except ValueError as exc:  # the session did end: read the records one by one instead
+            logger.warning(
+                "engine %s: the records in its end_weight_update answer are malformed (%s); "
+                "they are read from each rank instead",
+                self.url,
+                exc,
+            )
+            return {}
 
     def update_weight_version(self, new_version: str) -> None:
         self._checked(

@@ -384,6 +384,8 @@ class EngineUpdate:
         self.phase = Phase.OPEN
 
     def _end(self) -> None:
+        self.end_records = {}  # only this end's answer is ever compared
+
         def end(client: EngineClient) -> None:
             self.end_records = client.end_weight_update()
 

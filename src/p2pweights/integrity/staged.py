@@ -12,6 +12,7 @@ still waits: a layout's first use, and small regions where the kernel does not r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, MutableMapping
 
 import torch
@@ -28,9 +29,9 @@ class StagedDigests:
     def __init__(self) -> None:
         self._sums: dict[str, Lanes] = {}
         self._filed: list[tuple[str, str, Iterable[Runner]]] = []
-        self._done: list[torch.cuda.Event] = []
-        """Per GPU batch, recorded in its stream after its sums: ``into`` may run on
-        another thread, whose stream would not wait for them."""
+        self._done: list[tuple[torch.cuda.Event, torch.cuda.Stream]] = []
+        """Per GPU batch, an event recorded in its stream after its sums, and the stream:
+        ``into`` may run on another thread, whose own streams would not wait for them."""
 
     def add(self, slots: Iterable[tuple[str, torch.Tensor, Iterable[Runner]]]) -> None:
         """``slots``: (parameter name, its bytes, the runners it goes to)."""
@@ -51,9 +52,10 @@ class StagedDigests:
     def _keep(self, sums: dict[str, Lanes]) -> None:
         self._sums.update(sums)
         for device in {lanes.rows.device for lanes in sums.values() if lanes.rows.is_cuda}:
+            stream = torch.cuda.current_stream(device)
             done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(device))
-            self._done.append(done)
+            done.record(stream)
+            self._done.append((done, stream))
 
     def _file(self, slots: Iterable[tuple[str, Iterable[Runner]]]) -> list[str]:
         """A key for each slot, filed with its parameter and runners."""
@@ -67,9 +69,15 @@ class StagedDigests:
     def into(self, out: MutableMapping[Runner, dict[str, str]]) -> None:
         """Every digest so far, under each runner its slot went to (waits for the device;
         from any thread)."""
-        for done in self._done:
-            done.synchronize()
-        found = hex_digests(self._sums)
+        with contextlib.ExitStack() as scope:
+            # each device's copy to the host on the stream the sums were taken on (not a
+            # default stream another thread's work may hold up), with that device current
+            # (not a context made on device 0 by a thread that never chose one)
+            for stream in {stream for _, stream in self._done}:
+                scope.enter_context(torch.cuda.stream(stream))
+            for done, _ in self._done:
+                done.synchronize()
+            found = hex_digests(self._sums)
         for key, param, runners in self._filed:
             for runner in runners:
                 out.setdefault(runner, {})[param] = found[key]

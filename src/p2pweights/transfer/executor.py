@@ -116,12 +116,13 @@ class RunResult:
         for it, or, for a direct load, of the bytes its loaders left at the addresses this
         rank mapped (so the engine's own digest of the parameter checks the mapping).
 
-        Hashed on first use (on a GPU it waits for the sums there): an update asks while
-        the engines end their sessions, so the host work overlaps their end."""
-        if self.staged_digests is not None:
+        Hashed on first use (on a GPU it waits for the sums there), from one thread: an
+        update asks on a thread of its own while the engines end their sessions, so the
+        host work overlaps their end (its seconds, in ``digest_s``, overlap theirs)."""
+        pending, self.staged_digests = self.staged_digests, None  # hashed once, or failed
+        if pending is not None:
             started = time.perf_counter()
-            self.staged_digests.into(self._digests)
-            self.staged_digests = None
+            pending.into(self._digests)
             self.digest_s += time.perf_counter() - started
         return self._digests
 

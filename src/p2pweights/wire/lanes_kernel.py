@@ -50,8 +50,8 @@ partial sums). On an H200 programs of 256 KiB summed 0.6 TB/s, of 1 MiB 1.3-1.7,
 4 MiB 1.8-3.1 (``benchmarks/verify.py digest-kernel``)."""
 
 _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-_LAYOUTS: LruCache[tuple[torch.device, tuple[int, ...]], _Layout] = LruCache(1024)
-"""Chunk tables by device and region sizes (the same slots come back every update: one
+_LAYOUTS: LruCache[tuple[torch.device, int, tuple[int, ...]], _Layout] = LruCache(1024)
+"""Chunk tables by device, stream and region sizes (the same slots come back every update: one
 table per flush, so a bound above the flushes of the largest rank's update; a table
 holds a few hundred bytes per GB)."""
 _ADDRESSES: LruCache[tuple[torch.device, int, tuple[int, ...]], torch.Tensor] = LruCache(1024)
@@ -92,12 +92,16 @@ def kernel_lanes(
 
 
 def _run(addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    key = (device, tuple(sizes))
+    # Tables kept on the device are kept per stream: once dropped, the caching allocator
+    # may hand their memory to the next allocation of the stream they were made on, which
+    # on another stream could come before a kernel still reading them ran
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream, tuple(sizes))
     layout = _LAYOUTS.get(key)
     if layout is None:
         layout = _LAYOUTS[key] = _layout(sizes, device)
     sizes_t, chunk_region, chunk_start, bounds = layout
-    addresses_t = _addresses(addresses, device)
+    addresses_t = _addresses(addresses, device, stream)
     partial = torch.zeros(len(chunk_region) + 1, SUMS, dtype=torch.int64, device=device)
     # Triton launches on the current device: switch when the regions are on another
     elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
@@ -117,15 +121,12 @@ def _run(addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -
     return sums[bounds[1:]] - sums[bounds[:-1]]
 
 
-def _addresses(addresses: Sequence[int], device: torch.device) -> torch.Tensor:
+def _addresses(addresses: Sequence[int], device: torch.device, stream: int) -> torch.Tensor:
     """The regions' addresses as an int64 tensor on ``device``: kept per address list (a
     staging buffer's slots and an engine rank's parameters sit at the same addresses
     every update), else copied from pinned memory without waiting. A pinned block is
     reused only once the copy that read it ran: behind a busy stream the caching host
     allocator pins a new one, which took 1.5 ms of a sender's 2 ms per flush on an H200."""
-    # by stream too: the caching allocator may hand a kept tensor's memory to its own
-    # stream's next allocation once it is dropped, which on another stream could be early
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream, tuple(addresses))
     kept = _ADDRESSES.get(key)
     if kept is not None:

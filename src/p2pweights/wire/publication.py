@@ -41,36 +41,35 @@ publication (``?rank=R&role=p2pweights-digests``: the local engine's route, the 
 bootstrap server)."""
 
 
-END_RECORDS_KEY = "p2pweights_write_digests"
+END_RECORDS_KEY = "p2pweights_end_records"
 """Where an ``end_weight_update`` answer carries the records its ranks took before that
 end: a list of ``{"rank": R, "runner": "target" | "draft", "record": {...}}`` (the
 local engine; the same records ``?role=p2pweights-digests`` serves)."""
 
 
-def end_records(url: str, listed: Any) -> dict[tuple[int, str], dict[str, Any]]:
+def end_records(listed: Any) -> dict[tuple[int, str], dict[str, Any]]:
     """(engine rank, runner) -> record, from an end answer's ``END_RECORDS_KEY`` (None:
     the engine sent none). An engine's answer is untrusted: anything but a list of
-    entries of an int rank, a runner name and an object is refused (``EngineError``)."""
+    entries of an int rank, a runner name and an object, each (rank, runner) once, is
+    refused (``ValueError``, saying what was wrong without the records themselves)."""
     if listed is None:
         return {}
     if not isinstance(listed, list):
-        raise EngineError(f"engine {url}: end_weight_update's {END_RECORDS_KEY} is not a list")
+        raise ValueError(f"not a list but {type(listed).__name__}")
     found: dict[tuple[int, str], dict[str, Any]] = {}
-    for entry in listed:
-        rank = entry.get("rank") if isinstance(entry, dict) else None
-        runner = entry.get("runner") if isinstance(entry, dict) else None
-        record = entry.get("record") if isinstance(entry, dict) else None
-        if (
-            not isinstance(rank, int)
-            or isinstance(rank, bool)
-            or rank < 0
-            or not isinstance(runner, str)
-            or not isinstance(record, dict)
-        ):
-            raise EngineError(
-                f"engine {url}: end_weight_update's {END_RECORDS_KEY} holds {entry!r}; "
-                f"expected {{'rank': int >= 0, 'runner': str, 'record': object}}"
+    for i, entry in enumerate(listed):
+        if not isinstance(entry, dict):
+            raise ValueError(f"entry {i} is {type(entry).__name__}, not an object")
+        rank, runner, record = entry.get("rank"), entry.get("runner"), entry.get("record")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"entry {i}: rank {str(rank)[:40]!r} is not an int >= 0")
+        if not isinstance(runner, str) or not isinstance(record, dict):
+            raise ValueError(
+                f"entry {i} (rank {rank}): runner {type(runner).__name__} and record "
+                f"{type(record).__name__}, expected str and object"
             )
+        if (rank, runner) in found:
+            raise ValueError(f"rank {rank} runner {runner[:40]!r} appears twice")
         found[(rank, runner)] = record
     return found
 
