@@ -4,6 +4,10 @@
 sglang's loader makes of ``seed_weights(folder, seed)`` (its weight checker's checksums,
 parameters and persistent buffers, against a reference model of that rank).
 
+``engine_mismatches`` also guards the engine pool (``shared_engines``): a check that finds
+an engine holding the very tensors an earlier test last found there fails, since it would
+pass whether or not this test's update wrote anything (each test writes seeds of its own).
+
 ``engine_mismatches(url, hf_tensors)`` is ``p2pweights.verify.verify_engine`` with the
 reference side memoised for the test session: building a real sglang model of a rank and
 loading it is most of a check's time, and the same checkpoint is checked at the same layout
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,8 @@ _PROCESS_FIELDS = frozenset(
 
 _expected: dict[tuple[str, ...], dict[str, str]] = {}
 stats = {"hits": 0, "misses": 0}
+_last_found: dict[tuple[str, str], tuple[str, str]] = {}
+"""(engine URL, runner role) -> (tensors' digest, test) of the last check that matched."""
 
 
 def seed_weights(folder: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -102,7 +109,20 @@ def engine_mismatches(
                 server_info, rank, lambda: tensors, model_path, role
             )
         result[rank] = [n for n in compare(_expected[key], checksums) if n not in skip]
+    if not any(result.values()):
+        _note_match(url, role, base[0])
     return result
+
+
+def _note_match(url: str, role: str, digest: str) -> None:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    before = _last_found.get((url, role))
+    _last_found[(url, role)] = (digest, test)
+    if before is not None and before[0] == digest and before[1] != test:
+        raise AssertionError(
+            f"{url} ({role}) holds the tensors {before[1]} last found there: this check "
+            "passes whatever this test wrote; write seeds no earlier test wrote to this engine"
+        )
 
 
 def next_version(urls: Iterable[str]) -> int:

@@ -41,9 +41,11 @@ class _Engines:
         self.started: list[LocalEngine] = []
 
     def __call__(
-        self, folder: Path, tps: list, transport: str = "mooncake", **kwargs
+        self, folder: Path, tps: list, transport: str = "mooncake", *, wait: bool = True, **kwargs
     ) -> list[LocalEngine]:
-        """``tps``: TP sizes, or (TP size, extra sglang server args) pairs."""
+        """``tps``: TP sizes, or (TP size, extra sglang server args) pairs. ``wait=False``:
+        started, not waited for (the caller calls ``wait_ready()``, say after taking
+        ``shared_engines``, so that the pool's engines start beside these)."""
         layouts = [tp if isinstance(tp, tuple) else (tp, {}) for tp in tps]
         engines = [
             LocalEngine(folder, tp=tp, transport=transport, server_args=extra, **kwargs)
@@ -52,7 +54,7 @@ class _Engines:
         self.started.extend(engines)
         for engine in engines:
             engine.start()
-        for engine in engines:
+        for engine in engines if wait else []:
             engine.wait_ready()
         return engines
 
@@ -84,14 +86,19 @@ class _EnginePool:
     """Local engines kept running across tests, one per (model folder, TP, extra server
     args, transport, start arguments).
 
-    At most ``max_engines`` processes stay up (each holds about 1 GB), the least recently
-    used stopped first. An engine is checked before it is handed out again: one that died,
+    At most ``max_engines`` processes stay up (each holds about 1 GB and idles at no CPU);
+    when one more is needed, the idle engine lent the fewest times is stopped (the least
+    recently used of those), so the layouts many files use outlive one file's matrix of
+    layouts used once. An engine is checked before it is handed out again: one that died,
     or was left paused, torn or with an update session open, is replaced by a fresh one.
+    A test that failed does not give its engines back (they are stopped): it may have left
+    a state the check cannot see.
     """
 
-    def __init__(self, max_engines: int = 4) -> None:
+    def __init__(self, max_engines: int = 6) -> None:
         self.max_engines = max_engines
         self._idle: OrderedDict[_Key, LocalEngine] = OrderedDict()
+        self._lent: dict[_Key, int] = {}  # times each key was lent, over the run
 
     def take(
         self, folder: Path, tps: list, transport: str, kwargs: dict
@@ -129,17 +136,25 @@ class _EnginePool:
         _POOL_COUNTS["started"] += len(fresh)
         _POOL_COUNTS["reused"] += len(found)
         found.update(zip(missing, fresh, strict=True))
+        for key in keys:
+            self._lent[key] = self._lent.get(key, 0) + 1
         return [(k, found[k]) for k in keys]
 
-    def give_back(self, lent: list[tuple[_Key, LocalEngine]]) -> None:
+    def give_back(self, lent: list[tuple[_Key, LocalEngine]], healthy: bool = True) -> None:
+        """``healthy``: the test passed; otherwise its engines are stopped, not kept."""
         for key, engine in lent:
-            self._idle[key] = engine
+            if healthy:
+                self._idle[key] = engine
+            else:
+                engine.stop()
         self._evict(0)
 
     def _evict(self, num_needed: int) -> None:
         while self._idle and len(self._idle) + num_needed > self.max_engines:
-            _, engine = self._idle.popitem(last=False)
-            engine.stop()
+            # the fewest lends first, the least recently given back among those (the
+            # OrderedDict's order; min keeps the first of equals)
+            key = min(self._idle, key=lambda k: self._lent.get(k, 0))
+            self._idle.pop(key).stop()
 
     def stop(self) -> None:
         while self._idle:
@@ -182,15 +197,28 @@ def _engine_pool() -> Iterator[_EnginePool]:
     pool.stop()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Each phase's report on the test item (``item.report_call``), for fixtures that
+    tear down differently after a failure."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def shared_engines(_engine_pool: _EnginePool) -> Iterator[Callable[..., list[LocalEngine]]]:
+def shared_engines(
+    _engine_pool: _EnginePool, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., list[LocalEngine]]]:
     """``shared_engines(folder, [2, 1], transport=..., seed=0)``: as ``start_engines``, but
     the engines come from a pool for the whole run. They may have served earlier tests (their
     weights and weight version are what those left: the first update resets the weights, and
     a session numbers its versions on from theirs) and may serve later ones. For tests that
     neither kill, freeze nor restart an engine, and that do not rely on its start weights.
     A test writes seeds no other test writes into engines of the same key: a bit-exact check
-    after an update that wrote nothing would otherwise pass on an earlier test's bytes."""
+    after an update that wrote nothing would otherwise pass on an earlier test's bytes
+    (``_bit_exact.engine_mismatches`` fails a check that finds the tensors another test last
+    found on that engine)."""
     lent: list[tuple[_Key, LocalEngine]] = []
 
     def take(folder: Path, tps: list, transport: str = "mooncake", **kwargs) -> list[LocalEngine]:
@@ -200,4 +228,5 @@ def shared_engines(_engine_pool: _EnginePool) -> Iterator[Callable[..., list[Loc
         return [engine for _, engine in lent]
 
     yield take
-    _engine_pool.give_back(lent)
+    call = getattr(request.node, "report_call", None)
+    _engine_pool.give_back(lent, healthy=call is not None and call.passed)

@@ -5,7 +5,8 @@ sglang's own model code, every update checked bit-exact against sglang's own
 The trainer's tensors change as an optimizer step changes them: fp32 master weights
 moved a little, cast to bf16, so a few percent of the bf16 values differ per update.
 Most tests send deltas whatever they cost (``DeltaConfig(mode="always")``); one checks
-that what ``mode="auto"`` decides lands bit-exact too, on an engine another test used.
+that what ``mode="auto"`` decides lands bit-exact too, on an engine other tests used (the
+engines come from the run's pool: a session's first update is full whatever they held).
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from _bit_exact import seed_weights
+from _bit_exact import engine_mismatches, seed_weights
 
 from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.policy import DeltaPolicy
-from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import LocalEngine
-from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +35,7 @@ class _Trainer:
     """fp32 master weights; each ``step`` moves them as a small optimizer step does and
     returns the bf16 tensors a trainer sends."""
 
-    def __init__(self, folder: Path, seed: int = 1) -> None:
+    def __init__(self, folder: Path, seed: int) -> None:
         self.master = {name: t.float() for name, t in seed_weights(folder, seed)}
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -52,41 +51,22 @@ class _Trainer:
 
 def _bit_exact(engines: list[LocalEngine], tensors: list[tuple[str, torch.Tensor]]) -> None:
     for engine in engines:
-        client = EngineClient(engine.url)
-        try:
-            assert verify_engine(client, lambda: tensors) == {r: [] for r in range(engine.tp)}
-        finally:
-            client.close()
+        assert engine_mismatches(engine.url, lambda: tensors) == {r: [] for r in range(engine.tp)}
 
 
 def _sent(report, engine: LocalEngine) -> int:
     return sum(n for (url, _), n in report.bytes_by_target.items() if url == engine.url)
 
 
-@pytest.fixture(scope="module")
-def shared_engine(model_dir, start_module_engines):
-    """``shared_engine(kind)``: one TP-2 engine per transport for the tests of this module
-    that leave it healthy (a session's first update is full whatever the engine held)."""
-    engines: dict[str, LocalEngine] = {}
-
-    def get(kind: str) -> LocalEngine:
-        if kind not in engines:
-            folder = model_dir("qwen3-tiny")
-            (engines[kind],) = start_module_engines(folder, [2], transport=kind, seed=0)
-        return engines[kind]
-
-    return get
-
-
 ALWAYS = DeltaConfig(mode="always")
 
 
 @pytest.mark.parametrize("kind", list(TRANSPORTS))
-def test_deltas_over_several_updates_are_bit_exact(kind, model_dir, shared_engine):
+def test_deltas_over_several_updates_are_bit_exact(kind, model_dir, shared_engines):
     folder = model_dir("qwen3-tiny")
-    engine = shared_engine(kind)
+    (engine,) = shared_engines(folder, [2], transport=kind, seed=0)
     config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB", delta=ALWAYS)
-    trainer = _Trainer(folder)
+    trainer = _Trainer(folder, seed=101)
     with WeightSyncSession(config) as session:
         session.connect([engine.url])
         full = _sent(session.update(trainer.tensors()), engine)  # nothing to compare with
@@ -102,13 +82,13 @@ def test_deltas_over_several_updates_are_bit_exact(kind, model_dir, shared_engin
             _bit_exact([engine], tensors)
 
 
-def test_a_failed_update_is_followed_by_a_full_one(model_dir, start_engines):
+def test_a_failed_update_is_followed_by_a_full_one(model_dir, shared_engines):
     """A byte changed in the engine after the writes fails the update (write digests);
     the next update must not send a delta against bytes the engine does not hold."""
     folder = model_dir("qwen3-tiny")
-    (engine,) = start_engines(folder, [1], transport="mooncake", seed=0)
+    (engine,) = shared_engines(folder, [1], transport="mooncake", seed=0)
     config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", delta=ALWAYS)
-    trainer = _Trainer(folder)
+    trainer = _Trainer(folder, seed=103)
     param = "model.layers.1.mlp.down_proj.weight"
     with WeightSyncSession(config) as session:
         session.connect([engine.url])
@@ -127,13 +107,17 @@ def test_a_failed_update_is_followed_by_a_full_one(model_dir, start_engines):
         assert _sent(session.update(trainer.step()), engine) < full / 4  # deltas again
 
 
-def test_an_engine_restarted_between_updates_gets_full_writes(model_dir, start_engines):
+def test_an_engine_restarted_between_updates_gets_full_writes(
+    model_dir, shared_engines, start_engines
+):
     """The restarted engine has another shard layout than the kept one: ranks sharing a
     layout share staged bytes, and take a slot as a delta only together."""
     folder = model_dir("qwen3-tiny")
-    kept, restarted = start_engines(folder, [2, 1], transport="nixl", seed=0)
+    (restarted,) = start_engines(folder, [1], transport="nixl", seed=0, wait=False)
+    (kept,) = shared_engines(folder, [2], transport="nixl", seed=0)
+    restarted.wait_ready()
     config = SyncConfig(transport=TRANSPORTS["nixl"], buffer_bytes="1MiB", delta=ALWAYS)
-    trainer = _Trainer(folder)
+    trainer = _Trainer(folder, seed=104)
     with WeightSyncSession(config) as session:
         session.connect([kept.url, restarted.url])
         first = session.update(trainer.tensors())
@@ -164,16 +148,16 @@ class _FullOnceMeasured(DeltaPolicy):
 
 
 def test_auto_sends_in_full_without_a_copy_and_probes_deltas_bit_exact(
-    model_dir, shared_engine, monkeypatch
+    model_dir, shared_engines, monkeypatch
 ):
     """Every kind of update auto makes against a real engine, each checked bit-exact: the
     first (full, a copy kept), a delta measuring its cost, full without a copy (the
     engine's next delta would be refused against it), full keeping a copy, the probe."""
     monkeypatch.setattr("p2pweights.delta.sender.DeltaPolicy", _FullOnceMeasured)
     folder = model_dir("qwen3-tiny")
-    engine = shared_engine("mooncake")
+    (engine,) = shared_engines(folder, [2], transport="mooncake", seed=0)
     config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", delta=DeltaConfig())
-    trainer = _Trainer(folder, seed=2)
+    trainer = _Trainer(folder, seed=102)
     seen = []
     with WeightSyncSession(config) as session:
         session.connect([engine.url])

@@ -118,13 +118,23 @@ def test_streamed_iterator_and_safetensors_engine(model_dir, start_engines, tmp_
         assert_bit_exact([engine], folder, 7)
 
 
-def test_verify_with_weight_checker_passes_on_the_start_weights(model_dir, start_engines):
+def test_verify_with_weight_checker_passes_on_the_weights_the_engine_holds(
+    model_dir, shared_engines
+):
+    """The engine's weight checker snapshots what the engine holds at the session's first
+    update, resets its tensors, and compares after the writes: an update rewriting those
+    weights passes (and, the tensors having been reset, only the writes make it bit-exact)."""
     folder = model_dir("qwen3-tiny")
-    (engine,) = start_engines(folder, [2], seed=3)
+    (engine,) = shared_engines(folder, [2], seed=0)
+    plain = SyncConfig(transport=MooncakeConfig(protocol="tcp"))
+    with WeightSyncSession(plain) as session:
+        session.connect([engine.url])
+        session.update(seed_weights(folder, 3))
+    assert_bit_exact([engine], folder, 3)
     config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), verify_with_weight_checker=True)
     with WeightSyncSession(config) as session:
         session.connect([engine.url])
-        report = session.update(seed_weights(folder, 3))  # the weights the engine started with
+        report = session.update(seed_weights(folder, 3))  # the weights the engine holds
         assert "verify" in report.stage_seconds
         assert_bit_exact([engine], folder, 3)
 

@@ -47,9 +47,10 @@ def _checksum(url):
     return EngineClient(url).weights_checker("checksum")["per_engine_checksum"]
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir, start_module_engines):
-    (engine,) = start_module_engines(model_dir("qwen3-tiny"), [2], seed=0)
+@pytest.fixture
+def engine(model_dir, shared_engines):
+    """A TP 2 engine from the pool (these tests leave it running, resumed and whole)."""
+    (engine,) = shared_engines(model_dir("qwen3-tiny"), [2], seed=0)
     return engine
 
 

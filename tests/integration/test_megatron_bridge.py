@@ -17,16 +17,14 @@ without Transformer Engine it is stood in for (``_megatron_cpu``).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
+from _bit_exact import engine_mismatches
 from _megatron_cpu import megatron_available
+from _procs import trainer_context
 
-from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
 from p2pweights.testing import save_safetensors, synthetic_weights, write_model_dir
-from p2pweights.verify import verify_engine
 
 pytestmark = [
     pytest.mark.integration,
@@ -35,7 +33,7 @@ pytestmark = [
     ),
 ]
 
-SEED, SHIFT = 21, 0.5
+SEED, SHIFT = 81, 0.5
 
 
 def _trainer(rank: int, port: int, tp: int, pp: int, hf_folder: str, url: str, go, out) -> None:
@@ -94,25 +92,21 @@ def checkpoint(tmp_path_factory):
     return folder, tensors
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir, start_module_engines):
-    (engine,) = start_module_engines(model_dir("qwen3-tiny"), [2], seed=0)
+@pytest.fixture
+def engine(model_dir, shared_engines):
+    (engine,) = shared_engines(model_dir("qwen3-tiny"), [2], seed=0)
     return engine
 
 
 def _assert_bit_exact(url, tensors):
-    client = EngineClient(url)
-    try:
-        assert verify_engine(client, lambda: tensors) == {0: [], 1: []}
-    finally:
-        client.close()
+    assert engine_mismatches(url, lambda: tensors) == {0: [], 1: []}
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_megatron_model_through_the_bridge_is_bit_exact(tp, pp, checkpoint, engine):
     folder, tensors = checkpoint
     shifted = [(name, tensor + SHIFT) for name, tensor in tensors]
-    ctx = mp.get_context("spawn")
+    ctx = trainer_context()
     go, out = ctx.Event(), ctx.Queue()
     port = free_port()
     trainers = [

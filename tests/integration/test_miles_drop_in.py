@@ -14,7 +14,6 @@ version miles' ``weight_version``.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 from argparse import Namespace
@@ -23,6 +22,7 @@ import pytest
 import torch
 from _bit_exact import assert_bit_exact
 from _lockstep import run_in_lockstep
+from _procs import trainer_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -116,7 +116,7 @@ def _trainer(rank, world, num_stages, port, urls, folder, seeds, victim, out, go
 def _run(folder, engines, *, world, num_stages, seeds, check, victim=None):
     """Start ``world`` trainer processes; after each update, gather their results (by
     rank), call ``check(index, results)`` and let them go on."""
-    ctx = mp.get_context("spawn")
+    ctx = trainer_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in seeds]
     urls = [e.url for e in engines]
@@ -141,12 +141,12 @@ def _assert_updated(results, engines, folder, seed, version):
         assert EngineClient(engine.url).weight_version() == str(version)
 
 
-def test_one_sender_group_of_two_ranks_streams_miles_buckets_bit_exact(model_dir, start_engines):
+def test_one_sender_group_of_two_ranks_streams_miles_buckets_bit_exact(model_dir, shared_engines):
     """Two ranks of one pipeline stage (TP 2 after miles' gathers): dense and expert
     buckets, a first update and a streamed one, into a TP 2 EP 2 engine and a TP 1 one."""
     folder = model_dir("qwen3-moe-tiny")
-    engines = start_engines(folder, [(2, {"ep_size": 2}), 1], seed=0)
-    seeds = [31, 32]
+    engines = shared_engines(folder, [(2, {"ep_size": 2}), 1], seed=0)
+    seeds = [33, 34]
 
     def check(index, results):
         assert [r[5] for r in results] == [(0, 0), (0, 1)]  # one group: trainer ranks 0, 1
@@ -155,9 +155,9 @@ def test_one_sender_group_of_two_ranks_streams_miles_buckets_bit_exact(model_dir
     _run(folder, engines, world=2, num_stages=1, seeds=seeds, check=check)
 
 
-def test_two_pipeline_stages_each_its_own_sender_group_bit_exact(model_dir, start_engines):
+def test_two_pipeline_stages_each_its_own_sender_group_bit_exact(model_dir, shared_engines):
     folder = model_dir("qwen3-tiny")
-    engines = start_engines(folder, [2], seed=0)
+    engines = shared_engines(folder, [2], seed=0)
     seeds = [41, 42]
 
     def check(index, results):

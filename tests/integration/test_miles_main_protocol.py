@@ -16,7 +16,6 @@ weight version.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from argparse import Namespace
@@ -25,6 +24,7 @@ import pytest
 import torch
 from _bit_exact import assert_bit_exact
 from _lockstep import run_in_lockstep
+from _procs import trainer_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -104,7 +104,7 @@ def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos, co
 
 
 def _run(folder, engines, *, world, num_stages, seeds, check, counts=True):
-    ctx = mp.get_context("spawn")
+    ctx = trainer_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in seeds]
     layout = [(e.url, e.tp) for e in engines]
@@ -116,8 +116,8 @@ def _run(folder, engines, *, world, num_stages, seeds, check, counts=True):
     run_in_lockstep(trainers, out, gos, check)
 
 
-@pytest.fixture(scope="module")
-def engines(model_dir, start_module_engines):
+@pytest.fixture
+def engines(model_dir, shared_engines):
     import _miles_main
 
     if not _miles_main.available():
@@ -126,7 +126,7 @@ def engines(model_dir, start_module_engines):
             "(tests/fixtures/miles-protocol/ORIGIN.md says where to get them)"
         )
     folder = model_dir("qwen3-tiny")
-    return folder, start_module_engines(folder, [2, 1], seed=0)
+    return folder, shared_engines(folder, [2, 1], seed=0)
 
 
 def _assert_updated(results, engines, folder, seed, version, senders):
@@ -146,7 +146,7 @@ def test_miles_updater_drives_four_ranks_one_idle_into_tp2_and_tp1_bit_exact(eng
     """One pipeline stage of four ranks, three engine ranks: ranks 0-2 send (each writes
     its share), rank 3 joins miles' loop but converts and sends nothing. Two updates."""
     folder, started = engines
-    seeds = [61, 62]
+    seeds = [63, 64]
 
     def check(index, results):
         _assert_updated(results, started, folder, seeds[index], index + 1, senders={0, 1, 2})

@@ -12,11 +12,10 @@ converge.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 from _bit_exact import assert_bit_exact, next_version
+from _procs import trainer_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -24,7 +23,7 @@ from p2pweights.testing import synthetic_weights
 
 pytestmark = pytest.mark.integration
 
-SEEDS = {"whole": 11, "streamed": 12, "failed": 13, "retry": 14}
+SEEDS = {"whole": 15, "streamed": 16, "failed": 17, "retry": 18}
 
 
 def _stage_of(name: str) -> int:
@@ -81,7 +80,7 @@ def test_two_stages_of_two_ranks_update_tp1_and_tp2_engines(model_dir, shared_en
     urls = [e.url for e in engines]
     first = next_version(urls)
     targets = sorted((e.url, r) for e in engines for r in range(e.tp))
-    ctx = mp.get_context("spawn")
+    ctx = trainer_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in SEEDS]
     port = free_port()

@@ -29,15 +29,19 @@ def _peers(engine) -> set[str]:
         client.close()
 
 
-def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_engines):
+def test_reconnect_with_engines_removed_added_and_restarted(
+    model_dir, start_engines, shared_engines
+):
     folder = model_dir("qwen3-tiny")
-    a, b, c = start_engines(folder, [2, 1, 1], seed=0)
+    (a,) = start_engines(folder, [2], seed=0, wait=False)  # its own: it is stopped
+    b, c = shared_engines(folder, [1, 1], seed=0)
+    a.wait_ready()
     config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
     with WeightSyncSession(config) as session:
         session.connect([a.url, b.url])
-        session.update(seed_weights(folder, 71))
-        assert_bit_exact([a], folder, 71)
-        assert_bit_exact([b], folder, 71)
+        session.update(seed_weights(folder, 73))
+        assert_bit_exact([a], folder, 73)
+        assert_bit_exact([b], folder, 73)
         executor = session._connection.executor
         assert executor is not None
         buffers = [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers]
@@ -60,11 +64,11 @@ def test_reconnect_with_engines_removed_added_and_restarted(model_dir, start_eng
         assert all(session._connection.replicas[key] is handle for key, handle in replicas.items())
         assert [buffer.tensor.data_ptr() for buffer in executor._buffers.buffers] == buffers
 
-        report = session.update(seed_weights(folder, 72))
+        report = session.update(seed_weights(folder, 74))
         assert set(report.bytes_by_target) == connected
-        assert_bit_exact([restarted], folder, 72)
-        assert_bit_exact([c], folder, 72)
-        assert_bit_exact([b], folder, 71)  # removed, still serving: never written again
+        assert_bit_exact([restarted], folder, 74)
+        assert_bit_exact([c], folder, 74)
+        assert_bit_exact([b], folder, 73)  # removed, still serving: never written again
 
     found = inspect_engine(restarted.url)
     assert found["layout"]["tp_size"] == 2 and found["transport"] == ["mooncake"]

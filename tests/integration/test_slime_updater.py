@@ -21,7 +21,6 @@ every engine rank is bit-exact with sglang's own loading.
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing as mp
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -30,6 +29,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
+from _procs import trainer_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -235,12 +235,12 @@ def _trainer(rank, world, port, urls, folder, seeds, out) -> None:
 # -- the test ------------------------------------------------------------------------------------
 
 
-def test_slimes_own_updater_writes_through_p2pweights_bit_exact(model_dir, start_engines):
+def test_slimes_own_updater_writes_through_p2pweights_bit_exact(model_dir, shared_engines):
     folder = model_dir("qwen3-tiny")
-    engines = start_engines(folder, [2, 1], seed=0)
+    engines = shared_engines(folder, [2, 1], seed=0)
     urls = [engine.url for engine in engines]
-    seeds = [41, 42, 43]
-    ctx = mp.get_context("spawn")
+    seeds = [44, 45, 46]
+    ctx = trainer_context()
     out = ctx.Queue()
     port = free_port()
     ranks = [

@@ -19,6 +19,7 @@ import signal
 
 import pytest
 import torch
+from _bit_exact import engine_mismatches, next_version
 
 from p2pweights import (
     EngineError,
@@ -31,7 +32,6 @@ from p2pweights import (
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.testing import synthetic_weights
-from p2pweights.verify import verify_engine
 
 pytestmark = pytest.mark.integration
 
@@ -52,13 +52,8 @@ def _state(url):
 
 
 def _bit_exact(engine, folder, seed):
-    client = EngineClient(engine.url)
-    try:
-        return verify_engine(client, lambda: _weights(folder, seed)) == {
-            r: [] for r in range(engine.tp)
-        }
-    finally:
-        client.close()
+    mismatches = engine_mismatches(engine.url, lambda: _weights(folder, seed))
+    return mismatches == {r: [] for r in range(engine.tp)}
 
 
 def _on_step(number, action):
@@ -111,10 +106,13 @@ def test_frozen_engine_then_thawed_the_retry_succeeds(transport, model_dir, star
 
 
 def test_killed_engine_abort_resumes_the_others_and_a_restarted_one_rejoins(
-    model_dir, start_engines
+    model_dir, start_engines, shared_engines
 ):
     folder = model_dir("qwen3-tiny")
-    survivor, victim = start_engines(folder, [2, 1], seed=0)
+    (victim,) = start_engines(folder, [1], seed=0, wait=False)  # killed: its own
+    (survivor,) = shared_engines(folder, [2], seed=0)  # left running: back to the pool
+    victim.wait_ready()
+    first = next_version([survivor.url])
     config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", transfer_timeout_s=5)
     pid = victim._process.pid
     with WeightSyncSession(
@@ -122,28 +120,29 @@ def test_killed_engine_abort_resumes_the_others_and_a_restarted_one_rejoins(
     ) as session:
         session.connect([survivor.url, victim.url])
         with pytest.raises(P2PWeightsError, match=rf"{victim.url} rank 0"):
-            session.update(_weights(folder, 3))
+            session.update(_weights(folder, 123))
         report = session.abort()
     # the survivor got every byte: abort ended its session and resumed it at the new version
     assert report.outcomes[survivor.url].startswith("resumed")
     assert report.outcomes[victim.url].startswith("unreachable")
-    assert _state(survivor.url) == (RUNNING, "1")
-    assert _bit_exact(survivor, folder, 3)
+    assert _state(survivor.url) == (RUNNING, str(first))
+    assert _bit_exact(survivor, folder, 123)
 
     (restarted,) = start_engines(folder, [1], seed=0)
     with WeightSyncSession(config) as session:
         session.connect([survivor.url, restarted.url])
-        report = session.update(_weights(folder, 4))
+        report = session.update(_weights(folder, 124))
     for engine in (survivor, restarted):
         assert _state(engine.url) == (RUNNING, report.version)
-        assert _bit_exact(engine, folder, 4)
+        assert _bit_exact(engine, folder, 124)
 
 
 def test_interrupted_trainer_leaves_a_visible_torn_engine_the_next_session_repairs(
-    model_dir, start_engines
+    model_dir, shared_engines
 ):
     folder = model_dir("qwen3-tiny")
-    (engine,) = start_engines(folder, [2], seed=0)
+    (engine,) = shared_engines(folder, [2], seed=0)
+    first = next_version([engine.url])  # the version this session's first update gives
     config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB")
 
     def interrupted(seed):
@@ -153,20 +152,21 @@ def test_interrupted_trainer_leaves_a_visible_torn_engine_the_next_session_repai
 
     with pytest.raises(KeyboardInterrupt), WeightSyncSession(config) as session:
         session.connect([engine.url])
-        session.update(_weights(folder, 5))
-        session.update(interrupted(6))
+        session.update(_weights(folder, 115))
+        session.update(interrupted(116))
     # close() ran (the with block): the session was ended, but the engine was not resumed
-    assert _state(engine.url) == ({"paused": True, "update_open": False}, f"{UPDATING_PREFIX}2")
+    paused = {"paused": True, "update_open": False}
+    assert _state(engine.url) == (paused, f"{UPDATING_PREFIX}{first + 1}")
 
     with WeightSyncSession(config) as session:  # the next trainer process
         session.connect([engine.url])
-        report = session.update(_weights(folder, 7))
+        report = session.update(_weights(folder, 117))
     assert _state(engine.url) == (RUNNING, report.version)
     # it found the engine paused: the pause it reports counts from its own start, not connect
     assert report.engines[engine.url].pause_made is False
     assert 0 < report.paused_s[engine.url] < report.seconds
     assert "was paused already when this update began" in report.summary()
-    assert _bit_exact(engine, folder, 7)
+    assert _bit_exact(engine, folder, 117)
 
 
 def test_engine_hung_outside_the_writes_fails_within_control_timeout(model_dir, start_engines):
@@ -194,8 +194,8 @@ def test_engine_hung_outside_the_writes_fails_within_control_timeout(model_dir, 
         os.killpg(pid, signal.SIGCONT)
 
 
-def test_local_engine_refuses_a_second_begin_as_sglang_does(model_dir, start_engines):
-    (engine,) = start_engines(model_dir("qwen3-tiny"), [1], seed=0)
+def test_local_engine_refuses_a_second_begin_as_sglang_does(model_dir, shared_engines):
+    (engine,) = shared_engines(model_dir("qwen3-tiny"), [1], seed=0)
     client = EngineClient(engine.url)
     try:
         client.begin_weight_update()

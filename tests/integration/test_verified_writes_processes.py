@@ -24,13 +24,13 @@ PARAM = "model.layers.1.mlp.down_proj.weight"
 
 
 @pytest.mark.parametrize("kind", list(TRANSPORTS))
-def test_a_parameter_changed_after_the_writes_fails_the_update(kind, model_dir, start_engines):
+def test_a_parameter_changed_after_the_writes_fails_the_update(kind, model_dir, shared_engines):
     folder = model_dir("qwen3-tiny")
-    engine, other = start_engines(folder, [2, 1], transport=kind, seed=0)
+    engine, other = shared_engines(folder, [2, 1], transport=kind, seed=0)
     config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB")
     with WeightSyncSession(config) as session:
         session.connect([engine.url, other.url])
-        first = session.update(seed_weights(folder, 1))  # verified, and passes
+        first = session.update(seed_weights(folder, 91))  # verified, and passes
         protocol = "tcp" if kind == "mooncake" else "UCX"
         for local, num_ranks in ((engine, 2), (other, 1)):
             seen = first.engines[local.url]
@@ -40,19 +40,23 @@ def test_a_parameter_changed_after_the_writes_fails_the_update(kind, model_dir, 
             assert seen.pause_made and seen.paused_s is not None
             assert 0 < seen.paused_s < first.seconds
         assert "verified by write digests: 2 engine(s)" in first.summary()
+        # the local engine answered its end with every rank's record: none was read after
+        for connected in session._connection.fleet.engines:
+            ranks = {rank for rank, _ in connected.update.end_records}
+            assert ranks == set(range(connected.num_ranks)), connected.url
         answer = httpx.post(
             f"{engine.url}/p2pweights/corrupt_at_end", json={"rank": 1, "param": PARAM}
         )
         assert answer.status_code == 200
         with pytest.raises(TransferError) as failed:
-            session.update(seed_weights(folder, 2))
+            session.update(seed_weights(folder, 92))
         assert f"engine {engine.url} rank 1" in str(failed.value) and PARAM in str(failed.value)
         assert f"engine {engine.url} rank 0" not in str(failed.value)
         report = session.abort()
         assert report.left_paused == [engine.url]
         client = EngineClient(engine.url)
-        assert client.weight_version() == f"{UPDATING_PREFIX}2"
+        assert client.weight_version() == f"{UPDATING_PREFIX}{int(first.version) + 1}"
         assert client.engine_state() == {"paused": True, "update_open": False}
         client.close()
-        session.update(seed_weights(folder, 3))  # rewritten whole, verified, resumed
-    assert_bit_exact([engine, other], folder, 3)
+        session.update(seed_weights(folder, 93))  # rewritten whole, verified, resumed
+    assert_bit_exact([engine, other], folder, 93)

@@ -63,7 +63,6 @@ import asyncio
 import base64
 import hashlib
 import itertools
-import multiprocessing as mp
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +72,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _bit_exact import assert_bit_exact, seed_weights
+from _procs import trainer_context
 from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry
 from verl.checkpoint_engine import base as verl_base
 from verl.checkpoint_engine.base import CheckpointEngineWorker
@@ -424,7 +424,7 @@ class _StandaloneReplica:
 def verl_actors(tmp_path, monkeypatch):
     """``verl_actors(folder, engines)``: (manager, actor worker group, replicas) over two
     actor-rank processes, stopped after the test."""
-    ctx = mp.get_context("spawn")
+    ctx = trainer_context()
     started = []
 
     def make(folder, engines, stock: bool = False, tps=None):
@@ -476,10 +476,10 @@ def verl_actors(tmp_path, monkeypatch):
 
 
 def test_verl_updates_two_replicas_from_two_actor_ranks_bit_exact(
-    model_dir, start_engines, verl_actors
+    model_dir, shared_engines, verl_actors
 ):
     folder = model_dir("qwen3-tiny")
-    engines = start_engines(folder, [2, 1], seed=0)
+    engines = shared_engines(folder, [2, 1], seed=0)
     manager, actors, replicas = verl_actors(folder, engines)
     steps = (1, 2, 3)
     for step in steps:
@@ -510,16 +510,16 @@ def test_the_verl_written_against_is_installed():
 
 
 def test_verls_own_manager_drives_it_by_config_keys_alone_bit_exact(
-    model_dir, start_engines, verl_actors
+    model_dir, shared_engines, verl_actors
 ):
     folder = model_dir("qwen3-tiny")
     tps = [2, 1]
-    engines = start_engines(folder, tps, seed=0)
+    engines = shared_engines(folder, tps, seed=0)
     manager, actors, replicas = verl_actors(folder, engines, stock=True, tps=tps)
     assert type(manager) is CheckpointEngineManager
     steps = (1, 2, 3)
     for step in steps:
-        actors.train(seed=20 + step)
+        actors.train(seed=23 + step)  # seeds of its own: the engines may be the test above's
         started = time.perf_counter()
         metrics = manager.update_weights(step)
         wall_s = time.perf_counter() - started
@@ -548,7 +548,7 @@ def test_verls_own_manager_drives_it_by_config_keys_alone_bit_exact(
                 ("resume_generation", False),
             )
         ]
-    assert_bit_exact(engines, folder, 20 + steps[-1])
+    assert_bit_exact(engines, folder, 23 + steps[-1])
 
 
 def _bytes_per_engine_rank(answers) -> dict[tuple[str, int], float]:
@@ -576,10 +576,12 @@ def _report_step(
 
 
 def test_a_dead_engine_fails_send_weights_on_every_actor_rank(
-    model_dir, start_engines, verl_actors
+    model_dir, shared_engines, start_engines, verl_actors
 ):
     folder = model_dir("qwen3-tiny")
-    healthy, doomed = start_engines(folder, [1, 1], seed=0)
+    (doomed,) = start_engines(folder, [1], seed=0, wait=False)  # its own: it is stopped
+    (healthy,) = shared_engines(folder, [1], seed=0)
+    doomed.wait_ready()
     manager, actors, replicas = verl_actors(folder, [healthy, doomed])
     actors.train(seed=31)
     manager.update_weights(1)
@@ -596,10 +598,10 @@ def test_a_dead_engine_fails_send_weights_on_every_actor_rank(
 
 
 def test_under_verls_manager_a_failed_update_is_repaired_by_the_next(
-    model_dir, start_engines, verl_actors
+    model_dir, shared_engines, verl_actors
 ):
     folder = model_dir("qwen3-tiny")
-    engines = start_engines(folder, [1], seed=0)
+    engines = shared_engines(folder, [1], seed=0)
     manager, actors, replicas = verl_actors(folder, engines, stock=True, tps=[1])
     actors.train(seed=31)
     manager.update_weights(1)
