@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,17 +42,44 @@ def test_the_readme_example_is_the_example_script() -> None:
     assert block.group(1) == _readme_regions(script)
 
 
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Run]]:
+    """Every example started at once, each in a process of its own (``python examples/x.py``
+    as a newcomer runs it): each is single-threaded (``OMP_NUM_THREADS=1``) and spends much
+    of its time starting its engine, so two cores run the three in about half the time one
+    after the other takes. Each test waits for its own script."""
+    folder = tmp_path_factory.mktemp("examples")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {script: _Run(script, folder, env) for script in sorted(EXPECTED)}
+    yield runs
+    for run in runs.values():
+        run.stop()
+
+
+class _Run:
+    """One example script's process; its output goes to files (no pipe fills up)."""
+
+    def __init__(self, script: str, folder: Path, env: dict[str, str]) -> None:
+        self.out, self.err = folder / f"{script}.out", folder / f"{script}.err"
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, str(EXAMPLES / script)], stdout=out, stderr=err, cwd=ROOT, env=env
+            )
+
+    def wait(self, timeout_s: float) -> tuple[int, str, str]:
+        """Exit status, stdout, stderr (``TimeoutExpired`` after ``timeout_s``)."""
+        returncode = self.process.wait(timeout=timeout_s)
+        return returncode, self.out.read_text(), self.err.read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_example_runs(script: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, str(EXAMPLES / script)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert EXPECTED[script] in run.stdout
+def test_example_runs(script: str, example_runs: dict[str, _Run]) -> None:
+    returncode, stdout, stderr = example_runs[script].wait(timeout_s=600)
+    assert returncode == 0, stdout[-3000:] + stderr[-6000:]
+    assert EXPECTED[script] in stdout

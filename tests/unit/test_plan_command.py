@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,12 +19,59 @@ from p2pweights.testing import write_model_dir
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "p2pweights.cli", "--log-level", "WARNING", "plan", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return _Plan(args).done()
+
+
+class _Plan:
+    """``p2pweights plan ARGS`` started now, in a process of its own; ``done()`` waits."""
+
+    def __init__(self, args: tuple[str, ...]) -> None:
+        self.args = [sys.executable, "-m", "p2pweights.cli", "--log-level", "WARNING", "plan"]
+        self.args += args
+        self.process = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self._done: subprocess.CompletedProcess[str] | None = None
+
+    def done(self) -> subprocess.CompletedProcess[str]:
+        if self._done is None:
+            try:
+                stdout, stderr = self.process.communicate(timeout=300)
+            finally:
+                if self.process.poll() is None:
+                    self.process.kill()
+                    self.process.communicate()
+            self._done = subprocess.CompletedProcess(
+                self.args, self.process.returncode, stdout, stderr
+            )
+        return self._done
+
+
+TP4_TP2 = ("--engine", "tp=4", "--engine", "tp=2", "--senders", "4", "--json")
+GLM_AIR = ("--model", "glm-4.5-air-full", "--engine", "tp=4,ep=4", "--engine", "tp=4")
+GLM_AIR += ("--senders", "8", "--json")
+DELTA = ("--model", "qwen3-tiny", "--engine", "tp=2", "--senders", "1")
+DELTA += ("--delta-fraction", "0.1", "--json")
+
+
+@pytest.fixture(scope="module")
+def plan_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir("qwen3-tiny", tmp_path_factory.mktemp("plan") / "qwen3-tiny")
+
+
+@pytest.fixture(scope="module")
+def plans(plan_folder: Path) -> Iterator[dict[str, _Plan]]:
+    """The slow commands of this file started at once (each is single-threaded and mostly
+    imports and builds replicas: two cores run them side by side); each test waits for its
+    own. ``"tp4+tp2"`` plans ``plan_folder``."""
+    started = {
+        "tp4+tp2": _Plan(("--model", str(plan_folder), *TP4_TP2)),
+        "glm-air": _Plan(GLM_AIR),
+        "delta": _Plan(DELTA),
+    }
+    yield started
+    for plan in started.values():
+        plan.done()
 
 
 def _written_bytes(folder, tp: int, rank: int, **server_args) -> int:
@@ -36,11 +85,9 @@ def _written_bytes(folder, tp: int, rank: int, **server_args) -> int:
     )
 
 
-def test_tp4_beside_tp2_bytes_are_the_replicas(tmp_path):
-    folder = write_model_dir("qwen3-tiny", tmp_path / "qwen3-tiny")
-    done = _plan(
-        "--model", str(folder), "--engine", "tp=4", "--engine", "tp=2", "--senders", "4", "--json"
-    )
+def test_tp4_beside_tp2_bytes_are_the_replicas(plans, plan_folder):
+    folder = plan_folder
+    done = plans["tp4+tp2"].done()
     assert done.returncode == 0, done.stderr[-3000:]
     # sglang's, megatron's and torch's lines stay out of the terminal: at most the log's path
     assert [line for line in done.stderr.splitlines() if not line.startswith("log (")] == []
@@ -62,15 +109,9 @@ def test_tp4_beside_tp2_bytes_are_the_replicas(tmp_path):
     assert out["predicted_s"]["seconds"] > out["lower_bound_s"]["p2p"]
 
 
-def test_full_size_moe_with_and_without_expert_parallelism():
+def test_full_size_moe_with_and_without_expert_parallelism(plans):
     """GLM-4.5-Air (bf16, 106B) at TP 4 / EP 4 beside TP 4 / EP 1, 8 senders."""
-    done = _plan(
-        "--model", "glm-4.5-air-full",
-        "--engine", "tp=4,ep=4",
-        "--engine", "tp=4",
-        "--senders", "8",
-        "--json",
-    )  # fmt: skip
+    done = plans["glm-air"].done()
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     ranks = [r for e in out["engines"] for r in e["ranks"]]
@@ -117,7 +158,7 @@ def test_a_sender_quantizes_each_tensor_once_for_all_its_ranks() -> None:
     assert ep_rank[0] < whole[0]
 
 
-def test_delta_fraction_beside_the_full_update(tmp_path):
+def test_delta_fraction_beside_the_full_update(plans):
     """fp8 weights send 5 bytes per changed element, their float32 scales 8, the rest
     (bf16) 6: the delta's bytes follow each rank's replica dtypes."""
     from p2pweights.planner import build_cluster_plan, parse_engine_spec
@@ -135,17 +176,7 @@ def test_delta_fraction_beside_the_full_update(tmp_path):
     assert {1, 2, 4} <= set(by_size)  # fp8 weights, bf16 tensors, fp32 scales
     expected = sum(round(0.02 * (n // s)) * (4 + s) for s, n in by_size.items())
     assert abs(plan.delta.p2p_bytes - expected) <= 16  # rounding per rank and dtype
-    done = _plan(
-        "--model",
-        "qwen3-tiny",
-        "--engine",
-        "tp=2",
-        "--senders",
-        "1",
-        "--delta-fraction",
-        "0.1",
-        "--json",
-    )
+    done = plans["delta"].done()
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["delta"]["fraction"] == 0.1
