@@ -3,9 +3,10 @@
 ``"forkserver"`` with torch imported in the server: each trainer is still a process of its
 own, forked from a bare interpreter that imported torch once (not from the test process,
 so it inherits none of the test's state), instead of a spawned interpreter importing torch
-anew (2-5 s a process on a 2-core host, several per test). The server is started with the
-run's first trainer and keeps that moment's environment and ``sys.path``: pass what a
-trainer needs as arguments, not through ``os.environ``.
+anew (2-5 s a process on a 2-core host, several per test). Each child gets the test
+process's ``sys.path`` and working directory, as a spawned one does, but the environment of
+the server, which starts with the run's first trainer: pass what a trainer needs as
+arguments, not through ``os.environ``.
 """
 
 from __future__ import annotations
