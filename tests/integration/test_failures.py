@@ -71,10 +71,10 @@ def test_bad_input_fails_before_any_byte(engine, model_dir, mutate, message):
     folder = model_dir("qwen3-tiny")
     with WeightSyncSession(_config()) as session:
         session.connect([engine.url])
-        first = session.update(_weights(folder, 1))  # the first update maps names
+        first = session.update(_weights(folder, 141))  # the first update maps names
         before = _checksum(engine.url)
         with pytest.raises(ConfigError, match=message):
-            session.update(mutate(_weights(folder, 2)))
+            session.update(mutate(_weights(folder, 142)))
         assert _checksum(engine.url) == before
         assert EngineClient(engine.url).weight_version() == first.version
 
@@ -106,15 +106,24 @@ def test_bad_first_update_fails_before_any_byte(engine, model_dir, mutate, named
     with WeightSyncSession(_config()) as session:
         session.connect([engine.url])
         with pytest.raises(ConfigError, match=named):
-            session.update(mutate(_weights(folder, 2)))
-        report = session.update(_weights(folder, 3))  # not blamed on the bad one
+            session.update(mutate(_weights(folder, 142)))
+        report = session.update(_weights(folder, 143))  # not blamed on the bad one
     assert EngineClient(engine.url).weight_version() == report.version
+
+
+def _own_bytes(engine, folder) -> None:
+    """Write bytes of this file's own into a pooled engine, so "unchanged" is judged
+    against them, not against whatever an earlier test left that a bad write could match."""
+    with WeightSyncSession(_config()) as session:
+        session.connect([engine.url])
+        session.update(_weights(folder, 144))
 
 
 def test_bad_first_update_leaves_the_engine_untouched(engine, model_dir):
     folder = model_dir("qwen3-tiny")
+    _own_bytes(engine, folder)
     before, version = _checksum(engine.url), EngineClient(engine.url).weight_version()
-    bad = [(n, t.float() if "v_proj" in n else t) for n, t in _weights(folder, 2)]
+    bad = [(n, t.float() if "v_proj" in n else t) for n, t in _weights(folder, 142)]
     with WeightSyncSession(_config()) as session:
         session.connect([engine.url])
         with pytest.raises(ConfigError, match="v_proj"):
@@ -134,17 +143,18 @@ def test_a_first_update_leaving_out_part_of_a_fused_weight_fails_before_any_byte
     """q and v (or up) still feed the fused parameter, so the probe saw it fed; the slice
     of the left-out tensor would keep bytes no update wrote while the update succeeded."""
     folder = model_dir("qwen3-tiny")
+    _own_bytes(engine, folder)
     before, version = _checksum(engine.url), EngineClient(engine.url).weight_version()
     with WeightSyncSession(_config()) as session:
         session.connect([engine.url])
         with pytest.raises(ConfigError) as refused:
-            session.update([(n, t) for n, t in _weights(folder, 2) if n != left_out])
+            session.update([(n, t) for n, t in _weights(folder, 142) if n != left_out])
         message = str(refused.value)
         assert left_out in message and "leaves out 1 checkpoint tensor" in message
         assert "qkv_proj" not in message and "gate_up_proj" not in message  # checkpoint names
         assert _checksum(engine.url) == before
         assert EngineClient(engine.url).weight_version() == version
-        report = session.update(_weights(folder, 3))  # the whole update then goes through
+        report = session.update(_weights(folder, 143))  # the whole update then goes through
     assert EngineClient(engine.url).weight_version() == report.version
 
 
