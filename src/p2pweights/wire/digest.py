@@ -122,16 +122,12 @@ def lane_sums(regions: Mapping[str, torch.Tensor]) -> dict[str, Lanes]:
         else:
             by_torch(name, tensor)
     for device, batch in by_kernel.items():
-        sizes = [t.numel() * t.element_size() for t in batch.values()]
-        rows = lanes_kernel.kernel_lanes([t.data_ptr() for t in batch.values()], sizes, device)
-        if rows is None:  # the kernel failed: torch, as for any region
-            for name, tensor in batch.items():
+        spans = {n: (t.data_ptr(), t.numel() * t.element_size()) for n, t in batch.items()}
+        summed = _kernel_sums(spans, device)
+        found.update(summed)
+        for name, tensor in batch.items():
+            if name not in summed:  # the kernel failed: torch, as for any region
                 by_torch(name, tensor)
-        else:
-            found.update(
-                (name, Lanes(rows, i, size))
-                for i, (name, size) in enumerate(zip(batch, sizes, strict=True))
-            )
     for batch in small.values():
         rows = _batched_lanes(batch)
         found.update(
@@ -145,30 +141,32 @@ def span_sums(buffer: torch.Tensor, spans: Mapping[str, tuple[int, int]]) -> dic
     length): where the kernel runs, read at their addresses, with no tensor view made
     per region (a sender digests every slot of a staging buffer this way)."""
     found: dict[str, Lanes] = {}
-    device, base = buffer.device, buffer.data_ptr()
-    if buffer.is_contiguous() and lanes_kernel.usable(device):
+    base = buffer.data_ptr()
+    if buffer.is_contiguous() and lanes_kernel.usable(buffer.device):
         aligned = {
-            name: (offset, size)
+            name: (base + offset, size)
             for name, (offset, size) in spans.items()
             if size and (base + offset) % 8 == 0
         }
-        if aligned:
-            sizes = [size for _, size in aligned.values()]
-            addresses = [base + offset for offset, _ in aligned.values()]
-            rows = lanes_kernel.kernel_lanes(addresses, sizes, device)
-            if rows is not None:
-                found.update(
-                    (name, Lanes(rows, i, size))
-                    for i, (name, size) in enumerate(zip(aligned, sizes, strict=True))
-                )
-    flat = buffer.reshape(-1).view(torch.uint8) if len(found) < len(spans) else buffer
-    rest = {
-        name: flat[offset : offset + size]
-        for name, (offset, size) in spans.items()
-        if name not in found
-    }
+        found.update(_kernel_sums(aligned, buffer.device))
+    flat = buffer.reshape(-1).view(torch.uint8)
+    rest = {n: flat[o : o + size] for n, (o, size) in spans.items() if n not in found}
     found.update(lane_sums(rest))
     return {name: found[name] for name in spans}
+
+
+def _kernel_sums(spans: Mapping[str, tuple[int, int]], device: torch.device) -> dict[str, Lanes]:
+    """The kernel's ``Lanes`` of regions given as (8-aligned address, length > 0) on
+    ``device``, in one launch; empty where there are none or the kernel failed."""
+    if not spans:
+        return {}
+    sizes = [size for _, size in spans.values()]
+    rows = lanes_kernel.kernel_lanes([address for address, _ in spans.values()], sizes, device)
+    if rows is None:
+        return {}
+    return {
+        name: Lanes(rows, i, size) for i, (name, size) in enumerate(zip(spans, sizes, strict=True))
+    }
 
 
 def hex_digests(sums: Mapping[str, Lanes]) -> dict[str, str]:
