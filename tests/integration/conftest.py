@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _procs import ForkedEngine
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.update_session import UPDATING_PREFIX
@@ -48,7 +49,7 @@ class _Engines:
         ``shared_engines``, so that the pool's engines start beside these)."""
         layouts = [tp if isinstance(tp, tuple) else (tp, {}) for tp in tps]
         engines = [
-            LocalEngine(folder, tp=tp, transport=transport, server_args=extra, **kwargs)
+            ForkedEngine(folder, tp=tp, transport=transport, server_args=extra, **kwargs)
             for tp, extra in layouts
         ]
         self.started.extend(engines)
@@ -119,7 +120,7 @@ class _EnginePool:
         missing = [k for k in keys if k not in found]
         self._evict(len(keys))
         fresh = [
-            LocalEngine(
+            ForkedEngine(
                 folder, tp=k[1], transport=transport, server_args=json.loads(k[2]), **kwargs
             )
             for k in missing

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from _bit_exact import engine_mismatches, seed_weights
+from _procs import ForkedEngine
 
 from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
 from p2pweights.config import DeltaConfig
@@ -124,7 +125,7 @@ def test_an_engine_restarted_between_updates_gets_full_writes(
         full, full_restarted = _sent(first, kept), _sent(first, restarted)
         session.update(trainer.step())
         restarted.stop()
-        again = LocalEngine(folder, tp=1, transport="nixl", seed=0, port=restarted.port)
+        again = ForkedEngine(folder, tp=1, transport="nixl", seed=0, port=restarted.port)
         start_engines.started.append(again)
         again.start().wait_ready()
         assert again.url == restarted.url

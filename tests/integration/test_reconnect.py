@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 from _bit_exact import assert_bit_exact, seed_weights
+from _procs import ForkedEngine
 
 from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.inspect import inspect_engine
-from p2pweights.local_engine import LocalEngine
 from p2pweights.wire.delta import HEADER_BYTES
 
 pytestmark = pytest.mark.integration
@@ -49,7 +49,7 @@ def test_reconnect_with_engines_removed_added_and_restarted(
         stale_peers = _peers(a) | _peers(b)
 
         a.stop()
-        restarted = LocalEngine(folder, tp=2, seed=0)  # a new process on a new port
+        restarted = ForkedEngine(folder, tp=2, seed=0)  # a new process on a new port
         start_engines.started.append(restarted)
         restarted.start().wait_ready()
         assert restarted.url != a.url
