@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from test_session_sequence import (  # the fake engines, client, replica and transport
     FakeClient,
     FakeEngine,
@@ -343,3 +344,27 @@ def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines
         assert sorted(report.left_paused) == ["http://a", "http://b"]
         session.update(_tensors(7))  # every rank passes: both resumed
     assert a.running and b.running and _holds(a, 7)  # b is the other rank's to write
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_direct_loads_sums_run_after_its_copies_on_a_stream_of_their_own():
+    """``StagedDigests.add`` (what a direct load left in an engine's memory): the sums read
+    what the copies queued before them wrote, on a stream of their own, so that waiting
+    for the copies does not wait for the sums; ``settle`` waits for them."""
+    from p2pweights.integrity.staged import StagedDigests
+    from p2pweights.wire.digest import digest
+
+    source = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+    target = torch.zeros_like(source)
+    current = torch.cuda.current_stream()
+    torch.cuda._sleep(100_000_000)  # the copy below stays queued behind this
+    target.copy_(source)
+    staged = StagedDigests()
+    staged.add([("w", target, [("http://e0", 0, "main")])])
+    assert torch.cuda.current_stream() == current
+    assert [stream for _, stream in staged._done] != [current]
+    staged.settle()
+    assert all(done.query() for done, _ in staged._done)
+    found: dict = {}
+    staged.into(found)
+    assert found == {("http://e0", 0, "main"): {"w": digest(source)}}

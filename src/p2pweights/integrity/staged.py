@@ -4,16 +4,18 @@ The executor calls ``StagedDigests.add_spans`` once per flushed staging buffer, 
 its writes were handed to the writers (the writers and this only read the buffer), and
 ``add`` for what a direct load left in an engine's memory: each slot is digested once
 and filed under every runner (engine URL, rank, role) it is written to. On a GPU the
-sums are left on the device, in the stream's order (before any later load refills the
-buffer), and copied to the host and hashed once, by ``into``, which the update calls
-on another thread while the engines end their sessions (``digest.lane_sums`` says what
-still waits: a layout's first use, and small regions where the kernel does not run).
+sums are left on the device: a staging buffer's in the stream's order (before any later
+load refills the buffer), a direct load's on a stream of their own after its copies (the
+copies are waited for, the sums need not be). They are copied to the host and hashed
+once, by ``into``, which the update calls on another thread while the engines end their
+sessions (``digest.lane_sums`` says what still waits: a layout's first use, and small
+regions where the kernel does not run).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 
 import torch
 
@@ -21,6 +23,27 @@ from p2pweights.wire.digest import Lanes, hex_digests, lane_sums, span_sums
 from p2pweights.wire.publication import Runner
 
 __all__ = ["StagedDigests"]
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+"""Per GPU, the stream direct loads' sums run on (one per process, made on first use)."""
+
+
+@contextlib.contextmanager
+def _after_current_stream(devices: set[torch.device]) -> Iterator[None]:
+    """On one GPU: work queued inside runs on a stream of its own, after everything
+    queued on the current stream so far. Elsewhere (CPU, or regions on several GPUs,
+    which a direct load does not make): the current stream, unchanged."""
+    if len(devices) != 1:
+        yield
+        return
+    (device,) = devices
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
 
 
 class StagedDigests:
@@ -34,10 +57,16 @@ class StagedDigests:
         ``into`` may run on another thread, whose own streams would not wait for them."""
 
     def add(self, slots: Iterable[tuple[str, torch.Tensor, Iterable[Runner]]]) -> None:
-        """``slots``: (parameter name, its bytes, the runners it goes to)."""
+        """``slots``: (parameter name, its bytes, the runners it goes to): what a direct
+        load left in an engine's memory. On a GPU the sums are taken on a stream of their
+        own, after the work queued so far on the current one (the loads' copies): a
+        caller that then waits for its copies does not wait for the sums too, which run
+        beside what comes next (the engines' end of the session) until ``into``."""
         listed = list(slots)
         keys = self._file((param, runners) for param, _, runners in listed)
-        self._keep(lane_sums(dict(zip(keys, (view for _, view, _ in listed), strict=True))))
+        regions = dict(zip(keys, (view for _, view, _ in listed), strict=True))
+        with _after_current_stream({view.device for view in regions.values() if view.is_cuda}):
+            self._keep(lane_sums(regions))
 
     def add_spans(
         self, buffer: torch.Tensor, slots: Iterable[tuple[str, int, int, Iterable[Runner]]]
@@ -65,6 +94,12 @@ class StagedDigests:
             self._filed.append((key, param, runners))
             keys.append(key)
         return keys
+
+    def settle(self) -> None:
+        """Wait until every sum queued so far has been taken (they read engine memory that
+        a failed update may unmap next)."""
+        for done, _ in self._done:
+            done.synchronize()
 
     def into(self, out: MutableMapping[Runner, dict[str, str]]) -> None:
         """Every digest so far, under each runner its slot went to (waits for the device;

@@ -714,6 +714,8 @@ class _Run:
             self._wait(index)
         self._buffers.current.used_bytes = 0
         self.result.failures = self._failed.errors()
+        if self.result.failures:  # a failed update may unmap what direct sums still read
+            self._staged_digests.settle()
         if self._hooks.digest_staged:  # hashed when asked for (``RunResult.digests``)
             self.result.staged_digests = self._staged_digests
         return self.result
@@ -721,9 +723,11 @@ class _Run:
     def abort(self) -> None:
         """Cancel queued writes; keep the others in ``late`` (running ones still read the
         buffers; finished ones may have given up unsettled). Copies a direct load queued
-        are waited for: the engine's memory may be closed next."""
+        are waited for, and the sums taken of what they wrote: the engine's memory may be
+        closed next."""
         with contextlib.suppress(Exception):  # the run failed already; report that error
             self._sync_direct()
+            self._staged_digests.settle()
         for index, pending in self._pending.items():
             for future, batch in pending:
                 if not future.cancel():
