@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
+from p2pweights import CudaIpcConfig, SyncConfig, WeightSyncSession
 from p2pweights.errors import EngineError
 from p2pweights.local_engine import LocalEngine
 from p2pweights.testing import synthetic_weights
-from p2pweights.verify import verify_engine
+from p2pweights.verify import EngineClient, verify_engine
 
 pytestmark = pytest.mark.integration
 
