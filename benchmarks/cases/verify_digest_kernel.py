@@ -72,6 +72,8 @@ VARIANTS = [  # (kernel, BLOCK words, BLOCKS, num_warps, num_stages)
     ("weighted", 2048, 128, 8, None),
     ("weighted", 4096, 128, 16, None),
     ("weighted", 1024, 256, 4, None),
+    ("weighted", 2048, 512, 8, None),
+    ("weighted", 2048, 1024, 8, None),
 ]
 
 

@@ -227,8 +227,10 @@ _INTERPRETED = textwrap.dedent(
     import os
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from p2pweights.wire import digest as d
+    from p2pweights.wire import digest as d, lanes_kernel
     from p2pweights.wire.lanes_kernel import CHUNK_WORDS, kernel_lanes
+
+    lanes_kernel._PROGRAMS, lanes_kernel._MAX_BLOCKS = PROGRAMS, MAX_BLOCKS
 
     generator = torch.Generator().manual_seed(3)
     owner = torch.randint(0, 256, (3 * CHUNK_WORDS * 8 + 4096,), dtype=torch.uint8,
@@ -246,17 +248,57 @@ _INTERPRETED = textwrap.dedent(
     expected = [d._lanes(r) if r.numel() >= d._ROW_BYTES else
                 d._batched_lanes({"r": r})[0] for r in regions]
     same = [torch.equal(s, e) for s, e in zip(sums, expected)]
-    print("ok" if all(same) else f"differ: {same}")
+    blocks = lanes_kernel._chunk_blocks([r.numel() for r in regions])
+    print("ok" if all(same) and blocks == BLOCKS else f"differ: {same}, {blocks} blocks")
     """
 )
 
 
 @pytest.mark.slow
-def test_the_kernel_sums_what_torch_sums_under_the_interpreter() -> None:
+@pytest.mark.parametrize(
+    "programs, max_blocks, blocks",
+    [(1024, 1024, 256), (1, 512, 512)],
+    ids=["4 MiB chunks", "8 MiB chunks"],
+)
+def test_the_kernel_sums_what_torch_sums_under_the_interpreter(programs, max_blocks, blocks):
     """The one-launch kernel's lane sums equal the torch path's for tails of every
-    length, chunk edges and regions of several chunks (on a GPU: ``test_cpu_and_gpu_agree``
-    and ``test_digests_follow_the_definition`` run it)."""
-    assert_prints_ok(_INTERPRETED)
+    length, chunk edges and regions of several chunks, in the chunks of a few GB and in
+    the longer ones of many (here forced by a lower program count; on a GPU:
+    ``test_cpu_and_gpu_agree``, ``test_digests_follow_the_definition`` and
+    ``test_many_gb_are_summed_in_longer_chunks_alike`` run it)."""
+    settings = f"PROGRAMS, MAX_BLOCKS, BLOCKS = {programs}, {max_blocks}, {blocks}\n"
+    assert_prints_ok(settings + _INTERPRETED)
+
+
+def test_chunks_grow_with_the_bytes_to_sum():
+    """4 MiB chunks up to about 1,024 of them (a 1 GB rank: a few hundred programs), then
+    doubled up to 16 MiB (an 8 GB rank in 8 MiB chunks, 16 GB in 16)."""
+    from p2pweights.wire.lanes_kernel import _chunk_blocks
+
+    gib = 1 << 30
+    assert _chunk_blocks([gib]) == 256
+    assert _chunk_blocks([gib] * 4) == 256
+    assert _chunk_blocks([gib] * 4 + [8]) == 512
+    assert _chunk_blocks([8 * gib]) == 512
+    assert _chunk_blocks([16 * gib]) == 1024
+    assert _chunk_blocks([64 * gib]) == 1024
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_many_gb_are_summed_in_longer_chunks_alike():
+    """Regions of 6 GiB in all (8 MiB chunks): the kernel's sums equal torch's."""
+    from p2pweights.wire import lanes_kernel
+    from p2pweights.wire.digest import _lanes
+
+    owner = torch.randint(-(2**62), 2**62, (6 << 27,), dtype=torch.int64, device="cuda")
+    flat = owner.view(torch.uint8)
+    regions = [flat[: 4 << 30], flat[(4 << 30) + 8 : (6 << 30) - 3]]
+    sizes = [r.numel() for r in regions]
+    assert lanes_kernel._chunk_blocks(sizes) == 512
+    sums = lanes_kernel.kernel_lanes([r.data_ptr() for r in regions], sizes, owner.device)
+    assert sums is not None
+    for got, region in zip(sums, regions, strict=True):
+        assert torch.equal(got, _lanes(region))
 
 
 def test_a_failing_kernel_gives_way_to_torch_with_one_warning(monkeypatch, caplog):

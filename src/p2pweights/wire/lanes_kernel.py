@@ -4,8 +4,9 @@ Digested one by one, each region costs a few launches and some Python: the 227
 parameters of a 1 GB model took 3.5-6.3 ms on an H200 (0.2-0.3 TB/s), where one
 launch of this kernel takes 0.6 ms (docs/benchmarks.md, "Verified writes: cost").
 Here every region of one device is cut into chunks of up to ``CHUNK_WORDS`` int64
-words, one Triton program per chunk sums its words into the ``LANES`` lanes, plain and
-weighted by row (``digest`` defines both), and a cumulative sum over the chunks gives
+words (longer ones where the regions come to many GB: ``_chunk_blocks``), one Triton
+program per chunk sums its words into the ``LANES`` lanes, plain and weighted by row
+(``digest`` defines both), and a cumulative sum over the chunks gives
 each region's sums: one launch and three small torch ops for any number of regions, and
 no tensor view per region (their addresses and lengths are all it takes). A chunk's
 weighted sums are taken with its rows counted from the region's first, so a region's
@@ -43,13 +44,19 @@ logger = logging.getLogger(__name__)
 
 _BLOCK = 2048
 """Words one loop step of a program reads (8 per thread at 8 warps)."""
-_BLOCKS = 256
-CHUNK_WORDS = _BLOCK * _BLOCKS
-"""Words per program at most: 4 MiB, so a GB is a few hundred programs (and rows of
-partial sums). On an H200 programs of 256 KiB summed 0.6 TB/s, of 1 MiB 1.3-1.7, of
-4 MiB 1.8-3.1 (``benchmarks/verify.py digest-kernel``)."""
+_MIN_BLOCKS = 256
+_MAX_BLOCKS = 1024
+CHUNK_WORDS = _BLOCK * _MIN_BLOCKS
+"""Words per program at most where the regions come to a few GB: 4 MiB, so a GB is a
+few hundred programs (and rows of partial sums). On an H200 programs of 256 KiB summed
+0.6 TB/s, of 1 MiB 1.3-1.7, of 4 MiB 1.8-3.1 (``benchmarks/verify.py digest-kernel``)."""
+_PROGRAMS = 1024
+"""Above about this many programs of ``CHUNK_WORDS`` the chunks double (``_chunk_blocks``):
+on an H200 a 16.4 GB rank took 5.2 ms in 4 MiB chunks, 4.5 in 8 and 4.4 in 16 MiB, where a
+1 GB one took 0.52 ms in 4 MiB chunks and 0.63 in 8 (fewer programs than the GPU runs at
+once)."""
 
-_Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 _LAYOUTS: LruCache[tuple[torch.device, int, tuple[int, ...]], _Layout] = LruCache(1024)
 """Chunk tables by device, stream and region sizes (the same slots come back every update: one
 table per flush, so a bound above the flushes of the largest rank's update; a table
@@ -100,7 +107,7 @@ def _run(addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -
     layout = _LAYOUTS.get(key)
     if layout is None:
         layout = _LAYOUTS[key] = _layout(sizes, device)
-    sizes_t, chunk_region, chunk_start, bounds = layout
+    sizes_t, chunk_region, chunk_start, bounds, blocks = layout
     addresses_t = _addresses(addresses, device, stream)
     partial = torch.zeros(len(chunk_region) + 1, SUMS, dtype=torch.int64, device=device)
     # Triton launches on the current device: switch when the regions are on another
@@ -114,7 +121,7 @@ def _run(addresses: Sequence[int], sizes: Sequence[int], device: torch.device) -
             partial,
             LANES=LANES,
             BLOCK=_BLOCK,
-            BLOCKS=_BLOCKS,
+            BLOCKS=blocks,
             num_warps=8,
         )
     sums = partial.cumsum(0)  # exact mod 2**64, like the sums themselves
@@ -138,20 +145,34 @@ def _addresses(addresses: Sequence[int], device: torch.device, stream: int) -> t
     return found
 
 
+def _chunk_blocks(sizes: Sequence[int]) -> int:
+    """Blocks per chunk for these regions: ``_MIN_BLOCKS``, doubled (up to ``_MAX_BLOCKS``)
+    while the regions' words would fill more than ``_PROGRAMS`` chunks."""
+    words = sum(_ceil(n, 8) for n in sizes)
+    blocks = _MIN_BLOCKS
+    while blocks < _MAX_BLOCKS and words > _PROGRAMS * blocks * _BLOCK:
+        blocks *= 2
+    return blocks
+
+
 def _layout(sizes: Sequence[int], device: torch.device) -> _Layout:
     """Per region its size; per chunk its region and first word; per region the number
-    of chunks before it and its own (the bounds of its rows in the cumulative sum)."""
-    counts = torch.tensor([_ceil(_ceil(n, 8), CHUNK_WORDS) for n in sizes], dtype=torch.int64)
+    of chunks before it and its own (the bounds of its rows in the cumulative sum); the
+    blocks per chunk."""
+    blocks = _chunk_blocks(sizes)
+    chunk_words = _BLOCK * blocks
+    counts = torch.tensor([_ceil(_ceil(n, 8), chunk_words) for n in sizes], dtype=torch.int64)
     ends = counts.cumsum(0)
     chunk_region = torch.repeat_interleave(torch.arange(len(sizes)), counts)
     first = torch.repeat_interleave(ends - counts, counts)
-    chunk_start = (torch.arange(int(ends[-1])) - first) * CHUNK_WORDS
+    chunk_start = (torch.arange(int(ends[-1])) - first) * chunk_words
     bounds = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
     return (
         torch.tensor(sizes, dtype=torch.int64).to(device),
         chunk_region.to(torch.int32).to(device),
         chunk_start.to(device),
         bounds.to(device),
+        blocks,
     )
 
 
