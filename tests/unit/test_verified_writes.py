@@ -346,6 +346,28 @@ def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines
     assert a.running and b.running and _holds(a, 7)  # b is the other rank's to write
 
 
+def test_the_senders_sums_are_settled_before_any_engine_ends_its_session(engines, monkeypatch):
+    """A direct load's sums still run when its copies are done; they must be taken before
+    an engine ends its session (its postprocess may rewrite weights in place) and before a
+    failed update may unmap its memory: every run settles them as it finishes."""
+    from p2pweights.integrity.staged import StagedDigests
+
+    engine = engines.setdefault("http://e0", DigestEngine("http://e0"))
+    open_at_settle: list[bool] = []
+    original = StagedDigests.settle
+
+    def settle(self):
+        open_at_settle.append(engine.open)
+        original(self)
+
+    monkeypatch.setattr(StagedDigests, "settle", settle)
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+    assert open_at_settle == [True]
+    assert engine.running and _holds(engine, 1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_direct_loads_sums_run_after_its_copies_on_a_stream_of_their_own():
     """``StagedDigests.add`` (what a direct load left in an engine's memory): the sums read

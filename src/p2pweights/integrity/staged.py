@@ -5,11 +5,12 @@ its writes were handed to the writers (the writers and this only read the buffer
 ``add`` for what a direct load left in an engine's memory: each slot is digested once
 and filed under every runner (engine URL, rank, role) it is written to. On a GPU the
 sums are left on the device: a staging buffer's in the stream's order (before any later
-load refills the buffer), a direct load's on a stream of their own after its copies (the
-copies are waited for, the sums need not be). They are copied to the host and hashed
-once, by ``into``, which the update calls on another thread while the engines end their
-sessions (``digest.lane_sums`` says what still waits: a layout's first use, and small
-regions where the kernel does not run).
+load refills the buffer), a direct load's on a stream of their own after its copies (each
+flush's copies are waited for, the sums only once, by ``settle`` when the run finishes and
+before any engine ends its session: they overlap the next flush's loads). They are copied
+to the host and hashed once, by ``into``, which the update calls on another thread while
+the engines end their sessions (``digest.lane_sums`` says what still waits: a layout's
+first use, and small regions where the kernel does not run).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ __all__ = ["StagedDigests"]
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-"""Per GPU, the stream direct loads' sums run on (one per process, made on first use)."""
+"""Per GPU, the stream direct loads' sums run on (one per process, made on first use; two
+threads making it at once leave one spare stream, which is harmless)."""
 
 
 @contextlib.contextmanager
@@ -61,7 +63,7 @@ class StagedDigests:
         load left in an engine's memory. On a GPU the sums are taken on a stream of their
         own, after the work queued so far on the current one (the loads' copies): a
         caller that then waits for its copies does not wait for the sums too, which run
-        beside what comes next (the engines' end of the session) until ``into``."""
+        beside what it does next (the next flush's loads) until ``settle``."""
         listed = list(slots)
         keys = self._file((param, runners) for param, _, runners in listed)
         regions = dict(zip(keys, (view for _, view, _ in listed), strict=True))
@@ -96,8 +98,9 @@ class StagedDigests:
         return keys
 
     def settle(self) -> None:
-        """Wait until every sum queued so far has been taken (they read engine memory that
-        a failed update may unmap next)."""
+        """Wait until every sum queued so far has been taken: a direct load's read engine
+        memory, which the engine may rewrite once it ends its session (sglang's
+        postprocess can repack weights in place) and a failed update may unmap."""
         for done, _ in self._done:
             done.synchronize()
 

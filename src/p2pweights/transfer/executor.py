@@ -714,8 +714,10 @@ class _Run:
             self._wait(index)
         self._buffers.current.used_bytes = 0
         self.result.failures = self._failed.errors()
-        if self.result.failures:  # a failed update may unmap what direct sums still read
-            self._staged_digests.settle()
+        # the sums of what direct loads wrote are taken before the engines end their
+        # sessions (an engine's postprocess may rewrite its weights in place) or a failed
+        # update unmaps their memory: only the last flush's are still running here
+        self._staged_digests.settle()
         if self._hooks.digest_staged:  # hashed when asked for (``RunResult.digests``)
             self.result.staged_digests = self._staged_digests
         return self.result
@@ -727,6 +729,7 @@ class _Run:
         closed next."""
         with contextlib.suppress(Exception):  # the run failed already; report that error
             self._sync_direct()
+        with contextlib.suppress(Exception):
             self._staged_digests.settle()
         for index, pending in self._pending.items():
             for future, batch in pending:
