@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _bit_exact import engine_mismatches
-from _procs import trainer_context
+from _procs import warm_context
 from safetensors.torch import load_file
 
 from p2pweights.local_engine import free_port
@@ -92,7 +92,7 @@ def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, shared_engi
     _shift(reference)
     second = _checkpoint(reference, tmp_path / "second")
 
-    ctx = trainer_context()
+    ctx = warm_context()
     go, out = ctx.Event(), ctx.Queue()
     port = free_port()
     trainers = [

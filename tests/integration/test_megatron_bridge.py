@@ -21,7 +21,7 @@ import pytest
 import torch
 from _bit_exact import engine_mismatches
 from _megatron_cpu import megatron_available
-from _procs import trainer_context
+from _procs import warm_context
 
 from p2pweights.local_engine import free_port
 from p2pweights.testing import save_safetensors, synthetic_weights, write_model_dir
@@ -106,7 +106,7 @@ def _assert_bit_exact(url, tensors):
 def test_megatron_model_through_the_bridge_is_bit_exact(tp, pp, checkpoint, engine):
     folder, tensors = checkpoint
     shifted = [(name, tensor + SHIFT) for name, tensor in tensors]
-    ctx = trainer_context()
+    ctx = warm_context()
     go, out = ctx.Event(), ctx.Queue()
     port = free_port()
     trainers = [

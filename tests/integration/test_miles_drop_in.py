@@ -22,7 +22,7 @@ import pytest
 import torch
 from _bit_exact import assert_bit_exact
 from _lockstep import run_in_lockstep
-from _procs import trainer_context
+from _procs import warm_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -116,7 +116,7 @@ def _trainer(rank, world, num_stages, port, urls, folder, seeds, victim, out, go
 def _run(folder, engines, *, world, num_stages, seeds, check, victim=None):
     """Start ``world`` trainer processes; after each update, gather their results (by
     rank), call ``check(index, results)`` and let them go on."""
-    ctx = trainer_context()
+    ctx = warm_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in seeds]
     urls = [e.url for e in engines]

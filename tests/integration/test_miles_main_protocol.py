@@ -24,7 +24,7 @@ import pytest
 import torch
 from _bit_exact import assert_bit_exact
 from _lockstep import run_in_lockstep
-from _procs import trainer_context
+from _procs import warm_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -104,7 +104,7 @@ def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos, co
 
 
 def _run(folder, engines, *, world, num_stages, seeds, check, counts=True):
-    ctx = trainer_context()
+    ctx = warm_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in seeds]
     layout = [(e.url, e.tp) for e in engines]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _bit_exact import assert_bit_exact, next_version
-from _procs import trainer_context
+from _procs import warm_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -80,7 +80,7 @@ def test_two_stages_of_two_ranks_update_tp1_and_tp2_engines(model_dir, shared_en
     urls = [e.url for e in engines]
     first = next_version(urls)
     targets = sorted((e.url, r) for e in engines for r in range(e.tp))
-    ctx = trainer_context()
+    ctx = warm_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in SEEDS]
     port = free_port()

@@ -29,7 +29,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
-from _procs import trainer_context
+from _procs import warm_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
@@ -240,7 +240,7 @@ def test_slimes_own_updater_writes_through_p2pweights_bit_exact(model_dir, share
     engines = shared_engines(folder, [2, 1], seed=0)
     urls = [engine.url for engine in engines]
     seeds = [44, 45, 46]
-    ctx = trainer_context()
+    ctx = warm_context()
     out = ctx.Queue()
     port = free_port()
     ranks = [

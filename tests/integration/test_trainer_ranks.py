@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _bit_exact import assert_bit_exact, engine_mismatches, next_version
-from _procs import trainer_context
+from _procs import warm_context
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
@@ -55,7 +55,7 @@ def _trainer(rank: int, url: str, folder: str, barrier, flags, results, seeds) -
 def _run_trainers(url: str, folder, seeds: tuple[int, ...], timeout_s: float) -> list[tuple]:
     """Two trainer processes updating ``url`` with each seed's weights; their reports,
     sorted: (rank, seed, version, targets written, fp8 weights quantized in boxes)."""
-    ctx = trainer_context()
+    ctx = warm_context()
     barrier, flags, results = ctx.Barrier(2), ctx.Array("i", 2), ctx.Queue()
     trainers = [
         ctx.Process(target=_trainer, args=(r, url, str(folder), barrier, flags, results, seeds))

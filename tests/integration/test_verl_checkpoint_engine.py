@@ -72,7 +72,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _bit_exact import assert_bit_exact, seed_weights
-from _procs import trainer_context
+from _procs import warm_context
 from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry
 from verl.checkpoint_engine import base as verl_base
 from verl.checkpoint_engine.base import CheckpointEngineWorker
@@ -424,7 +424,7 @@ class _StandaloneReplica:
 def verl_actors(tmp_path, monkeypatch):
     """``verl_actors(folder, engines)``: (manager, actor worker group, replicas) over two
     actor-rank processes, stopped after the test."""
-    ctx = trainer_context()
+    ctx = warm_context()
     started = []
 
     def make(folder, engines, stock: bool = False, tps=None):
