@@ -3,11 +3,11 @@
 Digested one by one, each region costs a few launches and some Python: the 227
 parameters of a 1 GB model took 3.5-6.3 ms on an H200 (0.2-0.3 TB/s), where one
 launch of this kernel takes 0.6 ms (docs/benchmarks.md, "Verified writes: cost").
-Here every region of one device is cut into chunks of up to ``CHUNK_WORDS`` int64
-words (longer ones where the regions come to many GB: ``_chunk_blocks``), one Triton
-program per chunk sums its words into the ``LANES`` lanes, plain and weighted by row
-(``digest`` defines both), and a cumulative sum over the chunks gives
-each region's sums: one launch and three small torch ops for any number of regions, and
+Here every region of one device is cut into chunks of ``CHUNK_WORDS`` int64 words (the
+last of a region shorter; longer chunks where the regions come to many GB:
+``_chunk_blocks``), one Triton program per chunk sums its words into the ``LANES`` lanes,
+plain and weighted by row (``digest`` defines both), and a cumulative sum over the chunks
+gives each region's sums: one launch and three small torch ops for any number of regions, and
 no tensor view per region (their addresses and lengths are all it takes). A chunk's
 weighted sums are taken with its rows counted from the region's first, so a region's
 chunks add up to its own.
@@ -45,16 +45,19 @@ logger = logging.getLogger(__name__)
 _BLOCK = 2048
 """Words one loop step of a program reads (8 per thread at 8 warps)."""
 _MIN_BLOCKS = 256
+"""Blocks per chunk where the regions come to a few GB (``CHUNK_WORDS``)."""
 _MAX_BLOCKS = 1024
+"""Blocks per chunk at most: 16 MiB chunks."""
 CHUNK_WORDS = _BLOCK * _MIN_BLOCKS
-"""Words per program at most where the regions come to a few GB: 4 MiB, so a GB is a
+"""Words per chunk (per program) where the regions come to a few GB: 4 MiB, so a GB is a
 few hundred programs (and rows of partial sums). On an H200 programs of 256 KiB summed
 0.6 TB/s, of 1 MiB 1.3-1.7, of 4 MiB 1.8-3.1 (``benchmarks/verify.py digest-kernel``)."""
 _PROGRAMS = 1024
 """Above about this many programs of ``CHUNK_WORDS`` the chunks double (``_chunk_blocks``):
 on an H200 a 16.4 GB rank took 5.2 ms in 4 MiB chunks, 4.5 in 8 and 4.4 in 16 MiB, where a
 1 GB one took 0.52 ms in 4 MiB chunks and 0.63 in 8 (fewer programs than the GPU runs at
-once)."""
+once). Each chunk length is a kernel of its own, compiled on its first use in a process
+(on an engine rank of more than 4 GiB, inside its first verified pause)."""
 
 _Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 _LAYOUTS: LruCache[tuple[torch.device, int, tuple[int, ...]], _Layout] = LruCache(1024)
