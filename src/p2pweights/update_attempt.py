@@ -53,17 +53,11 @@ T = TypeVar("T")
 
 def _in_background(call: Callable[[], T]) -> futures.Future[T]:
     """``call()`` on a thread of its own; its result or exception, when asked."""
-    future: futures.Future[T] = futures.Future()
-
-    def run() -> None:
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(call())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="p2pweights-digests", daemon=True).start()
-    return future
+    pool = futures.ThreadPoolExecutor(1, thread_name_prefix="p2pweights-digests")
+    try:
+        return pool.submit(call)
+    finally:
+        pool.shutdown(wait=False)  # the call still runs; the thread ends with it
 
 
 class UpdateAttempt:

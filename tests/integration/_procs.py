@@ -21,6 +21,7 @@ same file.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -79,13 +80,18 @@ class _Context(ForkServerContext):
 
 def warm_context() -> ForkServerContext:
     """The context trainers and ``ForkedEngine``s are started from."""
-    # asked through NVML, which leaves CUDA uninitialized in this process and in the
-    # server (started with this process's environment)
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     ctx = _Context()
-    gpu_host = torch.cuda.is_available()
-    ctx.set_forkserver_preload(PRELOAD if gpu_host else PRELOAD + ENGINE_PRELOAD)
+    ctx.set_forkserver_preload(_preload())
     return ctx
+
+
+@functools.cache
+def _preload() -> list[str]:
+    """What the server imports on this host (asked once per test process)."""
+    # through NVML, which leaves CUDA uninitialized in this process and in the server
+    # (started with this process's environment)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return PRELOAD if torch.cuda.is_available() else PRELOAD + ENGINE_PRELOAD
 
 
 def _serve(argv: list[str], log_path: str, env: Mapping[str, str]) -> None:
