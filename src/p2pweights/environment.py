@@ -29,13 +29,13 @@
                                          in full); default 1/8 of the rank's weights, at
                                          most 1 GiB, in the local engine, and none in the
                                          sglang plugin (``p2pweights.engine_rank.delta_scratch``).
-``P2PWEIGHTS_WRITE_DIGESTS``             On an engine host: ``1`` makes every rank digest its
+``P2PWEIGHTS_WRITE_DIGESTS``             On an engine host: every rank digests its
                                          published parameters right before each
                                          ``end_weight_update``, so trainers can verify their
-                                         writes (``SyncConfig.verify_writes``); ``0`` not.
-                                         Default: off in the sglang plugin (the digest sits
-                                         in the engine's pause: about 25 ms per 8 GB on an
-                                         H200), on in the local engine (a test stand-in).
+                                         writes (``SyncConfig.verify_writes``); ``0`` opts
+                                         out. Default: on, in the sglang plugin and the local
+                                         engine (verification cost +7.9 % / +9.7 % of an
+                                         update on one H200, docs/benchmarks.md).
 ``P2PWEIGHTS_MILES_TRANSPORT``           miles' trainers (``p2pweights.integrations.miles``):
                                          ``mooncake-rdma`` (default), ``mooncake-tcp`` or
                                          ``nixl``; ``--p2p-transport nixl`` does the same.

@@ -85,8 +85,8 @@ def engines(folder: Path) -> Iterator[dict[str, LocalEngine]]:
 def plugin_engine(folder: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     """The engine-side process, once it has published; yields it and what it reported."""
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
-    env["P2PWEIGHTS_WRITE_DIGESTS"] = "1"  # the plugin's ranks digest only when asked to
-    env["P2PWEIGHTS_DELTA_SCRATCH"] = "1MiB"  # and take a delta scratch region likewise
+    env.pop("P2PWEIGHTS_WRITE_DIGESTS", None)  # the plugin's ranks digest by default
+    env["P2PWEIGHTS_DELTA_SCRATCH"] = "1MiB"  # the plugin takes a scratch region only if asked
     process = subprocess.Popen(
         [sys.executable, str(ENGINE_SCRIPT), str(folder), str(free_port())],
         stdin=subprocess.PIPE,

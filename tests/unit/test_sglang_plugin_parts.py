@@ -107,3 +107,35 @@ def test_importing_the_plugin_imports_neither_sglang_nor_nixl() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("setting", "digests"), [(None, True), ("1", True), ("0", False)])
+def test_the_plugin_digests_its_writes_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, digests: bool
+) -> None:
+    import p2pweights.sglang_plugin as plugin
+    from p2pweights.replica.sglang import facade
+    from p2pweights.sglang_plugin import publish
+
+    class Published:  # the NIXL registration, which needs NIXL, left out
+        def __init__(self, engine_rank: int, backend: str, bootstrap_url: str) -> None:
+            self.engine_rank = engine_rank
+
+        def publish(self, model: object) -> None:
+            pass
+
+    if setting is None:
+        monkeypatch.delenv("P2PWEIGHTS_WRITE_DIGESTS", raising=False)
+    else:
+        monkeypatch.setenv("P2PWEIGHTS_WRITE_DIGESTS", setting)
+    monkeypatch.setattr(publish, "LivePublication", Published)
+    monkeypatch.setattr(facade, "bootstrap_url", lambda: "http://127.0.0.1:1")
+    transporter = SimpleNamespace(tp_rank=2)
+    runner = SimpleNamespace(model=None, remote_instance_weight_transporter=transporter)
+    try:
+        publish_after_initialize(None, runner)
+        side = plugin._sides[id(runner)]
+        assert (side.engine_rank, side.write_digests) == (2, digests)
+    finally:
+        plugin._sides.pop(id(runner), None)
+        plugin._published.pop(id(runner), None)

@@ -32,7 +32,7 @@ CHECK_LOGGER = "p2pweights.integrity.check"
 
 
 def _plugin_engine(url: str) -> FakeEngine:
-    """An sglang server with the p2pweights plugin but without ``P2PWEIGHTS_WRITE_DIGESTS=1``:
+    """An sglang server with the p2pweights plugin started with ``P2PWEIGHTS_WRITE_DIGESTS=0``:
     its publication is live (the plugin's; the fakes publish live where storage moves) and
     says no write digests."""
     return FakeEngine(url, moves_storage=True)
@@ -61,7 +61,7 @@ def test_the_report_says_which_engines_were_verified_and_how(engines):
     assert plain.verified_by == () and not plain.verified
     assert plain.unverified_reason is not None
     assert "SGLANG_PLUGINS=p2pweights_nixl" in plain.unverified_reason
-    assert "P2PWEIGHTS_WRITE_DIGESTS=1" in plain.unverified_reason
+    assert "P2PWEIGHTS_WRITE_DIGESTS" in plain.unverified_reason
     summary = report.summary()
     assert "verified by write digests: 1 engine" in summary
     assert "NOT verified: http://plain" in summary
@@ -99,7 +99,7 @@ def test_an_unverified_engine_is_warned_about_once_per_session_with_the_fix(engi
     warnings = _unverified_warnings(caplog)
     assert len(warnings) == 1, warnings
     assert "http://plain" in warnings[0] and "not verified" in warnings[0]
-    assert "P2PWEIGHTS_WRITE_DIGESTS=1" in warnings[0]
+    assert "P2PWEIGHTS_WRITE_DIGESTS" in warnings[0]
     with WeightSyncSession(CONFIG) as session:  # a new session warns again
         session.connect(["http://plain"])
         session.update(_tensors(4))
@@ -124,12 +124,12 @@ def test_a_plugin_engine_without_digests_is_told_the_setting_it_lacks(engines, c
         session.connect(["http://plugin"])
         report = session.update(_tensors(1))
     reason = report.engines["http://plugin"].unverified_reason
-    assert reason is not None and "P2PWEIGHTS_WRITE_DIGESTS=1" in reason
+    assert reason is not None and "P2PWEIGHTS_WRITE_DIGESTS=0" in reason
     assert "SGLANG_PLUGINS" not in reason  # it runs the plugin already
     always = SyncConfig(buffer_bytes="1MiB", verify_writes="always")
     with WeightSyncSession(always) as session, pytest.raises(EngineError) as refused:
         session.connect(["http://plugin"])
-    assert "P2PWEIGHTS_WRITE_DIGESTS=1" in str(refused.value)
+    assert "P2PWEIGHTS_WRITE_DIGESTS=0" in str(refused.value)
     assert "SGLANG_PLUGINS" not in str(refused.value)
 
 
@@ -139,7 +139,7 @@ def test_a_released_sglang_engine_refused_on_always_is_told_both_settings(engine
     with WeightSyncSession(always) as session, pytest.raises(EngineError) as refused:
         session.connect(["http://plain"])
     message = str(refused.value)
-    assert "SGLANG_PLUGINS=p2pweights_nixl" in message and "P2PWEIGHTS_WRITE_DIGESTS=1" in message
+    assert "SGLANG_PLUGINS=p2pweights_nixl" in message and "P2PWEIGHTS_WRITE_DIGESTS" in message
 
 
 # -- what the update did -----------------------------------------------------------------------

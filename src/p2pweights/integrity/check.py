@@ -90,13 +90,13 @@ def why_unverified(engine: ConnectedEngine, mode: str) -> str | None:
         )
     if any(pub.live for pub in engine.publications):  # the p2pweights plugin publishes live
         return (
-            "it runs the p2pweights plugin but records no write digests; start it with "
-            "P2PWEIGHTS_WRITE_DIGESTS=1 in its environment"
+            "it runs the p2pweights plugin but records no write digests (started with "
+            "P2PWEIGHTS_WRITE_DIGESTS=0); start it without that setting"
         )
     return (
         "it records no write digests (released sglang's own publication); start it with "
-        "SGLANG_PLUGINS=p2pweights_nixl and P2PWEIGHTS_WRITE_DIGESTS=1 and write over "
-        "NixlConfig (docs/nixl-plugin.md)"
+        "SGLANG_PLUGINS=p2pweights_nixl (which digests unless P2PWEIGHTS_WRITE_DIGESTS=0) "
+        "and write over NixlConfig (docs/nixl-plugin.md)"
     )
 
 

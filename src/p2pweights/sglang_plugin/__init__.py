@@ -39,8 +39,10 @@ This plugin registers six, the first three where sglang's Mooncake publishing li
    PUTs the record (a digest of every parameter, this session's number) to the
    bootstrap server under the role ``p2pweights-digests``; writers compare it with
    what they staged (``SyncConfig.verify_writes``). Publications say
-   ``"write_digests": true``. A failure here is logged and recorded, never raised
-   into sglang: the writer then fails the update instead.
+   ``"write_digests": true``; ``P2PWEIGHTS_WRITE_DIGESTS=0`` in the engine's
+   environment opts out (no digests, the record carries none). A failure here is
+   logged and recorded, never raised into sglang: the writer then fails the update
+   instead.
 
 Importing this package imports neither sglang nor NIXL; ``register()`` imports
 sglang's hook registry, and the hooks import the rest when they run. Everything of
@@ -124,7 +126,7 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     published.publish(runner.model)
     _published[id(runner)] = published
     _sides[id(runner)] = RankSide(
-        published.engine_rank, write_digests=environment.write_digests(default=False)
+        published.engine_rank, write_digests=environment.write_digests(default=True)
     )
 
 

@@ -119,7 +119,7 @@ class LivePublication:
         info.update(
             live=True,
             epoch=self.epoch + 1,
-            write_digests=environment.write_digests(default=False),
+            write_digests=environment.write_digests(default=True),
             digest_scheme=SCHEME,
         )
         if moved is not None:
