@@ -19,10 +19,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DeltaReport", "EngineReport", "UpdateReport", "Verification"]
 
-Verification = Literal["write_digests", "weight_check"]
+Verification = Literal["write_digests", "weights_checker", "weight_check"]
 """How an engine's writes were checked: "write_digests" (each engine rank's digest of
 every parameter, taken right before its ``end_weight_update``, equal to the digest of
-the bytes staged for it; ``SyncConfig.verify_writes``), "weight_check" (the engine's
+the bytes staged for it; ``SyncConfig.verify_writes``), "weights_checker" (for engines
+that record no digests, released sglang: its ``/weights_checker`` ``checksum`` of every
+written parameter, asked after the writes and before ``end_weight_update``, equal to the
+same hash of the bytes staged for it; ``SyncConfig.verify_writes``), "weight_check" (the engine's
 own weight checker compared the update with the weights it started with;
 ``SyncConfig.verify_with_weight_checker``, first update only)."""
 
@@ -47,8 +50,9 @@ class EngineReport:
     verified_by: tuple[Verification, ...] = ()
     """How this update's writes into the engine were checked; empty: they were not."""
     unverified_reason: str | None = None
-    """Why this trainer rank's writes into the engine were not checked by write digests,
-    and the setting that has them checked; None where they were."""
+    """Why this trainer rank's writes into the engine were not checked (by write digests
+    or sglang's weight checker), and the settings that have them checked; None where
+    they were."""
     paused_s: float | None = None
     """Seconds the engine stood paused for this update: from the answer to the pause this
     update made (or, where it was paused already, from when this update began with it)
@@ -228,6 +232,7 @@ def _engine_lines(engines: Iterable[EngineReport]) -> list[str]:
 
 _VERIFIED_BY: Mapping[Verification, str] = {
     "write_digests": "write digests",
+    "weights_checker": "sglang's /weights_checker checksums",
     "weight_check": "the engine's weight check",
 }
 

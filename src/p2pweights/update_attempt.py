@@ -9,7 +9,9 @@ its writes. It runs, each step through ``Collective.step`` so all ranks agree on
              first staging buffer is loaded (or before it, where a stream may run
              collectives as it is read)
     write:   every engine rank's bytes (``transfer.executor``)
-    close, verify_writes, check (first update, when asked), finish
+    verify_checker (engines without write digests: sglang's ``/weights_checker``
+             checksums of what was written, before any end), close, verify_writes
+             (write digests), check (first update, when asked), finish
 
 and says, when bad input stops it, what that left the engines in. The connection
 (``connection.Connection``) it writes through outlives it.
@@ -34,6 +36,7 @@ from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.update_session import updating_version
 from p2pweights.errors import ConfigError, TransferError
 from p2pweights.integrity.check import Mismatch, WriteCheck
+from p2pweights.integrity.checksums import StagedChecksums
 from p2pweights.plan.byte_plan import BytePlan
 from p2pweights.plan.prepare import check_against_checkpoints, prepare
 from p2pweights.progress import progress
@@ -270,6 +273,7 @@ class UpdateAttempt:
                     before_writes=before_writes,
                     cancel=self.cancel,
                     digest_staged=bool(connection.write_check),
+                    checksums=StagedChecksums(connection.write_check.checker_devices),
                 ),
             )
         self.last_run = result
@@ -294,6 +298,10 @@ class UpdateAttempt:
         connection, stages = self.connection, self.stages
         # this rank hashes its digests while the engines end (and take theirs); a failure
         # there fails the verify step, which every rank takes
+        if connection.write_check.checker:  # before end: sglang re-lays the weights there
+            with self._timed("verify_checker"):
+                self._verify_before_end(result)
+            stages["checksum"] = result.checksum_s
         hashed = _in_background(lambda: result.digests) if connection.write_check else None
         try:
             with self._timed("control_plane"):
@@ -342,6 +350,28 @@ class UpdateAttempt:
                 self.connection.fleet.writes_wrong(wrong)
             raise
 
+    def _verify_before_end(self, result: RunResult) -> None:
+        """Every rank asks the engines checked through sglang's ``/weights_checker`` for
+        their checksums of what it wrote, after every rank's writes and before any end,
+        and compares them with its hashes of the staged bytes; all agree. An engine found
+        wrong stays open, paused and torn (``abort`` ends its session; the next update
+        rewrites it whole)."""
+        write_check = self.connection.write_check
+        found: list[Mismatch] = []
+
+        def check() -> None:
+            found.extend(write_check.check_before_end(result.checksums))
+            WriteCheck.raise_if_wrong(found, left=_LEFT_OPEN)
+
+        try:
+            self.collective.step("verify_checker", check)
+        except BaseException:
+            if self.leader:
+                alone = self.config.num_senders == 1 and bool(found)
+                wrong = {m.runner[0] for m in found} if alone else set(write_check.checker)
+                self.connection.fleet.writes_wrong(wrong)
+            raise
+
     def _check(self) -> None:
         if self.leader:
             self.connection.fleet.compare()
@@ -360,8 +390,9 @@ class UpdateAttempt:
         written = set(result.bytes_by_target)
 
         def verification(url: str) -> tuple[tuple[Verification, ...], str | None]:
-            why = connection.write_check.verification(url, written, result.digests)
-            by: tuple[Verification, ...] = () if why else ("write_digests",)
+            by, why = connection.write_check.verification(
+                url, written, result.digests, result.checksums
+            )
             return by + (("weight_check",) if weight_checked else ()), why
 
         executor, _ = connection.ready()
@@ -427,6 +458,9 @@ _LEFT_TORN = (
     "update() rewrites them whole (session.abort(resume_incomplete=True) resumes them "
     "torn)"
 )
+
+
+_LEFT_OPEN = ", their update session still open (abort() ends it)"
 
 
 def _raise(error: Exception) -> None:

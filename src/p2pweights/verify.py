@@ -9,13 +9,14 @@ persistent buffers are both compared, so buffers the engine derives count too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.errors import EngineError
+from p2pweights.integrity.checker import checksums_by_rank
 from p2pweights.replica.registry import config_path
 
 __all__ = [
@@ -71,39 +72,6 @@ def expected_checksums(
 def engine_checksums(client: EngineClient, role: str = "target") -> list[dict[str, str]]:
     """The engine's own per-tensor checksums of ``role``'s runner, one dict per rank."""
     return checksums_by_rank(client.url, client.weights_checker("checksum", selector=role))
-
-
-def checksums_by_rank(url: str, answer: Mapping[str, Any]) -> list[dict[str, str]]:
-    """Per-tensor checksums, one dict per TP rank in rank order, of a ``/weights_checker``
-    checksum answer.
-
-    Each rank's ``parallelism_info`` is one object in the local engine's answers and a
-    list (one per runner role, all of one TP rank) in sglang 0.5.23's.
-    """
-    try:
-        entries = [
-            (_tp_rank(entry["parallelism_info"]), dict(entry["checksums"]))
-            for entry in answer["ranks"]
-        ]
-        ranks = dict(entries)
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise EngineError(
-            f"engine {url}: /weights_checker answered checksums p2pweights cannot read "
-            f"({exc!r}): {str(dict(answer))[:300]}"
-        ) from exc
-    if sorted(ranks) != list(range(len(ranks))) or len(ranks) != len(entries):
-        raise EngineError(
-            f"engine {url}: /weights_checker answered TP ranks {[r for r, _ in entries]}"
-        )
-    return [ranks[rank] for rank in range(len(ranks))]
-
-
-def _tp_rank(info: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> int:
-    infos = [info] if isinstance(info, Mapping) else list(info)
-    tp_ranks = {int(i["tp_rank"]) for i in infos}
-    if len(tp_ranks) != 1:
-        raise ValueError(f"parallelism_info names TP ranks {sorted(tp_ranks)}, expected one")
-    return tp_ranks.pop()
 
 
 def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[str]:

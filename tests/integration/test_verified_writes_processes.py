@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 from _bit_exact import assert_bit_exact, seed_weights
 
 from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
@@ -60,3 +61,42 @@ def test_a_parameter_changed_after_the_writes_fails_the_update(kind, model_dir, 
         client.close()
         session.update(seed_weights(folder, 93))  # rewritten whole, verified, resumed
     assert_bit_exact([engine, other], folder, 93)
+
+
+def test_an_engine_without_digests_is_verified_by_its_weight_checker(
+    model_dir, shared_engines, monkeypatch
+):
+    """A local engine started with P2PWEIGHTS_WRITE_DIGESTS=0 records no digests: its
+    writes are checked by sglang's own ``/weights_checker`` before its end. One byte
+    written wrong through the transport after the writes fails the update, naming engine,
+    rank and parameter; the engine stays paused and torn; the next update converges."""
+    from _wrong_byte import wrong_byte_after_writes
+
+    folder = model_dir("qwen3-tiny")
+    (engine,) = shared_engines(folder, [1], seed=0, env={"P2PWEIGHTS_WRITE_DIGESTS": "0"})
+    config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        first = session.update(seed_weights(folder, 94))
+        seen = first.engines[engine.url]
+        assert seen.verified_by == ("weights_checker",) and seen.unverified_reason is None
+        assert "verify_checker" in first.stage_seconds
+        sent = dict(seed_weights(folder, 95))[PARAM]  # TP 1: the engine holds it as sent
+        wrong = int(sent.reshape(-1).view(torch.uint8)[0]) ^ 0x01
+        with (
+            wrong_byte_after_writes(monkeypatch, session, engine.url, 0, PARAM, wrong),
+            pytest.raises(TransferError) as failed,
+        ):
+            session.update(seed_weights(folder, 95))
+        assert f"engine {engine.url} rank 0" in str(failed.value) and PARAM in str(failed.value)
+        assert "/weights_checker" in str(failed.value)
+        client = EngineClient(engine.url)
+        assert client.weight_version() == f"{UPDATING_PREFIX}{int(first.version) + 1}"
+        assert client.engine_state() == {"paused": True, "update_open": True}
+        report = session.abort()
+        assert report.left_paused == [engine.url]
+        assert client.engine_state() == {"paused": True, "update_open": False}
+        client.close()
+        last = session.update(seed_weights(folder, 96))  # rewritten whole, verified, resumed
+        assert last.engines[engine.url].verified_by == ("weights_checker",)
+    assert_bit_exact([engine], folder, 96)

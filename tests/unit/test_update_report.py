@@ -286,11 +286,11 @@ def test_an_engine_rank_written_without_a_digest_is_not_counted_as_verified():
     check = WriteCheck(engines={"http://e0": object()})  # type: ignore[dict-item]
     written = {("http://e0", 0), ("http://e0", 1)}
     digests = {("http://e0", 0, "target"): {"w": "d0"}, ("http://e0", 1, "target"): {}}
-    why = check.verification("http://e0", written, digests)
-    assert why is not None and "engine rank(s) 1" in why
+    by, why = check.verification("http://e0", written, digests)
+    assert by == () and why is not None and "engine rank(s) 1" in why
     digests[("http://e0", 1, "target")] = {"w": "d1"}
-    assert check.verification("http://e0", written, digests) is None
-    assert check.verification("http://other", written, digests) is not None
+    assert check.verification("http://e0", written, digests) == (("write_digests",), None)
+    assert check.verification("http://other", written, digests)[1] is not None
 
 
 def test_a_fleet_summary_groups_engines_by_what_happened_to_them():

@@ -30,7 +30,9 @@ from typing import Any
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
-from p2pweights.report import EngineReport
+from p2pweights.integrity import checker as weights_checker
+from p2pweights.integrity.checker import CheckerTarget
+from p2pweights.report import EngineReport, Verification
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import Runner
 
@@ -115,9 +117,13 @@ class Mismatch:
 
 @dataclass
 class WriteCheck:
-    """The engines a session checks, and the last record number read per runner."""
+    """The engines a session checks, how, and the last record number read per runner."""
 
     engines: dict[str, ConnectedEngine] = field(default_factory=dict)
+    """Engine URL -> engine checked by write digests."""
+    checker: dict[str, CheckerTarget] = field(default_factory=dict)
+    """Engine URL -> engine that records no digests, checked through sglang's
+    ``/weights_checker`` before its end (``integrity.checker``)."""
     last_update: dict[Runner, int] = field(default_factory=dict)
     engine_digest_s: float = 0.0
     """The longest an engine rank took for its digests in the last check."""
@@ -132,20 +138,42 @@ class WriteCheck:
 
     @classmethod
     def connect(
-        cls, engines: Sequence[ConnectedEngine], mode: str, warned: set[str] | None = None
+        cls,
+        engines: Sequence[ConnectedEngine],
+        mode: str,
+        warned: set[str] | None = None,
+        *,
+        digests_only: bool = False,
     ) -> WriteCheck:
-        """The engines to check under ``SyncConfig.verify_writes`` ``mode``; "always"
-        refuses an engine that serves no digests (``EngineError``, before anything)."""
+        """The engines to check under ``SyncConfig.verify_writes`` ``mode``, each by write
+        digests where it records them, else through its ``/weights_checker`` (not with
+        ``digests_only``: a delta update, whose payload the engine applies at its end);
+        "always" refuses an engine neither can check (``EngineError``, before anything)."""
         check = cls(warned=set() if warned is None else warned, off=mode == "off")
         for engine in engines:
             why = why_unverified(engine, mode)
             if why is None:
                 check.engines[engine.url] = engine
                 continue
+            if mode != "off":
+                why_no_checker = (
+                    "delta updates are checked by write digests only (the engine applies "
+                    "the payload at its end, after its checker could look)"
+                    if digests_only
+                    else weights_checker.why_not(engine)
+                )
+                device = weights_checker.checker_device(engine)
+                if why_no_checker is None and device is not None:
+                    check.checker[engine.url] = CheckerTarget(engine, device)
+                    continue
+                why = f"{why}; nor by sglang's /weights_checker: {why_no_checker}"
             if mode == "always":
                 raise EngineError(
-                    f"engine {engine.url}: its writes cannot be verified: {why}; or use "
-                    f"SyncConfig(verify_writes='auto') to update it unverified"
+                    f"engine {engine.url}: its writes cannot be verified: {why}. Either way "
+                    f"verifies them: write digests (the p2pweights plugin or local engine, "
+                    f"not started with P2PWEIGHTS_WRITE_DIGESTS=0) or sglang's "
+                    f"/weights_checker (sglang >= 0.5.23, and CUDA on the trainer for a GPU "
+                    f"engine); or use SyncConfig(verify_writes='auto') to update it unverified"
                 )
             check.unverified[engine.url] = why
         return check
@@ -153,24 +181,46 @@ class WriteCheck:
     def __bool__(self) -> bool:
         return bool(self.engines)
 
+    @property
+    def checker_devices(self) -> dict[str, str]:
+        """Engine URL -> the kind of device its checker hashes on, for each engine checked
+        through its ``/weights_checker`` (what the sender hashes its slots for)."""
+        return {url: target.device for url, target in self.checker.items()}
+
     def verification(
         self,
         url: str,
         written: Collection[tuple[str, int]],
         digests: Mapping[Runner, Mapping[str, str]],
-    ) -> str | None:
-        """Why this trainer rank's writes into ``url`` (``written``: the (URL, rank) it
-        wrote) went unchecked by write digests in a passed update; None if they were checked.
+        checksums: Mapping[Runner, Mapping[str, str]] | None = None,
+    ) -> tuple[tuple[Verification, ...], str | None]:
+        """How this trainer rank's writes into ``url`` (``written``: the (URL, rank) it
+        wrote) were checked in a passed update, and why not where they were not.
 
-        An engine rank it wrote without a digest of what it wrote there was not checked."""
-        if url not in self.engines:
-            return self.unverified.get(url, "it was not connected for verification")
-        digested = {(u, rank) for (u, rank, _), staged in digests.items() if staged}
-        missed = sorted(rank for u, rank in written if u == url and (u, rank) not in digested)
+        An engine rank it wrote without a digest (or checksum) of what it wrote there was
+        not checked."""
+        if url in self.checker:
+            how: Verification = weights_checker.METHOD
+            hashed = checksums or {}
+        elif url in self.engines:
+            how, hashed = "write_digests", digests
+        else:
+            return (), self.unverified.get(url, "it was not connected for verification")
+        seen = {(u, rank) for (u, rank, _), staged in hashed.items() if staged}
+        missed = sorted(rank for u, rank in written if u == url and (u, rank) not in seen)
         if missed:
             ranks = ", ".join(str(rank) for rank in missed)
-            return f"this trainer rank digested nothing it wrote into engine rank(s) {ranks}"
-        return None
+            return (), f"this trainer rank hashed nothing it wrote into engine rank(s) {ranks}"
+        return (how,), None
+
+    def check_before_end(self, staged: Mapping[Runner, Mapping[str, str]]) -> list[Mismatch]:
+        """The checker engines' ``/weights_checker`` checksums of what this trainer rank
+        wrote, compared with ``staged`` (its hashes of the staged bytes): each runner that
+        disagreed or could not be checked (empty if all agreed)."""
+        return [
+            Mismatch(runner, problem)
+            for runner, problem in weights_checker.check(self.checker, staged)
+        ]
 
     def warn_unverified(self, engines: Iterable[EngineReport]) -> None:
         """Warn, once per session and engine, about each engine written without any check."""
@@ -201,13 +251,13 @@ class WriteCheck:
         return problems
 
     @staticmethod
-    def raise_if_wrong(problems: Sequence[Mismatch]) -> None:
+    def raise_if_wrong(problems: Sequence[Mismatch], left: str = "") -> None:
         if not problems:
             return
         raise TransferError(
             f"write verification failed on {len(problems)} engine rank(s): {some_of(problems)}. "
-            f"Those engines stay paused with torn weights (p2pweights-updating:); the next "
-            f"update rewrites them whole"
+            f"Those engines stay paused with torn weights (p2pweights-updating:){left}; the "
+            f"next update rewrites them whole"
         )
 
     def _read(self, runner: Runner) -> dict[str, Any]:

@@ -78,6 +78,9 @@ def serve(
             "port": port,
         }
     )
+    # not sglang's: the device its weights are on (sglang's resolved "device" says "cuda"
+    # on a host without one), which its weights checker hashes on (integrity.checker)
+    server_info["p2pweights_engine_device"] = engine_device.type
 
     def hf_weights() -> Iterator[tuple[str, torch.Tensor]]:
         if weights is not None:

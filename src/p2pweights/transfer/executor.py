@@ -43,6 +43,7 @@ import torch
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary, FullHeaders
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
+from p2pweights.integrity.checksums import StagedChecksums
 from p2pweights.integrity.staged import StagedDigests
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
@@ -88,6 +89,9 @@ class RunHooks:
     """Once set, the run raises ``TransferError`` at its next group or flush."""
     digest_staged: bool = False
     """Digest every staged slot (``RunResult.digests``) for the engines' write check."""
+    checksums: StagedChecksums | None = None
+    """Hash every staged slot going to an engine checked through sglang's
+    ``/weights_checker`` with sglang's own hash (``RunResult.checksums``)."""
 
 
 @dataclass
@@ -103,6 +107,10 @@ class RunResult:
     """With ``RunHooks.digest_staged``: the sums taken, not yet hashed (``digests``)."""
     _digests: dict[Runner, dict[str, str]] = field(default_factory=dict, repr=False)
     digest_s: float = 0.0
+    checksums: dict[Runner, dict[str, str]] = field(default_factory=dict, repr=False)
+    """With ``RunHooks.checksums``: runner -> parameter -> sglang's weight-checker hash of
+    the bytes staged for it (or a direct load left in its memory)."""
+    checksum_s: float = 0.0
     delta_s: float = 0.0
     """With ``SyncConfig.delta``: comparing staged slots with the previous update's."""
     delta: DeltaSummary | None = None
@@ -533,6 +541,15 @@ class _Run:
             self.result.bytes_by_target[batch.key] += batch.num_bytes
         if self._hooks.digest_staged and not digested:  # while the writers send the same bytes
             self._digest(buffer, placed)
+        if self._hooks.checksums:  # likewise; before the buffer is refilled
+            self._hooks.checksums.add_spans(
+                buffer.tensor,
+                (
+                    (slot.param, p.base + slot.offset, slot.num_bytes, p.targets)
+                    for p in placed
+                    for slot in p.group.slots
+                ),
+            )
         self._load_direct()  # while the writers send the staged bytes
         self.result.num_flushes += 1
         buffer = self._buffers.swap()
@@ -688,6 +705,10 @@ class _Run:
                     (param, view, (target,)) for param, view in direct.views.items()
                 )
                 self.result.digest_s += time.perf_counter() - digest_started
+            if self._hooks.checksums:  # the copies are done first (the GPU hash waits)
+                self._hooks.checksums.add(
+                    (param, view, (target,)) for param, view in direct.views.items()
+                )
         self._direct = {}
         self._direct_bytes.clear()
         self._sync_direct()
@@ -720,6 +741,9 @@ class _Run:
         self._staged_digests.settle()
         if self._hooks.digest_staged:  # hashed when asked for (``RunResult.digests``)
             self.result.staged_digests = self._staged_digests
+        if self._hooks.checksums:
+            self.result.checksums = self._hooks.checksums.found
+            self.result.checksum_s = self._hooks.checksums.seconds
         return self.result
 
     def abort(self) -> None:

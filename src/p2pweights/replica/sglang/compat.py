@@ -149,7 +149,9 @@ REQUIRED: tuple[Symbol, ...] = (
     *_symbols(
         "sglang.srt.layers.rotary_embedding.rope_variant", "replica.sglang.env", "get_device"
     ),
-    *_symbols("sglang.srt.utils.weight_checker", "replica.sglang.facade", "WeightChecker"),
+    *_symbols(
+        "sglang.srt.utils.weight_checker", "replica.sglang.facade", "WeightChecker", "_hash_tensor"
+    ),
     *_symbols("sglang.srt.utils.msgspec_utils", "replica.sglang.facade", "msgspec_to_builtins"),
     *_symbols("sglang.srt.server_args", "replica.sglang.facade", "ServerArgs.resolved_dict"),
 )

@@ -32,6 +32,7 @@ __all__ = [
     "version",
     "has_update_api",
     "weight_checker",
+    "weights_checker_hash",
     "rank_scope",
     "resolved_server_args",
     "load_real_rank_model",
@@ -85,6 +86,16 @@ def weight_checker(get_model: Callable[[], torch.nn.Module], spec: RankSpec) -> 
 
     with rank_scope(spec):
         return WeightChecker(get_model=get_model)
+
+
+def weights_checker_hash(tensor: torch.Tensor) -> str:
+    """The hash sglang's ``/weights_checker`` ``checksum`` answers for a parameter holding
+    ``tensor``'s bytes: its own ``_hash_tensor`` (``mm_utils.tensor_hash``: sha256 of the
+    bytes for a CPU tensor, its Triton kernel for a CUDA one, so the two differ: hash on
+    the kind of device the engine holds the parameter on)."""
+    from sglang.srt.utils.weight_checker import _hash_tensor
+
+    return str(_hash_tensor(tensor))
 
 
 def resolved_server_args(fields: Mapping[str, Any]) -> Any:

@@ -1,0 +1,179 @@
+"""Verified writes through sglang's own ``/weights_checker``, for engines without digests.
+
+sglang 0.5.23's ``/weights_checker`` answers ``{"action": "checksum"}`` with one hash per
+parameter (and persistent buffer) per TP rank, computed on the engine's own device
+(``facade.weights_checker_hash``). The scheduler runs it whether or not an update
+session is open (``WeightUpdater.check_weights`` is not gated on ``begin``), so it is
+asked after every trainer rank's writes landed and before ``end_weight_update``: the
+parameters then hold exactly the reload-layout bytes the writes put there, not yet
+re-laid by sglang's postprocess. Each trainer rank compares the hash of every parameter
+it wrote with the same hash of what it staged (``integrity.checksums``).
+
+What the check sees: every written parameter's bytes on every rank, as one hash of the
+whole parameter (sha256 on a CPU engine, sglang's 64-bit GPU hash on a GPU one): a
+missing, partial, misplaced or stale write, or any changed byte. What it cannot see:
+what ``end_weight_update`` does afterwards (it re-derives and may repack the weights;
+write digests are taken at the same point and see no more), parameters nobody wrote,
+and fp8 block-quantized weights, which sglang hashes dequantized with their scales
+(such a parameter's hash then differs from its raw bytes' and the check fails loudly
+rather than passing). It costs the engine one hash of all its weights inside the pause.
+
+An engine qualifies when it runs sglang 0.5.23 or later and says which device it holds
+its weights on (``device`` in its server info; the local engine adds
+``p2pweights_engine_device``), and, for a GPU engine, the trainer has CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from p2pweights.engines.concurrency import concurrently
+from p2pweights.engines.fleet import ConnectedEngine
+from p2pweights.errors import EngineError, some_of
+from p2pweights.wire.publication import Runner
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["METHOD", "CheckerTarget", "check", "checksums_by_rank", "checker_device", "why_not"]
+
+METHOD: Literal["weights_checker"] = "weights_checker"
+"""``EngineReport.verified_by``'s name for this check."""
+FIRST_RELEASE = (0, 5, 23)
+"""The first sglang release whose ``/weights_checker`` was read for this check."""
+
+
+@dataclass(frozen=True)
+class CheckerTarget:
+    """An engine checked through its weight checker, and the kind of device it hashes on."""
+
+    engine: ConnectedEngine
+    device: str
+
+
+def checker_device(engine: ConnectedEngine) -> str | None:
+    """The kind of device ("cpu" or "cuda") the engine's ranks hold their weights on, as
+    it reports it; None where it does not say."""
+    info = engine.server_info
+    device = info.get("p2pweights_engine_device") or info.get("device")
+    return device if device in ("cpu", "cuda") else None
+
+
+def why_not(engine: ConnectedEngine) -> str | None:
+    """Why the engine's writes cannot be checked through its ``/weights_checker``; None
+    where they can."""
+    version = str(engine.server_info.get("version") or "")
+    if _release(version) < FIRST_RELEASE:
+        return (
+            f"its sglang ({version or 'version not reported'}) is older than "
+            f"{'.'.join(map(str, FIRST_RELEASE))}, whose /weights_checker checksum this check reads"
+        )
+    device = checker_device(engine)
+    if device is None:
+        return "it does not report the device it holds its weights on (server info 'device')"
+    if device == "cuda" and not torch.cuda.is_available():
+        return (
+            "it holds its weights on a GPU, where sglang hashes them with its GPU kernel, and "
+            "this trainer has no CUDA to compute the same hash"
+        )
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    numbers = []
+    for part in version.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
+
+
+def checksums_by_rank(url: str, answer: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Per-tensor checksums, one dict per TP rank in rank order, of a ``/weights_checker``
+    checksum answer.
+
+    Each rank's ``parallelism_info`` is one object in the local engine's answers and a
+    list (one per runner role, all of one TP rank) in sglang 0.5.23's.
+    """
+    try:
+        entries = [
+            (_tp_rank(entry["parallelism_info"]), dict(entry["checksums"]))
+            for entry in answer["ranks"]
+        ]
+        ranks = dict(entries)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise EngineError(
+            f"engine {url}: /weights_checker answered checksums p2pweights cannot read "
+            f"({exc!r}): {str(dict(answer))[:300]}"
+        ) from exc
+    if sorted(ranks) != list(range(len(ranks))) or len(ranks) != len(entries):
+        raise EngineError(
+            f"engine {url}: /weights_checker answered TP ranks {[r for r, _ in entries]}"
+        )
+    return [ranks[rank] for rank in range(len(ranks))]
+
+
+def _tp_rank(info: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> int:
+    infos = [info] if isinstance(info, Mapping) else list(info)
+    tp_ranks = {int(i["tp_rank"]) for i in infos}
+    if len(tp_ranks) != 1:
+        raise ValueError(f"parallelism_info names TP ranks {sorted(tp_ranks)}, expected one")
+    return tp_ranks.pop()
+
+
+def check(
+    targets: Mapping[str, CheckerTarget], staged: Mapping[Runner, Mapping[str, str]]
+) -> list[tuple[Runner, str]]:
+    """Ask each engine's checker (one call per engine and runner role, all at once) and
+    compare every parameter in ``staged`` (runner -> parameter -> hash of what was staged);
+    (runner, problem) for each runner that disagreed or could not be checked."""
+    asks = sorted({(url, role) for url, _, role in staged if url in targets and staged})
+    answers = concurrently(lambda ask: _ask(targets[ask[0]].engine, ask[1]), asks)
+    by_ask = dict(zip(asks, answers, strict=True))
+    problems = []
+    for runner, hashes in staged.items():
+        url, rank, role = runner
+        if url not in targets or not hashes:
+            continue
+        answer = by_ask[(url, role)]
+        if isinstance(answer, str):
+            problems.append((runner, answer))
+            continue
+        if rank >= len(answer):
+            problems.append((runner, f"its /weights_checker answered {len(answer)} rank(s)"))
+            continue
+        held = answer[rank]
+        missing = sorted(name for name in hashes if name not in held)
+        wrong = sorted(name for name, value in hashes.items() if held.get(name, value) != value)
+        if wrong:
+            problems.append(
+                (
+                    runner,
+                    f"{len(wrong)} of {len(hashes)} written parameter(s) do not hold the bytes "
+                    f"staged for them (sglang's /weights_checker checksum, before "
+                    f"end_weight_update): {some_of([repr(n) for n in wrong], ', ')}",
+                )
+            )
+        if missing:
+            problems.append(
+                (
+                    runner,
+                    f"its /weights_checker answered no checksum for {len(missing)} written "
+                    f"parameter(s): {some_of([repr(n) for n in missing], ', ')}",
+                )
+            )
+    return problems
+
+
+def _ask(engine: ConnectedEngine, role: str) -> list[dict[str, str]] | str:
+    """The engine's checksums of ``role``'s runner per rank, or why there are none."""
+    try:
+        answer = engine.client.weights_checker("checksum", selector=role)
+        return checksums_by_rank(engine.url, answer)
+    except EngineError as exc:
+        return f"its /weights_checker checksum could not be read ({exc})"
