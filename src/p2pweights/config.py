@@ -274,14 +274,18 @@ class SyncConfig(_Config):
     update must then send the weights the engine started with. (Was
     ``check_weight_update_equal``.)"""
     verify_writes: Literal["auto", "always", "off"] = "auto"
-    """After ``end_weight_update``, compare each engine rank's digest of every parameter
-    this trainer rank wrote (taken by the rank right before its end re-processes the
-    weights) with the digest of the bytes staged for it; a mismatch fails the update and
-    leaves that engine paused, torn, until an update passes. "auto": every engine that
-    serves digests (the local engine, sglang with the p2pweights plugin); the others
-    (released sglang's own Mooncake publication) are skipped with one log line each.
-    "always": such an engine is refused at ``connect``. "off": no digests. See
-    docs/reliability.md ("Verified writes") for what it costs."""
+    """Check that every engine rank holds exactly the bytes staged for it: by write
+    digests where the engine records them (the local engine and sglang with the p2pweights
+    plugin, unless started with ``P2PWEIGHTS_WRITE_DIGESTS=0``: each rank's digest of
+    every parameter, taken right before ``end_weight_update``, compared after it), else
+    through sglang's own ``/weights_checker`` checksums (sglang 0.5.23 or later, asked
+    after the writes and before ``end_weight_update``; for a GPU engine the trainer needs
+    CUDA to compute the same hash). A mismatch fails the update and leaves that engine
+    paused, torn, until an update passes. "auto": every engine either way can check; the
+    others are skipped with one log line each. "always": such an engine is refused at
+    ``connect``, naming both settings. "off": nothing is checked (not with ``delta``).
+    ``UpdateReport.engines[url].verified_by`` says how each engine was checked; see
+    docs/reliability.md ("Verified writes") for what each sees and costs."""
     delta: DeltaConfig | None = None
     """Send only what changed since the previous update (``DeltaConfig(...)``); None
     (the default) writes every byte every update."""

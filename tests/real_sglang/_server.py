@@ -94,10 +94,13 @@ class RealServer:
         nixl: bool = True,
         mooncake: bool = False,
         moving_storage: bool = False,
+        digests: bool | None = None,
     ) -> None:
         """``nixl``: the p2pweights NIXL plugin publishes; ``mooncake``: sglang's own
         transfer-engine publication; ``moving_storage``: the test plugin in
-        ``plugin_site/`` gives every parameter new storage after each postprocess."""
+        ``plugin_site/`` gives every parameter new storage after each postprocess;
+        ``digests``: False starts it with ``P2PWEIGHTS_WRITE_DIGESTS=0`` (None: as this
+        process's environment says)."""
         self.model_dir = model_dir
         self.tp = tp
         self.port = free_port()
@@ -106,6 +109,7 @@ class RealServer:
         self.nixl = nixl
         self.mooncake = mooncake
         self.moving_storage = moving_storage
+        self.digests = digests
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -154,6 +158,8 @@ class RealServer:
     def start(self) -> None:
         env = kernel_env()
         env["MOONCAKE_PROTOCOL"] = "tcp"
+        if self.digests is not None:
+            env["P2PWEIGHTS_WRITE_DIGESTS"] = "1" if self.digests else "0"
         plugins = ["p2pweights_nixl"] if self.nixl else []
         if self.moving_storage:
             plugins.append("p2pweights_moving_storage")

@@ -33,8 +33,9 @@ import httpx
 import pytest
 import torch
 
-from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
+from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
 from p2pweights.engines.client import EngineClient
+from p2pweights.engines.update_session import UPDATING_PREFIX
 from p2pweights.errors import EngineError
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
 from p2pweights.verify import checksums_by_rank
@@ -74,6 +75,7 @@ SERVERS = {
     "tp2": {"tp": 2},
     "tp1-moving": {"tp": 1, "moving_storage": True},
     "tp1-mooncake": {"tp": 1, "nixl": False, "mooncake": True},
+    "tp1-no-digests": {"tp": 1, "digests": False},
 }
 NIXL_SERVERS = ("tp1", "tp2", "tp1-moving")
 NEAR_TIE_NATS = 0.05
@@ -196,11 +198,13 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
         for step, seed in enumerate(SEEDS, start=1):
             report = session.update(dict(synthetic_weights(CONFIG, seed)))
             assert report.version == str(step)
-            # P2PWEIGHTS_WRITE_DIGESTS=1 (the servers inherit it): every rank's digests of
-            # its written weights compared with what was staged, each update
-            verified = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS") == "1"
+            # the plugin digests by default: every rank's digests of its written weights
+            # compared with what was staged, each update; a run with
+            # P2PWEIGHTS_WRITE_DIGESTS=0 (the servers inherit it) is checked by sglang's
+            # own /weights_checker before each end instead
+            digests = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS") != "0"
             assert report.engines[server.url].verified_by == (
-                ("write_digests",) if verified else ()
+                ("write_digests",) if digests else ("weights_checker",)
             )
             assert client.weight_version() == str(step)
             actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
@@ -218,6 +222,47 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
             ] * server.tp
     assert server.alive
     record_answers(name, server)
+
+
+def test_a_wrong_byte_after_the_writes_fails_the_update_on_a_server_without_digests(
+    start_server: Callable[[str], RealServer],
+    model_folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plugin with its digests off stands in for released sglang's own publication:
+    sglang's /weights_checker checks every update before its end; one byte written wrong
+    through the transport after the writes fails the update, naming engine, rank and
+    parameter, and leaves the server paused and torn; the next update converges."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "integration"))
+    from _wrong_byte import wrong_byte_after_writes
+
+    server = start_server("tp1-no-digests")
+    client = EngineClient(server.url)
+    reference = reference_checksums(server.url, model_folder)
+    param = "model.layers.1.mlp.down_proj.weight"  # TP 1: held as sent, until end packs it
+    config = SyncConfig(transport=NixlConfig(backend="UCX"), transfer_timeout_s=60)
+    first, wrong_seed, last = SEEDS
+    with WeightSyncSession(config) as session:
+        session.connect([server.url])
+        report = session.update(dict(synthetic_weights(CONFIG, first)))
+        assert report.engines[server.url].verified_by == ("weights_checker",)
+        sent = dict(synthetic_weights(CONFIG, wrong_seed))
+        wrong = int(sent[param].reshape(-1).view(torch.uint8)[0]) ^ 0x01
+        with (
+            wrong_byte_after_writes(monkeypatch, session, server.url, 0, param, wrong),
+            pytest.raises(TransferError) as failed,
+        ):
+            session.update(sent)
+        message = str(failed.value)
+        assert f"engine {server.url} rank 0" in message and param in message
+        assert client.weight_version() == f"{UPDATING_PREFIX}2"
+        assert session.abort().left_paused == [server.url]
+        report = session.update(dict(synthetic_weights(CONFIG, last)))
+        assert report.engines[server.url].verified_by == ("weights_checker",)
+    actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
+    assert actual[0] == reference[last][0]
+    assert_generates_as_transformers(server, last)
+    assert server.alive
 
 
 def test_mooncake_into_a_cpu_server_is_refused_at_connect(
