@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Mapping
@@ -24,6 +25,8 @@ from pydantic import (
 
 from p2pweights import environment
 from p2pweights.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -288,7 +291,12 @@ class SyncConfig(_Config):
     docs/reliability.md ("Verified writes") for what each sees and costs."""
     delta: DeltaConfig | None = None
     """Send only what changed since the previous update (``DeltaConfig(...)``); None
-    (the default) writes every byte every update."""
+    (the default) writes every byte every update. Delta updates need verified engines:
+    an engine rank applies the payload itself before its end, and only its write digests
+    show what it applied, so ``connect`` refuses an engine that records none (released
+    sglang without the plugin, or one started with ``P2PWEIGHTS_WRITE_DIGESTS=0``;
+    sglang's ``/weights_checker`` looks before the payload is applied and cannot serve)
+    and ``verify_writes="off"`` is refused here (``SyncConfig.verification_policy``)."""
     verify_finite_inputs: bool = False
     """Refuse, before it is staged, any tensor holding NaN or Inf (reads every byte once
     more, on the tensor's own device; off by default). (Was ``check_finite``.)"""
@@ -367,15 +375,43 @@ class SyncConfig(_Config):
             )
         if self.delta is not None and self.verify_writes == "off":
             raise ConfigError(
-                "delta updates need verify_writes 'auto' or 'always': a payload an engine "
-                "rank refuses (an update it does not hold) is reported only through its "
-                "write digests"
+                "delta updates need verified engines (verify_writes 'auto' or 'always', "
+                "and engines that record write digests): a payload an engine rank refuses "
+                "(an update it does not hold) is reported only through its write digests"
             )
+        if self.delta is not None:  # a policy connect enforces: said here, where it is chosen
+            logger.info("p2pweights SyncConfig: %s", self.verification_policy)
         if self.delta is not None and self.num_pipeline_stages > 1:
             raise ConfigError(
                 "delta updates write one payload per engine rank, but pipeline stages each "
                 "write every engine rank; use delta=None with num_pipeline_stages > 1"
             )
+
+    @property
+    def verification_policy(self) -> str:
+        """What ``verify_writes`` (and ``delta``) mean for the engines ``connect`` takes, in
+        one sentence (logged when a config with ``delta`` is made)."""
+        if self.verify_writes == "off":
+            return "verify_writes='off': no engine's writes are checked"
+        if self.delta is not None:
+            return (
+                "delta updates need verified engines: every engine must record write "
+                "digests (the p2pweights sglang plugin or local engine, not started with "
+                "P2PWEIGHTS_WRITE_DIGESTS=0); connect refuses any other engine"
+            )
+        ways = (
+            "by write digests where the engine records them, else by sglang's own "
+            "/weights_checker (sglang >= 0.5.23; CUDA on the trainer for a GPU engine)"
+        )
+        if self.verify_writes == "always":
+            return (
+                f"every engine's writes are checked {ways}; connect refuses an engine "
+                f"neither can check"
+            )
+        return (
+            f"every engine's writes are checked {ways}; an engine neither can check is "
+            f"updated unverified, warned about once per session"
+        )
 
     @property
     def protocol(self) -> str:

@@ -257,3 +257,23 @@ def test_with_topology_keeps_the_fields_the_user_set(recwarn: pytest.WarningsRec
     session = WeightSyncSession(config, topology=topology, agree=lambda ok: ok)
     assert SyncConfig(**session.config.model_dump(exclude_unset=True)) == config
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_the_verification_policy_is_said_where_the_config_is_made(caplog):
+    import logging
+
+    from p2pweights.config import DeltaConfig
+
+    caplog.set_level(logging.INFO, logger="p2pweights.config")
+    assert "/weights_checker" in SyncConfig().verification_policy
+    assert "updated unverified" in SyncConfig().verification_policy
+    assert "connect refuses" in SyncConfig(verify_writes="always").verification_policy
+    assert caplog.records == []  # nothing to say: the default verifies where it can
+    delta = SyncConfig(delta=DeltaConfig())
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "delta updates need verified engines" in said and said.endswith(
+        delta.verification_policy
+    )
+    assert "P2PWEIGHTS_WRITE_DIGESTS=0" in said and "connect refuses" in said
+    with pytest.raises(ConfigError, match="delta updates need verified engines"):
+        SyncConfig(delta=DeltaConfig(), verify_writes="off")
