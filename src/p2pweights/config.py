@@ -289,6 +289,14 @@ class SyncConfig(_Config):
     ``connect``, naming both settings. "off": nothing is checked (not with ``delta``).
     ``UpdateReport.engines[url].verified_by`` says how each engine was checked; see
     docs/reliability.md ("Verified writes") for what each sees and costs."""
+    digest_as_written: bool = False
+    """With write digests: after each flush's writes into an engine rank landed, tell the
+    rank which parameters did (a one-byte flag each, written into a region the rank
+    publishes), so it digests them while the rest is still written and only the last
+    flush's parameters are read inside ``end_weight_update``. What it gives up: a byte a
+    parameter gets after its flag and before the end (a write landing late, memory
+    changed behind the writes) is not seen. Not for delta updates (the engine changes
+    parameters at the end). Off: every parameter is digested at the end."""
     delta: DeltaConfig | None = None
     """Send only what changed since the previous update (``DeltaConfig(...)``); None
     (the default) writes every byte every update. Delta updates need verified engines:

@@ -415,10 +415,10 @@ def _publication(check: str, client: EngineClient, rank: int) -> Finding:
         publication = client.publication(rank)
     except P2PWeightsError as exc:
         return Finding(name, FAIL, str(exc))
-    from p2pweights.wire.delta import SCRATCH_NAME
+    from p2pweights.wire.landed import flag_names
 
-    # the parameters, as inspect counts them: a delta scratch region is no weight
-    num_params = sum(1 for name in publication.regions if name != SCRATCH_NAME)
+    # the parameters, as inspect counts them: a delta scratch region or flags are no weight
+    num_params = len(flag_names(publication.regions))
     detail = f"publishes {num_params} parameters for {publication.backend} ({publication.peer})"
     if publication.backend == "cuda_ipc":
         return _cuda_ipc_reach(name, detail, publication.host_id)

@@ -274,6 +274,11 @@ class UpdateAttempt:
                     cancel=self.cancel,
                     digest_staged=bool(connection.write_check),
                     checksums=StagedChecksums(connection.write_check.checker_devices),
+                    flag_landed=(
+                        frozenset(connection.write_check.engines)
+                        if self.config.digest_as_written
+                        else frozenset()
+                    ),
                 ),
             )
         self.last_run = result

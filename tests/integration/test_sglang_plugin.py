@@ -35,6 +35,7 @@ from p2pweights.testing import write_model_dir
 from p2pweights.transports import Write, create_transport
 from p2pweights.wire.delta import SCRATCH_NAME
 from p2pweights.wire.digest import digest
+from p2pweights.wire.landed import LANDED_NAME, flag_names
 from p2pweights.wire.publication import DIGESTS_ROLE, parse_publication
 
 pytestmark = pytest.mark.integration
@@ -148,6 +149,10 @@ def test_published_weights_are_written_bit_exact(
     scratch = info["weights_info_dict"].pop(SCRATCH_NAME)  # delta updates' scratch region
     weight_bytes = sum(numel * size for _, numel, size, _ in seen["params"].values())
     assert scratch[1] * scratch[2] == 2**20 < weight_bytes
+    flags = info["weights_info_dict"][LANDED_NAME]  # a flag per parameter (wire.landed)
+    assert flags[1] * flags[2] >= len(seen["params"])
+    info = {**info, "weights_info_dict": dict(info["weights_info_dict"])}
+    del info["weights_info_dict"][LANDED_NAME]
     assert info["weights_info_dict"] == {
         name: [ptr, numel, element_size, 0]
         for name, (ptr, numel, element_size, _) in seen["params"].items()
@@ -155,7 +160,7 @@ def test_published_weights_are_written_bit_exact(
     target = parse_publication("http://engine-under-test", 0, body)
     assert target.backend == "nixl" and target.mem_type == "DRAM" and target.write_digests
 
-    regions = sorted((n, r) for n, r in target.regions.items() if n != SCRATCH_NAME)
+    regions = sorted((n, target.regions[n]) for n in flag_names(target.regions))
     staging = torch.empty(
         sum(r.num_bytes for _, r in regions) + 8 * len(regions), dtype=torch.uint8
     )
@@ -167,10 +172,15 @@ def test_published_weights_are_written_bit_exact(
         expected[name] = hashlib.sha256(new.numpy().tobytes()).hexdigest()
         assert expected[name] != seen["params"][name][3], f"{name}: the new bytes are the old"
         cursor += region.num_bytes + 7  # unaligned sources
+    staging[-1] = 1  # the landed flag's byte (wire.landed)
+    last = len(regions) - 1  # flag the last parameter as landed (the first is flipped below)
+    landed = target.regions[LANDED_NAME]
+    flag = Write(staging.data_ptr() + staging.numel() - 1, landed.address + last, 1)
     transport = create_transport(NixlConfig(backend="UCX"))
     try:
         transport.register(staging)
         transport.write(target, writes, timeout_s=30.0)
+        transport.write(target, [flag], timeout_s=30.0)  # once its writes completed
     finally:
         transport.close()
 
@@ -192,6 +202,7 @@ def test_published_weights_are_written_bit_exact(
         staged[name] = digest(staging[cursor : cursor + region.num_bytes])
         cursor += region.num_bytes + 7
     assert sorted(n for n in staged if record["digests"][n] != staged[n]) == [flipped]
+    assert record["digested_early"] == 1  # the flagged one, while the session was open
     process.stdin.write("done\n")
     process.stdin.flush()
 

@@ -100,3 +100,23 @@ def test_an_engine_without_digests_is_verified_by_its_weight_checker(
         last = session.update(seed_weights(folder, 96))  # rewritten whole, verified, resumed
         assert last.engines[engine.url].verified_by == ("weights_checker",)
     assert_bit_exact([engine], folder, 96)
+
+
+@pytest.mark.parametrize("kind", list(TRANSPORTS))
+def test_engine_ranks_digest_parameters_as_their_writes_land(kind, model_dir, shared_engines):
+    """``digest_as_written``: the local engine's ranks digest each parameter once the sender
+    flagged its writes as landed; only the last flush's are digested at the end. The
+    update is verified and bit-exact."""
+    folder = model_dir("qwen3-tiny")
+    (engine,) = shared_engines(folder, [2], transport=kind, seed=0)
+    config = SyncConfig(transport=TRANSPORTS[kind], buffer_bytes="1MiB", digest_as_written=True)
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        report = session.update(seed_weights(folder, 97))
+        assert report.engines[engine.url].verified_by == ("write_digests",)
+        (connected,) = session._connection.fleet.engines
+        records = connected.update.end_records
+        assert set(records) == {(0, "target"), (1, "target")}
+        for record in records.values():  # several 1 MiB flushes: all but the last early
+            assert 0 < record["digested_early"] < len(record["digests"])
+    assert_bit_exact([engine], folder, 97)

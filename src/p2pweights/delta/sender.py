@@ -34,6 +34,7 @@ from p2pweights.delta.flush_compare import FlushSlot
 from p2pweights.delta.policy import Decision, DeltaPolicy, Measured
 from p2pweights.delta.store import FlushLayout, PreviousBytes
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, DeltaEntry, PayloadHeader
+from p2pweights.wire.landed import flag_names
 from p2pweights.wire.publication import RankPublication, Runner
 
 logger = logging.getLogger(__name__)
@@ -304,7 +305,8 @@ class DeltaRun:
         for runner in runners:
             names = self._names.get(runner)
             if names is None:
-                published = sorted(n for n in self.scratch[runner].regions if n != SCRATCH_NAME)
+                # the parameters only: not the scratch region, not the landed flags
+                published = flag_names(self.scratch[runner].regions)
                 names = self._names[runner] = {n: i for i, n in enumerate(published)}
             indices.add(names.get(param))
         (index,) = indices if len(indices) == 1 else (None,)

@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 
+from p2pweights.engine_rank.landed import EarlyDigests
+from p2pweights.wire.landed import LANDED_NAME
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BEFORE_END_STEPS", "BeforeEnd", "RankSide", "record_digests"]
@@ -47,6 +50,9 @@ class BeforeEnd:
     """This runner's update-session number (1 for the first ``begin``)."""
     write_digests: bool = True
     """The engine digests its weights for the trainers (``P2PWEIGHTS_WRITE_DIGESTS``)."""
+    early: dict[str, str] = field(default_factory=dict)
+    """Digests taken while the session was open, of parameters whose writes the sender
+    said had landed (``engine_rank.landed``)."""
     record: dict[str, Any] = field(default_factory=dict)
     """What the rank publishes once the steps ran (JSON-serializable)."""
 
@@ -59,10 +65,19 @@ def record_digests(context: BeforeEnd) -> None:
     if not context.write_digests:
         return
     started = time.perf_counter()
+    # a delta applied at this end changed parameters after they were digested early (a
+    # full update's header, which carries no entries, changes none)
+    applied = context.record.get("delta")
+    early = {} if applied and applied.get("entries") else context.early
+    rest = {name: t for name, t in context.params.items() if name not in early}
     with torch.no_grad():
-        context.record["digests"] = digests(context.params)
+        found = digests(rest)
+    context.record["digests"] = {
+        name: early[name] if name in early else found[name] for name in context.params
+    }
     context.record["digest_scheme"] = SCHEME
     context.record["digest_s"] = time.perf_counter() - started
+    context.record["digested_early"] = len(context.params) - len(rest)
 
 
 def apply_delta(context: BeforeEnd) -> None:
@@ -85,8 +100,13 @@ class RankSide:
         self.role = role
         self.write_digests = write_digests
         self.update = 0
+        self._early: EarlyDigests | None = None
 
-    def after_begin(self, scratch: torch.Tensor | None = None) -> dict[str, Any]:
+    def after_begin(
+        self,
+        scratch: torch.Tensor | None = None,
+        landed: tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None = None,
+    ) -> dict[str, Any]:
         """A new update session opened: the record that replaces the last one's. A delta
         payload still in the rank's ``scratch`` region belongs to no session of this one's
         (an end that failed before clearing it, a header write that landed late): it is
@@ -94,6 +114,11 @@ class RankSide:
         after the engine's begin). A sender that died leaving the session open is another
         case: the trainer taking over writes its own header (``delta.sender.FullHeaders``)."""
         self.update += 1
+        self._stop_early()  # an earlier session's, if its end never came
+        if landed is not None and self.write_digests:
+            flags, params = landed
+            flags.zero_()  # before any write of this session: no earlier flag counts
+            self._early = EarlyDigests(params, flags)
         if scratch is not None:
             from p2pweights.engine_rank.delta_scratch import clear_payload
 
@@ -104,8 +129,16 @@ class RankSide:
         """Run every before-end step; the record to publish. A step that raises is
         recorded (``error``; no digests) and not raised: the caller is an engine whose
         end must still run, and a writer that reads the record fails the update."""
+        early = self._stop_early()
+        params = {name: t for name, t in params.items() if name != LANDED_NAME}
         context = BeforeEnd(
-            self.engine_rank, self.role, params, self.update, self.write_digests, self._record()
+            self.engine_rank,
+            self.role,
+            params,
+            self.update,
+            self.write_digests,
+            early,
+            self._record(),
         )
         try:
             for step in BEFORE_END_STEPS:
@@ -118,6 +151,11 @@ class RankSide:
             )
             context.record.update(digests=None, error=f"{type(exc).__name__}: {exc}")
         return context.record
+
+    def _stop_early(self) -> dict[str, str]:
+        """Stop the session's early digests; those taken (none if there were none)."""
+        early, self._early = self._early, None
+        return {} if early is None else early.finish()
 
     def _record(self, **fields: Any) -> dict[str, Any]:
         return {"update": self.update, "role": self.role, "digests": None, "error": None, **fields}

@@ -90,8 +90,9 @@ def _rank(client: EngineClient, rank: int, role: str) -> dict[str, Any]:
         entry["error"] = str(exc)
         return entry
     from p2pweights.wire.delta import SCRATCH_NAME
+    from p2pweights.wire.landed import flag_names
 
-    weights = {name: r for name, r in pub.regions.items() if name != SCRATCH_NAME}
+    weights = {name: pub.regions[name] for name in flag_names(pub.regions)}  # no scratch, flags
     entry.update(
         backend=pub.backend,
         peer=pub.session_id if pub.backend == "mooncake" else pub.agent_name,

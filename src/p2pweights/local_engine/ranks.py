@@ -32,6 +32,7 @@ from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import facade
 from p2pweights.thread_patch import patched_call
 from p2pweights.transports import Publisher, create_publisher
+from p2pweights.wire.landed import LANDED_NAME, flag_bytes, flag_names
 
 BROADCAST_AREA = "__p2pweights_broadcast_area__"
 """The name the broadcast area is published under (never a parameter name)."""
@@ -181,6 +182,9 @@ class _Runner:
         scratch = new_scratch(self.params, device)  # published beside the weights
         if scratch is not None:
             self.params[SCRATCH_NAME] = scratch
+        # the flags a sender sets as each parameter's writes land (wire.landed)
+        num_flags = flag_bytes(len(flag_names(self.params)))
+        self.params[LANDED_NAME] = torch.zeros(num_flags, dtype=torch.uint8, device=device)
         self.publisher: Publisher = create_publisher(transport, engine_rank=spec.tp_rank)
         self.publisher.register(self.params)
         self.side = RankSide(
@@ -198,7 +202,9 @@ class _Runner:
     @torch.no_grad()
     def begin_update(self) -> None:
         facade.begin_update(self.model, self.spec, self.device)
-        self.digest_record = self.side.after_begin(self.params.get(SCRATCH_NAME))
+        self.digest_record = self.side.after_begin(
+            self.params.get(SCRATCH_NAME), (self.params[LANDED_NAME], self.params)
+        )
 
     @torch.no_grad()
     def end_update(self, run_post_load: bool) -> None:

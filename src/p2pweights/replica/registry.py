@@ -27,7 +27,7 @@ from p2pweights.source.checkpoint_format import CheckpointFormat
 from p2pweights.source.fp8_block import SCALE_SUFFIX
 from p2pweights.source.fp8_regions import Read
 from p2pweights.source.inputs import InputSpec, ParamGroup
-from p2pweights.wire.delta import SCRATCH_NAME
+from p2pweights.wire.landed import flag_names
 from p2pweights.wire.publication import RankPublication
 
 __all__ = ["ReplicaHandle", "config_path", "replica_for"]
@@ -147,7 +147,7 @@ class ReplicaHandle:
                     f"the trainer's sglang build, model config or server args differ from the "
                     f"engine's"
                 )
-        extra = sorted(set(pub.regions) - set(layouts) - {SCRATCH_NAME})
+        extra = sorted(set(flag_names(pub.regions)) - set(layouts))  # no scratch, no flags
         if extra:
             raise LayoutMismatchError(
                 f"{where} published parameters the replica does not have: {', '.join(extra[:8])}"

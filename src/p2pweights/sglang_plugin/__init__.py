@@ -151,7 +151,11 @@ def republish_after_begin(_result: Any, updater: Any, *_args: Any, **_kwargs: An
     runner = updater.get_model_runner()
     side, published = _sides.get(id(runner)), _published.get(id(runner))
     if side is not None and published is not None:
-        published.put_record(side.after_begin(published.scratch))
+        landed = None
+        if published.landed is not None:  # senders flag each parameter as its writes land
+            params = {name: p.data for name, p in runner.model.named_parameters()}
+            landed = (published.landed, params)
+        published.put_record(side.after_begin(published.scratch, landed))
 
 
 def republish_after_end(_result: Any, updater: Any, *_args: Any, **_kwargs: Any) -> None:

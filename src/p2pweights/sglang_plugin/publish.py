@@ -94,11 +94,15 @@ class LivePublication:
         self.scratch: torch.Tensor | None = None
         """The delta scratch region (``p2pweights.engine_rank.delta_scratch``), published with the
         weights under its reserved name; allocated once, kept across publications."""
+        self.landed: torch.Tensor | None = None
+        """The flags senders set as each parameter's writes land (``wire.landed``),
+        published under ``LANDED_NAME``; allocated once, kept across publications."""
 
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
         import torch
 
         from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME, new_scratch
+        from p2pweights.wire.landed import LANDED_NAME, flag_bytes, flag_names
 
         if self.scratch is None and self.epoch < 0:  # once, at the first publication
             params = {name: p.data for name, p in model.named_parameters()}
@@ -114,7 +118,13 @@ class LivePublication:
                     "P2PWEIGHTS_DELTA_SCRATCH smaller, or 0)",
                     self.engine_rank,
                 )
-        extra = {} if self.scratch is None else {SCRATCH_NAME: self.scratch}
+        if self.landed is None:
+            names = flag_names(name for name, _ in model.named_parameters())
+            device = next(iter(model.parameters())).device
+            self.landed = torch.zeros(flag_bytes(len(names)), dtype=torch.uint8, device=device)
+        extra = {LANDED_NAME: self.landed}
+        if self.scratch is not None:
+            extra[SCRATCH_NAME] = self.scratch
         publisher, info = publish_model(model, self.engine_rank, self.backend, extra)
         info.update(
             live=True,

@@ -58,6 +58,7 @@ from p2pweights.transfer.writers import (
 )
 from p2pweights.transports.base import Transport, Write, quarantine
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, pack_header
+from p2pweights.wire.landed import LANDED_NAME, flag_names
 from p2pweights.wire.publication import RankPublication, Runner
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class RunHooks:
     """Once set, the run raises ``TransferError`` at its next group or flush."""
     digest_staged: bool = False
     """Digest every staged slot (``RunResult.digests``) for the engines' write check."""
+    flag_landed: frozenset[str] = frozenset()
+    """Engine URLs whose ranks are told, after each flush's writes into them landed,
+    which parameters did (``wire.landed``; ``SyncConfig.digest_as_written``)."""
     checksums: StagedChecksums | None = None
     """Hash every staged slot going to an engine checked through sglang's
     ``/weights_checker`` with sglang's own hash (``RunResult.checksums``)."""
@@ -171,6 +175,8 @@ class TransferExecutor:
         """Writes of failed updates not seen settled: their buffers are not handed out again."""
         self._delta = DeltaSender(delta) if delta is not None else None
         """Delta updates: the previous update's bytes and the engine ranks holding them."""
+        self._flag_source: torch.Tensor | None = None
+        """Bytes of 1, registered: what landed flags are written from (``wire.landed``)."""
 
     @property
     def transport(self) -> Transport:
@@ -295,6 +301,10 @@ class TransferExecutor:
                 f"group ({plan.buffer_bytes} bytes); reserve() them first"
             )
         delta = self._delta.begin(self._connected) if self._delta is not None else None
+        hooks = hooks or RunHooks()
+        flags = None
+        if hooks.flag_landed and delta is None:  # a delta changes parameters at the end
+            flags = _LandedFlags(self._flag_bytes(), hooks.flag_landed)
         update = _Run(
             plan,
             self._buffers,
@@ -302,9 +312,10 @@ class TransferExecutor:
             self._timeout_s,
             loaders,
             self._transport,
-            hooks or RunHooks(),
+            hooks,
             delta,
             FullHeaders(self._connected),
+            flags,
         )
         try:
             for group, inputs in ready:
@@ -356,12 +367,22 @@ class TransferExecutor:
         if unsettled:
             raise still_in_flight(unsettled, self._timeout_s, refused)
 
+    def _flag_bytes(self) -> torch.Tensor:
+        if self._flag_source is None:
+            source = torch.ones(64, dtype=torch.uint8, device=self._device)
+            self._transport.register(source)
+            self._flag_source = source
+        return self._flag_source
+
     def close(self) -> None:
         """Stop the writers (a running write returns within its timeout) and drop the
         buffers, except those a write given up on may still read (never freed)."""
         self.disconnect()
         self._late.settle(0.0)
         self._release_buffers()
+        if self._flag_source is not None and not self._late.targets:
+            self._transport.unregister(self._flag_source)  # else kept: a flag may still read it
+            self._flag_source = None
 
 
 @dataclass
@@ -372,6 +393,35 @@ class _DirectLoad:
     groups: list[GroupPlan] = field(default_factory=list)
     inputs: list[HfInput] = field(default_factory=list)
     views: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _LandedFlags:
+    """The flag writes that tell engine ranks which parameters' writes landed."""
+
+    def __init__(self, source: torch.Tensor, urls: frozenset[str]) -> None:
+        self._source = source.data_ptr()
+        self._urls = urls
+        self._offsets: dict[int, dict[str, int]] = {}
+
+    def batch(self, landed: WriteBatch) -> WriteBatch | None:
+        """The flags of the parameters ``landed`` wrote, to its target; None where the
+        target publishes no flags or is not flagged."""
+        target = landed.target
+        flags = target.regions.get(LANDED_NAME)
+        if flags is None or target.engine_url not in self._urls:
+            return None
+        offsets = self._offsets.get(id(target))
+        if offsets is None:
+            names = flag_names(target.regions)
+            if len(names) > flags.num_bytes:  # too few flags published: flag nothing
+                return None
+            offsets = self._offsets[id(target)] = {name: i for i, name in enumerate(names)}
+        out = WriteBatch(target)
+        for param in dict.fromkeys(landed.params):
+            at = offsets.get(param)
+            if at is not None:
+                out.add(Write(self._source, flags.address + at, 1, flags.gpu_id), f"{param} (flag)")
+        return out if out.writes else None
 
 
 @dataclass(frozen=True)
@@ -397,8 +447,10 @@ class _Run:
         hooks: RunHooks,
         delta: DeltaRun | None = None,
         full_headers: FullHeaders | None = None,
+        flags: _LandedFlags | None = None,
     ):
         self._plan = plan
+        self._flags = flags
         self._buffers = buffers
         self._writers = writers
         self._timeout_s = timeout_s
@@ -553,7 +605,9 @@ class _Run:
         self._load_direct()  # while the writers send the staged bytes
         self.result.num_flushes += 1
         buffer = self._buffers.swap()
-        self._wait(1 - index)
+        landed = self._wait(1 - index)
+        if self._flags is not None:  # queued behind this flush's writes to each rank
+            self._flag(landed, index)
         if refill:
             self._settle(buffer)  # never refilled while a write given up on may still read it
         buffer.used_bytes = 0
@@ -761,12 +815,24 @@ class _Run:
                     self.late.add(future, batch, self._buffers.buffers[index])
             pending.clear()
 
-    def _wait(self, index: int) -> None:
+    def _flag(self, landed: Sequence[WriteBatch], index: int) -> None:
+        """Write the landed flags of ``landed``'s parameters to their engine ranks; waited
+        for with the writes of buffer ``index``."""
+        assert self._flags is not None
+        for batch in landed:
+            flags = self._flags.batch(batch)
+            if flags is not None and self._failed.get(batch.key) is None:
+                future = self._writers[batch.key].submit(flags, self._failed)
+                self._pending[index].append((future, flags))
+
+    def _wait(self, index: int) -> list[WriteBatch]:
         """Wait for the writes reading buffer ``index``; failures are recorded per engine
-        rank, not raised, and writes given up on are kept in ``late`` with the buffer."""
+        rank, not raised, and writes given up on are kept in ``late`` with the buffer.
+        Returns the batches that landed."""
         pending = self._pending[index]
         if not pending:
-            return
+            return []
+        landed = []
         buffer = self._buffers.buffers[index]
         started = time.perf_counter()
         _, not_done = wait([future for future, _ in pending], timeout=self._timeout_s)
@@ -787,4 +853,7 @@ class _Run:
                 if isinstance(future.exception(), UnsettledWrite):
                     self.late.add(future, batch, buffer)  # it may still read the buffer
                 self._failed.record(batch.key, future.exception())  # type: ignore[arg-type]
+            else:
+                landed.append(batch)
         pending.clear()
+        return landed
