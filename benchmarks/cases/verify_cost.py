@@ -1,18 +1,20 @@
 """What verified writes cost: the same updates with ``SyncConfig.verify_writes`` on and off.
 
-Two local engines of one model (TP 1 by default), each with its own session: the
-verifying session ("always") writes an engine that digests its weights before every
-``end_weight_update`` (``P2PWEIGHTS_WRITE_DIGESTS=1``), the other ("off") an engine that
-does not, so each side pays exactly what it would alone. After warm-up updates (the
-first probes; with loader replay the second confirms the recording) the two sessions
-alternate update by update, and the order flips every repeat (on-off, off-on, ...):
-whichever runs second in a pair no longer gains from the first's warm caches, and a
-slower minute of a shared machine hits both alike. Reported per mode: the median
-update and pause, and for the verifying session its three parts: ``digest`` (this
-process digesting each staged slot, or each direct load's target, while the writes
-run), ``engine_digest`` (the engine rank digesting its published weights inside its
-pause) and ``verify_writes`` (reading every rank's record and comparing). The cost is
-the difference of the medians, as a fraction of the unverified update.
+Local engines of one model (TP 1 by default), each with its own session. Each verifying
+session ("always") writes an engine that digests its weights
+(``P2PWEIGHTS_WRITE_DIGESTS=1``): "on" every parameter right before each
+``end_weight_update``, "as-written" each parameter once its writes landed
+(``SyncConfig.digest_as_written``: only the last flush's are left for the end); the
+"off" session writes an engine that does not digest, so each side pays exactly what it
+would alone. After warm-up updates (the first probes; with loader replay the second
+confirms the recording) the sessions take turns update by update, and the order
+rotates every repeat (on, off, as-written; off, as-written, on; ...): none always runs
+after another's warm caches, and a slower minute of a shared machine hits all alike.
+Reported per mode: the median update and pause, and for each verifying session its
+three parts: ``digest`` (this process digesting each staged slot, or each direct
+load's target, while the writes run), ``engine_digest`` (the engine rank's digesting
+inside its end) and ``verify_writes`` (reading every rank's record and comparing). The
+cost is the difference of the medians, as a fraction of the unverified update.
 
 On the CPU the engines take Mooncake (TCP loopback) writes from pinned host memory;
 with ``--device cuda`` the trainer's tensors sit on ``cuda:0`` and both engines run on
@@ -22,7 +24,7 @@ staged on the GPU and written)::
 
     .venv/bin/python benchmarks/verify.py cost                       # qwen3-1g, CPU
     python3 benchmarks/verify.py cost --device cuda \
-        --models qwen3-1g:staged:1GiB qwen3-4b-shape:direct:2GiB
+        --models qwen3-1g:staged:1GiB qwen3-4b-shape:direct:2GiB     # all three modes
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ from p2pweights.testing import save_safetensors
 
 NAME = "verify_cost"
 PARTS = ("digest", "engine_digest", "verify_writes")
-MODES = {"on": "always", "off": "off"}
+MODES = {"on": ("always", False), "off": ("off", False), "as-written": ("always", True)}
+"""Mode -> (``verify_writes``, ``digest_as_written``): "on" digests every parameter at the
+engine's end, "as-written" each one as its writes land (only the last flush's at the end)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-direct", action="store_true", help="GPU: stage, then write")
     parser.add_argument("--quick", action="store_true", help="qwen3-demo, 2 repeats")
     parser.add_argument("--no-doc", action="store_true")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="on: digests at the end; as-written: as each parameter's writes land; off: none",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,6 +128,7 @@ def _spec(spec: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]
 
 def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     gpu = args.device == "cuda"
+    modes = list(dict.fromkeys(["off", *args.modes]))  # the baseline, always
     config = named_config(model)
     folder = Path(tempfile.mkdtemp(prefix="p2pweights-verify-"))
     (folder / "config.json").write_text(__import__("json").dumps(config))
@@ -140,19 +152,25 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
             device=device,
             weights=None if gpu else folder,
             startup_timeout_s=900,
-            env={"P2PWEIGHTS_WRITE_DIGESTS": "1" if mode == "on" else "0"},
+            env={"P2PWEIGHTS_WRITE_DIGESTS": "0" if mode == "off" else "1"},
         )
-        for mode in MODES
+        for mode in modes
     }
-    reports: dict[str, list[Any]] = {mode: [] for mode in MODES}
+    reports: dict[str, list[Any]] = {mode: [] for mode in modes}
     sessions: dict[str, WeightSyncSession] = {}
     try:
         for engine in engines.values():
             engine.start()  # both start at once
         for engine in engines.values():
             engine.wait_ready()
-        for mode, verify in MODES.items():
-            sync = SyncConfig(transport=transport, buffer_bytes=args.buffer, verify_writes=verify)
+        for mode in modes:
+            verify, as_written = MODES[mode]
+            sync = SyncConfig(
+                transport=transport,
+                buffer_bytes=args.buffer,
+                verify_writes=verify,
+                digest_as_written=as_written,
+            )
             session = WeightSyncSession(sync, staging_device="cuda:0" if gpu else None)
             sessions[mode] = session
             session.connect([engines[mode].url])
@@ -160,7 +178,8 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
             for session in sessions.values():
                 session.update(tensors, version=f"warm-{warm}")
         for repeat in range(args.repeats):
-            order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
+            # each mode in each place of the order in turn (two modes: on-off, off-on)
+            order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
             for mode in order:
                 if gpu:
                     torch.cuda.synchronize()
@@ -176,19 +195,23 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         mode: median([max(r.paused_s.values(), default=0.0) for r in rs])
         for mode, rs in reports.items()
     }
-    parts = {p: median([r.stage_seconds.get(p, 0.0) for r in reports["on"]]) for p in PARTS}
+    verified = [mode for mode in modes if mode != "off"]
+    parts = {
+        mode: {p: median([r.stage_seconds.get(p, 0.0) for r in reports[mode]]) for p in PARTS}
+        for mode in verified
+    }
     return {
         "path": (
             f"{'staged' if args.no_direct else 'loaded directly'}, buffer {args.buffer}"
             if gpu
             else f"buffer {args.buffer}"
         ),
-        "bytes_written": reports["on"][0].bytes_written,
+        "bytes_written": reports["off"][0].bytes_written,
         "median_update_s": seconds,
         "median_paused_s": paused,
         "median_parts_s": parts,
-        "cost_fraction": seconds["on"] / seconds["off"] - 1,
-        "pause_cost_fraction": paused["on"] / paused["off"] - 1,
+        "cost_fraction": {mode: seconds[mode] / seconds["off"] - 1 for mode in verified},
+        "pause_cost_fraction": {mode: paused[mode] / paused["off"] - 1 for mode in verified},
         "updates": {
             mode: [
                 {"seconds": r.seconds, "paused_s": r.paused_s, "stages": r.stage_seconds}
@@ -209,25 +232,30 @@ def describe(result: dict[str, Any], args: argparse.Namespace) -> str:
     rows = []
     for model, r in result["models"].items():
         s, p = r["median_update_s"], r["median_paused_s"]
-        rows.append(
-            [
-                f"{model} ({r['bytes_written'] / GB:.2f} GB, {r['path']})",
-                f"{s['off'] * 1e3:.1f}",
-                f"{s['on'] * 1e3:.1f}",
-                f"{r['cost_fraction'] * 100:+.1f} %",
-                f"{p['off'] * 1e3:.1f} / {p['on'] * 1e3:.1f}",
-                " / ".join(f"{v * 1e3:.1f}" for v in r["median_parts_s"].values()),
-            ]
-        )
+        for mode, cost in r["cost_fraction"].items():
+            rows.append(
+                [
+                    f"{model} ({r['bytes_written'] / GB:.2f} GB, {r['path']})",
+                    mode,
+                    f"{s['off'] * 1e3:.1f}",
+                    f"{s[mode] * 1e3:.1f}",
+                    f"{cost * 100:+.1f} %",
+                    f"{p['off'] * 1e3:.1f} / {p[mode] * 1e3:.1f}",
+                    " / ".join(f"{v * 1e3:.1f}" for v in r["median_parts_s"][mode].values()),
+                ]
+            )
     return (
         f"Command: `{meta['command']}`; {where}; local engines of TP {meta['tp']}, one per "
-        f"session (only the verified one digests); medians of {meta['repeats']} updates per "
-        f"mode after two warm-ups, the sessions alternating with the order flipped every "
-        f"repeat; load average {meta['machine_before']['loadavg_1_5_15']} before "
+        f"session (only the verified ones digest: 'on' at the engine's end, 'as-written' "
+        f"as each parameter's writes land, SyncConfig.digest_as_written); medians of "
+        f"{meta['repeats']} updates per mode after two warm-ups, the sessions taking turns "
+        f"with the order rotated every repeat; load average "
+        f"{meta['machine_before']['loadavg_1_5_15']} before "
         f"({meta['machine_before']['time']}).\n\n"
         + markdown_table(
             [
                 "model",
+                "verified",
                 "update ms, off",
                 "update ms, verified",
                 "cost",

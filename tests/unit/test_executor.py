@@ -419,3 +419,37 @@ def test_a_write_whose_writer_was_closed_mid_run_fails_its_rank_as_a_transfer_er
         executor.run(plan, ready, {"replica": FnLoader("replica", load)}).raise_if_failed()
     closer.join()
     executor.close()
+
+
+def test_landed_flags_follow_staged_writes_and_direct_loads():
+    """``RunHooks.flag_landed``: each parameter's flag (``wire.landed``) is set once its
+    writes returned (staged: behind the next flush's writes) or its direct load's copies
+    finished; the last flush's staged parameters are left to the engine's end."""
+    from p2pweights.wire.landed import LANDED_NAME, flag_names
+
+    source = _params(3)
+    ends = {}
+    targets = []
+    for url in ("http://mapped", "http://remote"):
+        memory = {n: torch.zeros_like(t) for n, t in source.items()}
+        flags = torch.zeros(64, dtype=torch.uint8)
+        ends[url] = (memory, flags)
+        target = _engine(url, 0, memory)
+        target.regions[LANDED_NAME] = WeightRegion(flags.data_ptr(), 64)
+        targets.append(target)
+    transport = MappingTransport(
+        "http://mapped", {**ends["http://mapped"][0], "f": ends["http://mapped"][1]}
+    )
+    hooks = RunHooks(flag_landed=frozenset({"http://mapped", "http://remote"}))
+    _, result = _run(transport, 3 * aligned(600), source, targets, hooks=hooks)
+    assert result.failures == {}
+    names = flag_names(source)
+    for url, (_, flags) in ends.items():
+        flagged = {names[i] for i in range(len(names)) if flags[i]}
+        if url == "http://mapped":  # every direct load flags its parameters
+            assert flagged == set(source)
+        else:  # every flush but the last
+            assert set(source) - {"p9", "p10", "p11"} <= flagged < set(source)
+        assert not flags[len(names) :].any()
+    unflagged = _run(transport, 3 * aligned(600), source, targets)[1]
+    assert unflagged.failures == {}

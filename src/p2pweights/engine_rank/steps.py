@@ -129,7 +129,9 @@ class RankSide:
         """Run every before-end step; the record to publish. A step that raises is
         recorded (``error``; no digests) and not raised: the caller is an engine whose
         end must still run, and a writer that reads the record fails the update."""
-        early = self._stop_early()
+        stopping = time.perf_counter()
+        early = self._stop_early()  # its last read of the flags is inside the end, too
+        stop_s = time.perf_counter() - stopping
         params = {name: t for name, t in params.items() if name != LANDED_NAME}
         context = BeforeEnd(
             self.engine_rank,
@@ -150,6 +152,8 @@ class RankSide:
                 self.role,
             )
             context.record.update(digests=None, error=f"{type(exc).__name__}: {exc}")
+        if "digest_s" in context.record:
+            context.record["digest_s"] += stop_s
         return context.record
 
     def _stop_early(self) -> dict[str, str]:

@@ -407,6 +407,36 @@ class _LandedFlags:
         """The flags of the parameters ``landed`` wrote, to its target; None where the
         target publishes no flags or is not flagged."""
         target = landed.target
+        offsets = self._flag_offsets(target)
+        if offsets is None:
+            return None
+        flags = target.regions[LANDED_NAME]
+        out = WriteBatch(target)
+        for param in dict.fromkeys(landed.params):
+            at = offsets.get(param)
+            if at is not None:
+                out.add(Write(self._source, flags.address + at, 1, flags.gpu_id), f"{param} (flag)")
+        return out if out.writes else None
+
+    def set_directly(
+        self, target: RankPublication, params: list[str], transport: Transport
+    ) -> None:
+        """Flag ``params``, which a direct load's finished copies wrote, through the
+        transport's own mapping of ``target``'s memory (a device copy, after them)."""
+        offsets = self._flag_offsets(target)
+        if offsets is None:
+            return
+        flags = target.regions[LANDED_NAME]
+        view = transport.direct_view(target, flags.address, flags.num_bytes)
+        if view is None:
+            return
+        at = [offsets[param] for param in params if param in offsets]
+        if at:
+            view[torch.tensor(at, device=view.device)] = 1
+
+    def _flag_offsets(self, target: RankPublication) -> dict[str, int] | None:
+        """Parameter -> its flag's offset in ``target``'s flags region; None where the
+        target publishes no flags (or too few) or is not flagged."""
         flags = target.regions.get(LANDED_NAME)
         if flags is None or target.engine_url not in self._urls:
             return None
@@ -416,12 +446,7 @@ class _LandedFlags:
             if len(names) > flags.num_bytes:  # too few flags published: flag nothing
                 return None
             offsets = self._offsets[id(target)] = {name: i for i, name in enumerate(names)}
-        out = WriteBatch(target)
-        for param in dict.fromkeys(landed.params):
-            at = offsets.get(param)
-            if at is not None:
-                out.add(Write(self._source, flags.address + at, 1, flags.gpu_id), f"{param} (flag)")
-        return out if out.writes else None
+        return offsets
 
 
 @dataclass(frozen=True)
@@ -763,9 +788,17 @@ class _Run:
                 self._hooks.checksums.add(
                     (param, view, (target,)) for param, view in direct.views.items()
                 )
+        loaded = [
+            (direct.target.target, list(direct.views))
+            for (_, target), direct in self._direct.items()
+            if self._failed.get(target[:2]) is None
+        ]
         self._direct = {}
         self._direct_bytes.clear()
         self._sync_direct()
+        if self._flags is not None:  # the copies are done: their parameters landed
+            for pub, params in loaded:
+                self._flags.set_directly(pub, params, self._transport)
         self.result.load_s += time.perf_counter() - started
 
     def _sync_direct(self) -> None:
