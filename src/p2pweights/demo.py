@@ -31,10 +31,10 @@ from p2pweights.console import LOG_FORMAT, quiet_console
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import LocalEngine
 from p2pweights.progress import progress
+from p2pweights.reference_check import verify_engine
 from p2pweights.report import UpdateReport
 from p2pweights.session import WeightSyncSession
 from p2pweights.source.synthetic import synthetic_weights, write_model_dir
-from p2pweights.verify import verify_engine
 
 Mismatches = dict[str, dict[int, list[str]]]
 

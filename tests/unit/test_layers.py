@@ -38,7 +38,8 @@ LAYERS = [  # bottom first
     ["collective", "connection"],
     ["update_attempt"],
     ["session"],
-    ["integrations", "doctor", "planner", "verify", "testing"],
+    ["integrations", "doctor", "planner", "reference_check", "testing"],
+    ["verify"],  # the old name of reference_check, re-exporting it
     ["demo"],
     ["cli"],
 ]

@@ -55,6 +55,15 @@ PUBLIC = {
         "expected_checksums",
         "verify_engine",
     },
+    "p2pweights.reference_check": {
+        "EngineClient",
+        "HfTensors",
+        "checksums_by_rank",
+        "compare",
+        "engine_checksums",
+        "expected_checksums",
+        "verify_engine",
+    },
     "p2pweights.local_engine": {"LocalEngine", "free_port"},
     "p2pweights.testing": {
         "MODEL_NAMES",
