@@ -71,6 +71,10 @@ class CheckerClient(FakeClient):
         return engine.call("checksum", answer)
 
 
+FP8_ENGINE = CheckerEngine("http://fp8")
+FP8_ENGINE.memory["o.weight_scale_inv"] = torch.zeros(64, dtype=torch.uint8)
+
+
 @pytest.fixture
 def checked(engines, monkeypatch):  # noqa: F811
     """``engines``, where a ``CheckerEngine`` answers as released sglang does."""
@@ -144,6 +148,7 @@ def test_digests_are_preferred_where_an_engine_records_them(checked):
         (CheckerEngine("http://old", version_reported="0.5.21"), "older than 0.5.23"),
         (CheckerEngine("http://gpu", device="cuda"), "this trainer has no CUDA"),
         (CheckerEngine("http://nodevice", device=""), "does not report the device"),
+        (FP8_ENGINE, "fp8 block-quantized weights"),
     ],
 )
 def test_an_engine_neither_way_can_verify_is_named_with_both_settings(checked, engine, why):

@@ -14,9 +14,9 @@ whole parameter (sha256 on a CPU engine, sglang's 64-bit GPU hash on a GPU one):
 missing, partial, misplaced or stale write, or any changed byte. What it cannot see:
 what ``end_weight_update`` does afterwards (it re-derives and may repack the weights;
 write digests are taken at the same point and see no more), parameters nobody wrote,
-and fp8 block-quantized weights, which sglang hashes dequantized with their scales
-(such a parameter's hash then differs from its raw bytes' and the check fails loudly
-rather than passing). It costs the engine one hash of all its weights inside the pause.
+and fp8 block-quantized weights, which sglang hashes dequantized with their scales: an
+engine publishing ``*.weight_scale_inv`` is not checked this way (``why_not``; it needs
+write digests). It costs the engine one hash of all its weights inside the pause.
 
 An engine qualifies when it runs sglang 0.5.23 or later and says which device it holds
 its weights on (``device`` in its server info; the local engine adds
@@ -71,6 +71,18 @@ def why_not(engine: ConnectedEngine) -> str | None:
         return (
             f"its sglang ({version or 'version not reported'}) is older than "
             f"{'.'.join(map(str, FIRST_RELEASE))}, whose /weights_checker checksum this check reads"
+        )
+    scales = sorted(
+        name
+        for pub in engine.publications
+        for name in pub.regions
+        if name.endswith("weight_scale_inv")
+    )
+    if scales:
+        return (
+            f"it holds fp8 block-quantized weights ({scales[0]!r} and {len(scales) - 1} more "
+            f"scales), which sglang's checker hashes dequantized with their scales, not as "
+            f"the bytes written"
         )
     device = checker_device(engine)
     if device is None:
