@@ -18,6 +18,13 @@ CASES = [
         needs_cuda=True,
     ),
     Case(
+        "real-colocated",
+        "real_colocated",
+        "a real sglang server on the trainer's GPU: paused_s vs update_weights_from_tensor",
+        "real_colocated_gpu",
+        needs_cuda=True,
+    ),
+    Case(
         "staging",
         "gpu_staging",
         "device vs pinned host staging into another process's GPU",

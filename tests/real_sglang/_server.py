@@ -40,6 +40,12 @@ def on_gpu() -> bool:
     return os.environ.get(DEVICE_ENV, "cpu") == "cuda"
 
 
+def cuda_graphs() -> bool:
+    """Whether GPU servers capture CUDA graphs (``P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH``, on by
+    default)."""
+    return on_gpu() and os.environ.get("P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH", "1") != "0"
+
+
 def unavailable() -> str | None:
     """Why the suite cannot run here, or None where it can."""
     if on_gpu():
@@ -94,10 +100,12 @@ class RealServer:
         nixl: bool = True,
         mooncake: bool = False,
         moving_storage: bool = False,
+        model_args: tuple[str, ...] = (),
     ) -> None:
         """``nixl``: the p2pweights NIXL plugin publishes; ``mooncake``: sglang's own
         transfer-engine publication; ``moving_storage``: the test plugin in
-        ``plugin_site/`` gives every parameter new storage after each postprocess."""
+        ``plugin_site/`` gives every parameter new storage after each postprocess;
+        ``model_args``: more ``launch_server`` arguments (e.g. a quantization)."""
         self.model_dir = model_dir
         self.tp = tp
         self.port = free_port()
@@ -106,6 +114,7 @@ class RealServer:
         self.nixl = nixl
         self.mooncake = mooncake
         self.moving_storage = moving_storage
+        self.model_args = model_args
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -144,9 +153,16 @@ class RealServer:
         ]
         if on_gpu():
             # FA3 (flash_ops) is not carried to the GPU machine, and nothing here needs
-            # CUDA graphs, FlashInfer's sampling or a grammar backend
-            args += ["--sampling-backend", "pytorch", "--disable-cuda-graph"]
-            args += ["--grammar-backend", "none"]
+            # FlashInfer's sampling or a grammar backend. CUDA graphs are captured at start
+            # (before any update: the updates must land where the graphs read) unless
+            # P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH=0.
+            args += ["--sampling-backend", "pytorch", "--grammar-backend", "none"]
+            if cuda_graphs():
+                args += ["--cuda-graph-max-bs", "8"]
+            else:
+                args.append("--disable-cuda-graph")
+        if self.model_args:
+            args += list(self.model_args)
         if self.mooncake:
             args.append("--remote-instance-weight-loader-start-seed-via-transfer-engine")
         return args
