@@ -28,8 +28,8 @@ This plugin registers six, the first three where sglang's Mooncake publishing li
    sglang's own start-up runs the replaced server and the plugin leaves it alone.
 3. AFTER ``ModelRunner.initialize`` (each TP rank's scheduler process): the model is
    loaded, ``process_weights_after_loading`` and every post-load transform have run,
-   so the parameter addresses are final (CUDA graphs, captured inside ``initialize``,
-   point at them: writes land in place, so they stay valid). Register the weights with
+   so the parameter addresses are final (the CUDA graphs the scheduler captures next
+   read them there: writes land in place, so the graphs stay valid). Register the weights with
    a NIXL agent (or take their CUDA IPC handles) and
    PUT the publication to the bootstrap server, keyed by TP rank as sglang keys
    Mooncake info. With the Mooncake flag also set, this PUT comes after sglang's and
