@@ -35,12 +35,15 @@ sys.path.insert(0, str(ROOT / "tests" / "real_sglang"))
 PATHS = {
     "mooncake": {"nixl": False, "mooncake": True},
     "nixl": {"nixl": True, "mooncake": False},
+    "cuda_ipc": {"nixl": False, "mooncake": False, "cuda_ipc": True},
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-tiny", "qwen3-4b-shape"])
-    parser.add_argument("--paths", nargs="+", default=["mooncake", "nixl"], choices=list(PATHS))
+    parser.add_argument(
+        "--paths", nargs="+", default=["cuda_ipc", "mooncake", "nixl"], choices=list(PATHS)
+    )
     parser.add_argument("--updates", type=int, default=4, help="per method; the first is a warm-up")
 
 
@@ -69,7 +72,7 @@ def _sglang_update(url: str, tensors: list[tuple[str, torch.Tensor]], version: s
 def one(model: str, path: str, updates: int) -> dict[str, Any]:
     from _server import RealServer
 
-    from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
+    from p2pweights import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
     from p2pweights.testing import save_safetensors, synthetic_weights, write_model_dir
 
     config = named_config(model)
@@ -81,15 +84,18 @@ def one(model: str, path: str, updates: int) -> dict[str, Any]:
             folder,
             tp=1,
             log_path=Path(folder_name) / "server.log",
+            cuda_graphs=True,
             model_args=("--mem-fraction-static", mem),
             **PATHS[path],
         )
         server.start()
         try:
             server.wait_ready()
-            transport = (
-                MooncakeConfig(protocol="tcp") if path == "mooncake" else NixlConfig(backend="UCX")
-            )
+            transport = {
+                "mooncake": MooncakeConfig(protocol="tcp"),
+                "nixl": NixlConfig(backend="UCX"),
+                "cuda_ipc": CudaIpcConfig(device=0),
+            }[path]
             ours: list[dict[str, float]] = []
             theirs: list[float] = []
             with WeightSyncSession(

@@ -79,7 +79,7 @@ PY
 
 serve() {  # serve [graphs]: one server of the tiny Qwen3, one generation (CUDA graphs with "graphs")
   local model=$RELAY/tiny-qwen3 port=${PORT:-31000} graph_args=(--disable-cuda-graph)
-  [ "${1:-}" = graphs ] && graph_args=(--cuda-graph-max-bs 8)
+  [ "${1:-}" = graphs ] && graph_args=(--disable-prefill-cuda-graph --cuda-graph-max-bs-decode 8)
   [ -f "$model/config.json" ] || python3 scripts/gpu_sglang/tiny_model.py "$model"
   python3 -m sglang.launch_server --model-path "$model" --device cuda --tp 1 \
     --host 127.0.0.1 --port "$port" --skip-tokenizer-init \

@@ -8,7 +8,13 @@ Four servers of a tiny Qwen3 model, one at a time:
 * ``tp1-moving``: the plugin, plus a test plugin that gives every parameter new storage
   after each postprocess (what sglang's AMX weight packing does on CPUs with AMX), so
   the published addresses go stale after every update;
-* ``tp1-mooncake``: sglang's own Mooncake publication, no plugin.
+* ``tp1-mooncake``: sglang's own Mooncake publication, no plugin;
+* ``tp1-cuda-ipc`` (and ``tp1-cuda-ipc-graphs``, decode CUDA graphs captured at start):
+  the plugin's CUDA IPC publication (``SGLANG_PLUGINS=p2pweights_cuda_ipc``). On a GPU
+  this process is the colocated trainer: it opens the server's weights by IPC handle on
+  the same GPU and takes three updates through ``CudaIpcConfig``, checked as the NIXL
+  servers are, then a fourth staged (``direct=False``) from a new session. On the CPU
+  the server's rank refuses to publish and says why, which connect reports.
 
 Each NIXL server takes three updates in a row from a trainer process (this one). After
 each, every rank's weights are compared bit for bit, through sglang's own
@@ -33,7 +39,7 @@ import httpx
 import pytest
 import torch
 
-from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
+from p2pweights import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.errors import EngineError
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
@@ -74,6 +80,8 @@ SERVERS = {
     "tp2": {"tp": 2},
     "tp1-moving": {"tp": 1, "moving_storage": True},
     "tp1-mooncake": {"tp": 1, "nixl": False, "mooncake": True},
+    "tp1-cuda-ipc": {"tp": 1, "nixl": False, "cuda_ipc": True},
+    "tp1-cuda-ipc-graphs": {"tp": 1, "nixl": False, "cuda_ipc": True, "cuda_graphs": True},
 }
 NIXL_SERVERS = ("tp1", "tp2", "tp1-moving")
 NEAR_TIE_NATS = 0.05
@@ -199,21 +207,7 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
     with WeightSyncSession(config) as session:
         session.connect([server.url])
         for step, seed in enumerate(SEEDS, start=1):
-            report = session.update(dict(synthetic_weights(CONFIG, seed)))
-            assert report.version == str(step)
-            # P2PWEIGHTS_WRITE_DIGESTS=1 (the servers inherit it): every rank's digests of
-            # its written weights compared with what was staged, each update
-            verified = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS") == "1"
-            assert report.engines[server.url].verified_by == (
-                ("write_digests",) if verified else ()
-            )
-            assert client.weight_version() == str(step)
-            actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
-            assert len(actual) == server.tp
-            for rank in range(server.tp):
-                assert len(actual[rank]) == 19
-                assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
-            assert_generates_as_transformers(server, seed)
+            update_and_check(session, server, name, step, seed, reference)
             # the test plugin moved every parameter at each end_weight_update, as sglang's
             # own AMX packing does on a CPU with AMX tiles: published afresh each time
             moves = name == "tp1-moving" or _sglang_packs_for_amx()
@@ -223,6 +217,83 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
             ] * server.tp
     assert server.alive
     record_answers(name, server)
+
+
+def update_and_check(
+    session: WeightSyncSession,
+    server: RealServer,
+    name: str,
+    step: int,
+    seed: int,
+    reference: dict[int, list[dict[str, str]]],
+) -> None:
+    """Update ``server`` to seed ``seed``'s weights as version ``step``; every rank's
+    weights bit-exact by sglang's own checksums, and greedy generation as transformers'."""
+    client = EngineClient(server.url)
+    report = session.update(dict(synthetic_weights(CONFIG, seed)))
+    assert report.version == str(step)
+    # P2PWEIGHTS_WRITE_DIGESTS=1 (the servers inherit it): every rank's digests of
+    # its written weights compared with what was staged, each update
+    verified = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS") == "1"
+    assert report.engines[server.url].verified_by == (("write_digests",) if verified else ())
+    assert client.weight_version() == str(step)
+    actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
+    assert len(actual) == server.tp
+    for rank in range(server.tp):
+        assert len(actual[rank]) == 19
+        assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
+    assert_generates_as_transformers(server, seed)
+
+
+@pytest.mark.skipif(not on_gpu(), reason="CUDA IPC shares GPU memory: a GPU server only")
+@pytest.mark.parametrize("name", ["tp1-cuda-ipc", "tp1-cuda-ipc-graphs"])
+def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
+    name: str, start_server: Callable[[str], RealServer], model_folder: Path
+) -> None:
+    """The colocated trainer (this process) on the server's own GPU, as verl's and slime's
+    colocated mode runs: the weights opened by CUDA IPC handle, written in place (filled
+    by the loaders directly, ``direct=True``; with CUDA graphs over those addresses in
+    ``-graphs``), three updates, then one more staged through a buffer from a new session."""
+    server = start_server(name)
+    client = EngineClient(server.url)
+    pub = client.publication(0)
+    assert (pub.backend, pub.live, pub.epoch) == ("cuda_ipc", True, 0), pub
+    gpu = pub.segments[0].gpu_id
+    reference = reference_checksums(server.url, model_folder)
+    config = SyncConfig(transport=CudaIpcConfig(device=gpu), transfer_timeout_s=60)
+    with WeightSyncSession(config) as session:
+        session.connect([server.url])
+        for step, seed in enumerate(SEEDS, start=1):
+            update_and_check(session, server, name, step, seed, reference)
+            assert client.publication(0).epoch == 0  # nothing moved on the GPU
+    staged = SyncConfig(transport=CudaIpcConfig(device=gpu, direct=False), transfer_timeout_s=60)
+    with WeightSyncSession(staged) as session:
+        session.connect([server.url])
+        update_and_check(session, server, name, len(SEEDS) + 1, SEEDS[0], reference)
+    assert server.alive
+    record_answers(name, server)
+
+
+@pytest.mark.skipif(on_gpu(), reason="the refusal of a CPU server")
+def test_cuda_ipc_from_a_cpu_server_is_refused_with_its_reason(
+    start_server: Callable[[str], RealServer],
+) -> None:
+    server = start_server("tp1-cuda-ipc")
+    client = EngineClient(server.url)
+    with pytest.raises(EngineError) as refused:
+        client.publication(0)
+    message = str(refused.value)
+    assert f"engine {server.url} rank 0 could not publish its weights for cuda_ipc" in message
+    assert "shares GPU memory only" in message and "SGLANG_PLUGINS=p2pweights_nixl" in message
+    config = SyncConfig(transport=CudaIpcConfig())
+    with (
+        WeightSyncSession(config) as session,
+        pytest.raises(EngineError, match="could not publish its weights for cuda_ipc"),
+    ):
+        session.connect([server.url])
+    assert client.weight_version() == "default"  # nothing was paused, opened or written
+    assert len(server.generate(PROMPT, 2)) == 2  # the server serves on
+    record_answers("tp1-cuda-ipc-cpu", server)
 
 
 def test_mooncake_into_a_cpu_server_is_refused_at_connect(

@@ -42,7 +42,7 @@ from p2pweights.verify import checksums_by_rank
 sys.path.insert(0, str(Path(__file__).parent))
 from _server import (
     RealServer,
-    cuda_graphs,
+    cuda_graphs_by_default,
     kernel_env,
     on_gpu,
     remove_left_behind,
@@ -108,7 +108,13 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     before = shared_memory_files()
 
     def start(name: str, folder: Path, **options: Any) -> RealServer:
-        server = RealServer(folder, tp=1, log_path=logs / f"{name}.log", **options)
+        server = RealServer(
+            folder,
+            tp=1,
+            log_path=logs / f"{name}.log",
+            cuda_graphs=cuda_graphs_by_default(),
+            **options,
+        )
         started.append(server)
         server.start()
         server.wait_ready()
@@ -236,7 +242,7 @@ def test_three_updates_bit_exact_on_a_gpu_server(
         case=f"{model}-{path}",
         backend=backend,
         staging=staging,
-        cuda_graphs=cuda_graphs(),
+        cuda_graphs=cuda_graphs_by_default(),
         server_start_s=round(start_s, 1),
         updates=reports,
     )
