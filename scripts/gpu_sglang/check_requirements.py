@@ -96,6 +96,8 @@ WAIVED: dict[str, dict[str, str]] = {
     "torch": {
         "triton": "the machine's triton 3.6 runs sglang's Triton kernels; nothing here compiles "
         "with torch.compile / inductor, which is what binds torch to triton 3.8",
+        "nvidia-nccl-cu13": "the machine's 2.28.9 with nccl_shim.c preloaded (pack.sh), unless "
+        "CARRY_NCCL=1 carries 2.30.7",
         "cuda-toolkit": "the machine's CUDA 13 libraries (measured: every symbol torch 2.14.1 "
         "binds is there but NCCL's, which is carried)",
     },

@@ -29,6 +29,10 @@ export PYTHONUNBUFFERED=1
 mkdir -p $RELAY/boot
 echo "import site; site.addsitedir('$PWD/$SITE')" > $RELAY/boot/sitecustomize.py
 export PYTHONPATH=$PWD/$RELAY/boot:$PYTHONPATH
+# torch 2.14.1 on the machine's NCCL 2.28.9: preload the stub of the calls it lacks (pack.sh)
+if [ -f $RELAY/ncclshim.so ] && [ ! -d $SITE/nvidia/nccl ]; then
+  export LD_PRELOAD=$PWD/$RELAY/ncclshim.so${LD_PRELOAD:+:$LD_PRELOAD}
+fi
 
 status() {
   [ -f $RELAY/MANIFEST ] || { echo "relay: no MANIFEST"; return 1; }

@@ -10,9 +10,10 @@
 #   * sglang-kernel 0.4.10 without flash_ops.abi3.so (FA3, 1.1 GB unpacked: only its
 #     attention backend imports it; the server runs with --attention-backend triton) and
 #     without sm100/ (Blackwell), repacked (~21 MB);
-#   * what torch 2.14.1 needs newer than the machine has: nvidia-nccl-cu13 2.30.7 (the
-#     machine's 2.28.9 lacks ncclCommResume and 11 other symbols libtorch_cuda.so binds at
-#     load) and torchvision 0.29.1 (the machine's 0.26 is built for torch 2.11, and
+#   * what torch 2.14.1 needs newer than the machine has: NCCL (the machine's 2.28.9 lacks
+#     ncclCommResume and 10 other symbols libtorch_cuda.so binds at load: a 14 kB stub of
+#     them, nccl_shim.c, is preloaded there; CARRY_NCCL=1 carries nvidia-nccl-cu13 2.30.7,
+#     216 MB, instead) and torchvision 0.29.1 (the machine's 0.26 is built for torch 2.11, and
 #     transformers imports it);
 #   * the wheels `benchmarks/device_wheels.sh` gathers (sglang itself, transformers 5.19,
 #     pydantic, fastapi, ...), the few the server imports beyond them, and NIXL (the
@@ -68,8 +69,16 @@ done
 bash benchmarks/device_wheels.sh >/dev/null
 
 rm -rf "$STAGE" && mkdir -p "$STAGE/wheels"
-cp "$DL"/torch-2.14.1-*.whl "$DL"/nvidia_nccl_cu13-2.30.7-*.whl \
-  "$DL"/mooncake_transfer_engine_cuda13-0.3.14-*.whl "$STAGE/wheels/"
+cp "$DL"/torch-2.14.1-*.whl "$DL"/mooncake_transfer_engine_cuda13-0.3.14-*.whl "$STAGE/wheels/"
+# NCCL: by default the machine's own 2.28.9 with a preloaded stub of the 11 calls torch binds
+# that it lacks (nccl_shim.c; device.sh sets LD_PRELOAD), four pieces fewer than carrying
+# 2.30.7 (CARRY_NCCL=1 carries it instead)
+if [ "${CARRY_NCCL:-0}" = 1 ]; then
+  cp "$DL"/nvidia_nccl_cu13-2.30.7-*.whl "$STAGE/wheels/"
+  rm -f "$RELAY/ncclshim.so"
+else
+  cc -O2 -shared -fPIC -nostdlib -o "$RELAY/ncclshim.so" scripts/gpu_sglang/nccl_shim.c
+fi
 for name in "${CUTLASS[@]}"; do
   cp "$DL"/$(echo "$name" | tr '-' '_')-4.8.0-*.whl "$STAGE/wheels/"
 done
