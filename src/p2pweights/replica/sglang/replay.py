@@ -406,7 +406,7 @@ def _scratch_device(
     """Where a replay onto marker bytes runs: on the inputs' GPU when they all sit on one
     and the destinations are host memory (the GPU fills and compares far faster than
     host threads, and fresh pinned memory is slow to allocate: 9 s per 8 GB load on the
-    H200 host, docs/benchmarks.md); else where the destinations are.
+    H200 host, docs/benchmarks-archive.md); else where the destinations are.
 
     On the GPU the check copies device to device where the real replay queues copies
     into pinned memory: the bytes are the same (a copy moves bytes; a copy that also
