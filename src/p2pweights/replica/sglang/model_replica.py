@@ -117,12 +117,12 @@ class ModelReplica:
         # inputs and destinations alike but for values -> the loader's recorded copies
         # (None: that load must run the loader every time); see replay.py
         self._replays: dict[ReplayKey, Replay | None] = {}
+        # Counts changes to the recordings (new, confirmed, dropped): reads learned from them are
+        # stale once it moves.
         self.replays_changed = 0
-        """Counts changes to the recordings (new, confirmed, dropped): reads learned from
-        them are stale once it moves."""
         self.replayed_loads = 0
+        # Loads served by a replay instead of the loader (tests and benchmarks read it).
         self._told_not_replayed = False
-        """Loads served by a replay instead of the loader (tests and benchmarks read it)."""
 
     @classmethod
     def from_server_info(

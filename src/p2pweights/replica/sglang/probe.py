@@ -312,13 +312,13 @@ class _ProvenanceWatcher(TorchDispatchMode):
         self, params: dict[str, torch.nn.Parameter], buffers: Mapping[str, torch.Tensor]
     ) -> None:
         super().__init__()
+        # HF name -> parameters written with values derived from it.
         self.fed: dict[str, set[str]] = {}
-        """HF name -> parameters written with values derived from it."""
+        # HF name -> module buffers written with values derived from it.
         self.fed_buffers: dict[str, set[str]] = {}
-        """HF name -> module buffers written with values derived from it."""
         self._buffers = _ParamIndex(buffers)
+        # Parameters written with values no tagged input reached.
         self.unattributed: set[str] = set()
-        """Parameters written with values no tagged input reached."""
         self._tags: dict[int, frozenset[str]] = {}
         self._alive: list[Any] = []
         self._index = _ParamIndex(params)

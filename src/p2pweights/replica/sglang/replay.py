@@ -261,14 +261,14 @@ class Replay:
         self._ops = ops
         self._dtypes = dict(dtypes)
         self._steps = _steps(ops)
+        # The destinations, numbered after the inputs for the gathered copies.
         self._names = sorted(self._dtypes)
-        """The destinations, numbered after the inputs for the gathered copies."""
+        # Per step, how its copies run (``_plan``), per GPU, with and without the gathered-copies
+        # kernel; made on the first run there (the replay's key fixes names, dtypes, shapes and
+        # strides).
         self._plans: dict[tuple[bool, torch.device], list[_StepPlan]] = {}
-        """Per step, how its copies run (``_plan``), per GPU, with and without the
-        gathered-copies kernel; made on the first run there (the replay's key fixes
-        names, dtypes, shapes and strides)."""
+        # Whether it reproduced the loader on a load other than the recorded one.
         self.confirmed = False
-        """Whether it reproduced the loader on a load other than the recorded one."""
 
     def reads(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
         """Per input (by index), the views its copies read: (element offset, shape, stride)."""
@@ -453,8 +453,8 @@ class LoadRecorder(TorchDispatchMode):
         self._spans = _SpanIndex(spans)
         self._ops: list[_Copy | _Fill] = []
         self._cats: dict[int, tuple[torch.Tensor, int, list[tuple[_View, int]]]] = {}
+        # Concatenations of inputs: they hold input values, so they are watched too.
         self._temps: list[tuple[tuple[int, int], torch.device]] = []
-        """Concatenations of inputs: they hold input values, so they are watched too."""
         self.reason: str | None = None
 
     def __enter__(self) -> LoadRecorder:
@@ -643,8 +643,8 @@ class _SpanIndex:
         self._starts = [start for (start, _), _ in ordered]
         self._ends = [end for (_, end), _ in ordered]
         self._owners = [owner for _, owner in ordered]
+        # The largest end among the spans up to each index.
         self._reach = list(itertools.accumulate(self._ends, max))
-        """The largest end among the spans up to each index."""
 
     def containing(self, start: int, end: int) -> list[int | str]:
         """Owners of the spans holding all of ``[start, end)``."""
