@@ -74,8 +74,8 @@ class NixlAwareBootstrapServer:
         self.port = port
         # {tp_rank: (session_id, weights_info_dict)} for Mooncake, {tp_rank: info} for NIXL
         self.transfer_engine_info: dict[int, tuple[Any, Any] | dict[str, Any]] = {}
+        # {tp_rank: its last write-digest record}
         self.digest_records: dict[int, dict[str, Any]] = {}
-        """{tp_rank: its last write-digest record}"""
         self.lock = threading.Lock()
         self._server = uvicorn.Server(
             uvicorn.Config(self._app(), host=host, port=port, log_level="warning")

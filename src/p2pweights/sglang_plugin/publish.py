@@ -98,9 +98,9 @@ class LivePublication:
         self.epoch = -1
         self._publisher: Publisher | None = None
         self._storage: Storage = {}
+        # The delta scratch region (``p2pweights.engine_rank.delta_scratch``), published with the
+        # weights under its reserved name; allocated once, kept across publications.
         self.scratch: torch.Tensor | None = None
-        """The delta scratch region (``p2pweights.engine_rank.delta_scratch``), published with the
-        weights under its reserved name; allocated once, kept across publications."""
 
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
         import torch
