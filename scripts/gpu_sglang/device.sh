@@ -123,10 +123,21 @@ out() {  # where a stage writes what it saw: $OUT on the lent machine, else .rel
   mkdir -p "$dir" && echo "$dir"
 }
 
-p2pweights_here() {  # p2pweights from this working tree, with its sglang plugin entry points
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-    --target $SITE . >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps \
-    --no-build-isolation --no-compile --upgrade --target $SITE .
+p2pweights_here() {  # p2pweights from this working tree (src/ is first on PYTHONPATH), and a
+  # dist-info that names its sglang plugins' entry points, which sglang finds plugins by
+  python3 - "$SITE" <<'PY'
+import pathlib, sys, tomllib
+site = pathlib.Path(sys.argv[1])
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = site / "p2pweights_relay-0.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: p2pweights-relay\nVersion: 0\n")
+lines = ["[sglang.srt.plugins]"] + [
+    f"{name} = {target}" for name, target in project["entry-points"]["sglang.srt.plugins"].items()
+]
+(info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+print("p2pweights from", pathlib.Path("src").resolve(), "plugins:", ", ".join(lines[1:]))
+PY
 }
 
 stage1() {
