@@ -32,6 +32,7 @@ from p2pweights.errors import EngineError, TransportError
 from p2pweights.local_engine.process import free_port
 from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
 from p2pweights.sglang_plugin.ipc_publish import IpcLivePublication, publish_ipc
+from p2pweights.sglang_plugin.publish import put_publication
 from p2pweights.transports import cuda_ipc
 from p2pweights.transports.cuda_ipc import CudaIpcTransport, host_id
 
@@ -361,6 +362,8 @@ def test_the_bootstrap_server_refuses_an_ipc_publication_without_its_segments(
     body = {"tp_rank": 0, "transfer_engine_info": info}
     response = httpx.put(f"{bootstrap.url}/register_transfer_engine_info", json=body)
     assert response.status_code == 400 and "segments" in response.text
+    with pytest.raises(EngineError, match=r"refused the CUDA IPC publication.*p2pweights_cuda_ipc"):
+        put_publication(bootstrap.url, 0, info, timeout_s=5)
 
 
 @pytest.fixture
