@@ -9,12 +9,13 @@ Four servers of a tiny Qwen3 model, one at a time:
   after each postprocess (what sglang's AMX weight packing does on CPUs with AMX), so
   the published addresses go stale after every update;
 * ``tp1-mooncake``: sglang's own Mooncake publication, no plugin;
-* ``tp1-cuda-ipc`` (and ``tp1-cuda-ipc-graphs``, decode CUDA graphs captured at start):
-  the plugin's CUDA IPC publication (``SGLANG_PLUGINS=p2pweights_cuda_ipc``). On a GPU
-  this process is the colocated trainer: it opens the server's weights by IPC handle on
-  the same GPU and takes three updates through ``CudaIpcConfig``, checked as the NIXL
-  servers are, then a fourth staged (``direct=False``) from a new session. On the CPU
-  the server's rank refuses to publish and says why, which connect reports.
+* ``tp1-cuda-ipc``: the plugin's CUDA IPC publication
+  (``SGLANG_PLUGINS=p2pweights_cuda_ipc``). On a GPU (decode CUDA graphs captured at
+  start unless ``P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH=0``) this process is the colocated
+  trainer: it opens the server's weights by IPC handle on the same GPU and takes three
+  updates through ``CudaIpcConfig``, checked as the NIXL servers are, then a fourth
+  staged (``direct=False``) from a new session. On the CPU the server's rank refuses to
+  publish and says why, which connect reports.
 
 Each NIXL server takes three updates in a row from a trainer process (this one). After
 each, every rank's weights are compared bit for bit, through sglang's own
@@ -48,6 +49,7 @@ from p2pweights.verify import checksums_by_rank
 sys.path.insert(0, str(Path(__file__).parent))
 from _server import (
     RealServer,
+    cuda_graphs_by_default,
     kernel_env,
     on_gpu,
     remove_left_behind,
@@ -80,8 +82,12 @@ SERVERS = {
     "tp2": {"tp": 2},
     "tp1-moving": {"tp": 1, "moving_storage": True},
     "tp1-mooncake": {"tp": 1, "nixl": False, "mooncake": True},
-    "tp1-cuda-ipc": {"tp": 1, "nixl": False, "cuda_ipc": True},
-    "tp1-cuda-ipc-graphs": {"tp": 1, "nixl": False, "cuda_ipc": True, "cuda_graphs": True},
+    "tp1-cuda-ipc": {
+        "tp": 1,
+        "nixl": False,
+        "cuda_ipc": True,
+        "cuda_graphs": cuda_graphs_by_default(),
+    },
 }
 NIXL_SERVERS = ("tp1", "tp2", "tp1-moving")
 NEAR_TIE_NATS = 0.05
@@ -246,14 +252,15 @@ def update_and_check(
 
 
 @pytest.mark.skipif(not on_gpu(), reason="CUDA IPC shares GPU memory: a GPU server only")
-@pytest.mark.parametrize("name", ["tp1-cuda-ipc", "tp1-cuda-ipc-graphs"])
 def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
-    name: str, start_server: Callable[[str], RealServer], model_folder: Path
+    start_server: Callable[[str], RealServer], model_folder: Path
 ) -> None:
     """The colocated trainer (this process) on the server's own GPU, as verl's and slime's
     colocated mode runs: the weights opened by CUDA IPC handle, written in place (filled
-    by the loaders directly, ``direct=True``; with CUDA graphs over those addresses in
-    ``-graphs``), three updates, then one more staged through a buffer from a new session."""
+    by the loaders directly, ``direct=True``, under the CUDA graphs captured over those
+    addresses at start), three updates, then one more staged through a buffer from a new
+    session."""
+    name = "tp1-cuda-ipc"
     server = start_server(name)
     client = EngineClient(server.url)
     pub = client.publication(0)
