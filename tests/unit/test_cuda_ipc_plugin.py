@@ -314,6 +314,30 @@ def test_a_cpu_server_is_refused_logged_and_recorded_never_raised(
     assert "--device cuda" in message and "NixlConfig" in message
 
 
+def test_weights_under_sglangs_memory_saver_are_refused_before_any_handle(
+    hooks: list[str],
+    runtime: FakeRuntime,
+    bootstrap: NixlAwareBootstrapServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its VMM allocations cannot be shared by IPC handle, and a resume gives them new
+    physical memory at the same addresses, which no address check would see."""
+    from p2pweights.replica.sglang import facade
+
+    plugin.register_cuda_ipc()
+    monkeypatch.setattr(facade, "bootstrap_url", lambda: bootstrap.url)
+    runner = SimpleNamespace(
+        model=_model(),
+        is_draft_worker=False,
+        remote_instance_weight_transporter=SimpleNamespace(tp_rank=0),
+        memory_saver_adapter=SimpleNamespace(enabled=True),
+    )
+    plugin.publish_after_initialize(None, runner)  # not raised
+    assert id(runner) not in plugin._published and runtime.asked == []
+    error = _published(bootstrap)["error"]
+    assert "--enable-memory-saver" in error and "resume_memory_occupation" in error
+
+
 def test_a_handle_the_driver_refuses_is_recorded_with_the_reason(
     runtime: FakeRuntime, bootstrap: NixlAwareBootstrapServer
 ) -> None:

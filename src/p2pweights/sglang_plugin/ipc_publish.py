@@ -110,12 +110,21 @@ def gpu_parameters(model: nn.Module, engine_rank: int) -> dict[str, torch.Tensor
 
 
 def publish_ipc(
-    engine_rank: int, bootstrap_url: str, model: nn.Module
+    engine_rank: int, bootstrap_url: str, model: nn.Module, *, memory_saver: bool = False
 ) -> IpcLivePublication | None:
     """Publish ``model``'s weights for CUDA IPC (epoch 0); None where the rank cannot (it
-    logged why and published the reason as an error). Never raises an ``Exception``."""
+    logged why and published the reason as an error). ``memory_saver``: sglang's memory
+    saver manages the weights (refused). Never raises an ``Exception``."""
     published = IpcLivePublication(engine_rank, bootstrap_url)
     try:
+        if memory_saver:
+            raise ConfigError(
+                f"tp rank {engine_rank}: sglang's memory saver (--enable-memory-saver) holds "
+                f"the weights in CUDA virtual-memory allocations, which CUDA IPC handles "
+                f"cannot share, and gives them new physical memory at every "
+                f"resume_memory_occupation at the same addresses; start the server without "
+                f"--enable-memory-saver to publish with {PLUGIN}"
+            )
         published.publish(model)
     except Exception as exc:
         logger.error(
