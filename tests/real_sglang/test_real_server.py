@@ -43,6 +43,7 @@ import torch
 from p2pweights import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.errors import EngineError
+from p2pweights.report import UpdateReport
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
 from p2pweights.verify import checksums_by_rank
 
@@ -232,7 +233,7 @@ def update_and_check(
     step: int,
     seed: int,
     reference: dict[int, list[dict[str, str]]],
-) -> None:
+) -> UpdateReport:
     """Update ``server`` to seed ``seed``'s weights as version ``step``; every rank's
     weights bit-exact by sglang's own checksums, and greedy generation as transformers'."""
     client = EngineClient(server.url)
@@ -249,6 +250,7 @@ def update_and_check(
         assert len(actual[rank]) == 19
         assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
     assert_generates_as_transformers(server, seed)
+    return report
 
 
 @pytest.mark.skipif(not on_gpu(), reason="CUDA IPC shares GPU memory: a GPU server only")
@@ -268,17 +270,37 @@ def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
     gpu = pub.segments[0].gpu_id
     reference = reference_checksums(server.url, model_folder)
     config = SyncConfig(transport=CudaIpcConfig(device=gpu), transfer_timeout_s=60)
+    updates = []
     with WeightSyncSession(config) as session:
         session.connect([server.url])
         for step, seed in enumerate(SEEDS, start=1):
-            update_and_check(session, server, name, step, seed, reference)
+            report = update_and_check(session, server, name, step, seed, reference)
+            updates.append(_summary(report, server.url, step, "direct"))
             assert client.publication(0).epoch == 0  # nothing moved on the GPU
     staged = SyncConfig(transport=CudaIpcConfig(device=gpu, direct=False), transfer_timeout_s=60)
     with WeightSyncSession(staged) as session:
         session.connect([server.url])
-        update_and_check(session, server, name, len(SEEDS) + 1, SEEDS[0], reference)
+        step = len(SEEDS) + 1
+        report = update_and_check(session, server, name, step, SEEDS[0], reference)
+        updates.append(_summary(report, server.url, step, "staged"))
     assert server.alive
+    summary = {"case": f"qwen3-{name}", "backend": "cuda_ipc", "cuda_graphs": server.cuda_graphs}
+    print(json.dumps({**summary, "updates": updates}))
+    if os.environ.get("P2PWEIGHTS_GPU_SUMMARY"):  # the GPU runbook's summary (device.sh)
+        with open(os.environ["P2PWEIGHTS_GPU_SUMMARY"], "a") as out:
+            out.write(json.dumps({**summary, "updates": updates}) + "\n")
     record_answers(name, server)
+
+
+def _summary(report: UpdateReport, url: str, step: int, how: str) -> dict[str, object]:
+    engine = report.engines[url]
+    return {
+        "step": step,
+        "loads": how,
+        "update_s": round(report.seconds, 4),
+        "paused_s": engine.paused_s,
+        "verified_by": list(engine.verified_by),
+    }
 
 
 @pytest.mark.skipif(on_gpu(), reason="the refusal of a CPU server")
