@@ -450,3 +450,44 @@ def test_the_hooks_publish_and_republish_for_cuda_ipc(
     finally:
         plugin._published.pop(id(runner), None)
         plugin._sides.pop(id(runner), None)
+
+
+def test_a_trainer_follows_a_republication_and_closes_the_old_mappings(
+    runtime: FakeRuntime,
+    bootstrap: NixlAwareBootstrapServer,
+    engine: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a session does when it re-reads a live publication that moved: the executor
+    drops the old peer (its mappings closed, so nothing can be written through them) and
+    opens the new publication's allocations."""
+    from p2pweights.transfer.executor import TransferExecutor
+
+    model = _model()
+    published = publish_ipc(0, bootstrap.url, model)  # type: ignore[arg-type]
+    assert published is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    transport = CudaIpcTransport(CudaIpcConfig(device=0))
+    executor = TransferExecutor(transport, torch.device("cpu"), timeout_s=5.0)
+    connected = _connect("cuda_ipc")
+    try:
+        (first,) = connected.publications
+        executor.connect([first])
+        executor.connect([connected.client.publication(0)])  # re-read, unchanged: kept
+        assert sorted(runtime.opened) == sorted([handle_of(BASE_A), handle_of(BASE_B)])
+        assert runtime.closed == []
+
+        model.params["lm_head.weight"] = FakeGpuTensor(BASE_C, 4096)
+        published.refresh(model, "end_weight_update")
+        moved = connected.client.publication(0)
+        assert (moved.epoch, moved.peer != first.peer) == (1, True)
+        executor.connect([moved])
+        mapped = {0x7000_0000_0000 + base for base in (BASE_A, BASE_B)}
+        assert set(runtime.closed) == mapped  # every mapping of the old publication
+        assert runtime.opened[2:] == [handle_of(BASE_A), handle_of(BASE_C)]
+        assert transport.peers == {moved.peer}
+    finally:
+        executor.disconnect()
+        transport.close()
+        connected.client.close()
