@@ -15,7 +15,10 @@ Four servers of a tiny Qwen3 model, one at a time:
   trainer: it opens the server's weights by IPC handle on the same GPU and takes three
   updates through ``CudaIpcConfig``, checked as the NIXL servers are, then a fourth
   staged (``direct=False``) from a new session. On the CPU the server's rank refuses to
-  publish and says why, which connect reports.
+  publish and says why, which connect reports;
+* ``tp1-cuda-ipc-moving`` (GPU only): the same with the moving-storage test plugin, so
+  every update is published afresh with new IPC handles (epoch 1, 2, 3, 4) and written
+  where the parameters live then.
 
 Each NIXL server takes three updates in a row from a trainer process (this one). After
 each, every rank's weights are compared bit for bit, through sglang's own
@@ -89,6 +92,9 @@ SERVERS = {
         "cuda_ipc": True,
         "cuda_graphs": cuda_graphs_by_default(),
     },
+    # without CUDA graphs: graphs captured at start would read the storage the test
+    # plugin gives up after every update
+    "tp1-cuda-ipc-moving": {"tp": 1, "nixl": False, "cuda_ipc": True, "moving_storage": True},
 }
 NIXL_SERVERS = ("tp1", "tp2", "tp1-moving")
 NEAR_TIE_NATS = 0.05
@@ -254,15 +260,17 @@ def update_and_check(
 
 
 @pytest.mark.skipif(not on_gpu(), reason="CUDA IPC shares GPU memory: a GPU server only")
+@pytest.mark.parametrize("name", ["tp1-cuda-ipc", "tp1-cuda-ipc-moving"])
 def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
-    start_server: Callable[[str], RealServer], model_folder: Path
+    name: str, start_server: Callable[[str], RealServer], model_folder: Path
 ) -> None:
     """The colocated trainer (this process) on the server's own GPU, as verl's and slime's
     colocated mode runs: the weights opened by CUDA IPC handle, written in place (filled
     by the loaders directly, ``direct=True``, under the CUDA graphs captured over those
     addresses at start), three updates, then one more staged through a buffer from a new
-    session."""
-    name = "tp1-cuda-ipc"
+    session. ``-moving``: every parameter gets new storage after each update, so each
+    update is written through the handles the plugin published afresh."""
+    moves = bool(SERVERS[name].get("moving_storage"))
     server = start_server(name)
     client = EngineClient(server.url)
     pub = client.publication(0)
@@ -276,13 +284,16 @@ def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
         for step, seed in enumerate(SEEDS, start=1):
             report = update_and_check(session, server, name, step, seed, reference)
             updates.append(_summary(report, server.url, step, "direct"))
-            assert client.publication(0).epoch == 0  # nothing moved on the GPU
+            # sglang's GPU post-processing of bf16 weights moves nothing; the test plugin
+            # moves everything at each end
+            assert client.publication(0).epoch == (step if moves else 0)
     staged = SyncConfig(transport=CudaIpcConfig(device=gpu, direct=False), transfer_timeout_s=60)
     with WeightSyncSession(staged) as session:
         session.connect([server.url])
         step = len(SEEDS) + 1
         report = update_and_check(session, server, name, step, SEEDS[0], reference)
         updates.append(_summary(report, server.url, step, "staged"))
+    assert client.publication(0).epoch == (step if moves else 0)
     assert server.alive
     summary = {"case": f"qwen3-{name}", "backend": "cuda_ipc", "cuda_graphs": server.cuda_graphs}
     print(json.dumps({**summary, "updates": updates}))
