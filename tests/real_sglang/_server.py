@@ -184,7 +184,8 @@ class RealServer:
         if self.cuda_ipc:
             plugins.append("p2pweights_cuda_ipc")
             if not cuda_ipc_entry_point_installed():
-                env["PYTHONPATH"] = os.pathsep.join([str(ENTRY_POINT_SITE), env["PYTHONPATH"]])
+                paths = [str(ENTRY_POINT_SITE), env.get("PYTHONPATH")]
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
         if self.moving_storage:
             plugins.append("p2pweights_moving_storage")
             env["PYTHONPATH"] = os.pathsep.join([str(PLUGIN_SITE), env["PYTHONPATH"]])

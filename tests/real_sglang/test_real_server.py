@@ -9,12 +9,16 @@ Four servers of a tiny Qwen3 model, one at a time:
   after each postprocess (what sglang's AMX weight packing does on CPUs with AMX), so
   the published addresses go stale after every update;
 * ``tp1-mooncake``: sglang's own Mooncake publication, no plugin;
-* ``tp1-cuda-ipc`` (and ``tp1-cuda-ipc-graphs``, decode CUDA graphs captured at start):
-  the plugin's CUDA IPC publication (``SGLANG_PLUGINS=p2pweights_cuda_ipc``). On a GPU
-  this process is the colocated trainer: it opens the server's weights by IPC handle on
-  the same GPU and takes three updates through ``CudaIpcConfig``, checked as the NIXL
-  servers are, then a fourth staged (``direct=False``) from a new session. On the CPU
-  the server's rank refuses to publish and says why, which connect reports.
+* ``tp1-cuda-ipc``: the plugin's CUDA IPC publication
+  (``SGLANG_PLUGINS=p2pweights_cuda_ipc``). On a GPU (decode CUDA graphs captured at
+  start unless ``P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH=0``) this process is the colocated
+  trainer: it opens the server's weights by IPC handle on the same GPU and takes three
+  updates through ``CudaIpcConfig``, checked as the NIXL servers are, then a fourth
+  staged (``direct=False``) from a new session. On the CPU the server's rank refuses to
+  publish and says why, which connect reports;
+* ``tp1-cuda-ipc-moving`` (GPU only): the same with the moving-storage test plugin, so
+  every update is published afresh with new IPC handles (epoch 1, 2, 3, 4) and written
+  where the parameters live then.
 
 Each NIXL server takes three updates in a row from a trainer process (this one). After
 each, every rank's weights are compared bit for bit, through sglang's own
@@ -42,12 +46,14 @@ import torch
 from p2pweights import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.errors import EngineError
+from p2pweights.report import UpdateReport
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
 from p2pweights.verify import checksums_by_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _server import (
     RealServer,
+    cuda_graphs_by_default,
     kernel_env,
     on_gpu,
     remove_left_behind,
@@ -80,8 +86,15 @@ SERVERS = {
     "tp2": {"tp": 2},
     "tp1-moving": {"tp": 1, "moving_storage": True},
     "tp1-mooncake": {"tp": 1, "nixl": False, "mooncake": True},
-    "tp1-cuda-ipc": {"tp": 1, "nixl": False, "cuda_ipc": True},
-    "tp1-cuda-ipc-graphs": {"tp": 1, "nixl": False, "cuda_ipc": True, "cuda_graphs": True},
+    "tp1-cuda-ipc": {
+        "tp": 1,
+        "nixl": False,
+        "cuda_ipc": True,
+        "cuda_graphs": cuda_graphs_by_default(),
+    },
+    # without CUDA graphs: graphs captured at start would read the storage the test
+    # plugin gives up after every update
+    "tp1-cuda-ipc-moving": {"tp": 1, "nixl": False, "cuda_ipc": True, "moving_storage": True},
 }
 NIXL_SERVERS = ("tp1", "tp2", "tp1-moving")
 NEAR_TIE_NATS = 0.05
@@ -226,7 +239,7 @@ def update_and_check(
     step: int,
     seed: int,
     reference: dict[int, list[dict[str, str]]],
-) -> None:
+) -> UpdateReport:
     """Update ``server`` to seed ``seed``'s weights as version ``step``; every rank's
     weights bit-exact by sglang's own checksums, and greedy generation as transformers'."""
     client = EngineClient(server.url)
@@ -243,17 +256,21 @@ def update_and_check(
         assert len(actual[rank]) == 19
         assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
     assert_generates_as_transformers(server, seed)
+    return report
 
 
 @pytest.mark.skipif(not on_gpu(), reason="CUDA IPC shares GPU memory: a GPU server only")
-@pytest.mark.parametrize("name", ["tp1-cuda-ipc", "tp1-cuda-ipc-graphs"])
+@pytest.mark.parametrize("name", ["tp1-cuda-ipc", "tp1-cuda-ipc-moving"])
 def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
     name: str, start_server: Callable[[str], RealServer], model_folder: Path
 ) -> None:
     """The colocated trainer (this process) on the server's own GPU, as verl's and slime's
     colocated mode runs: the weights opened by CUDA IPC handle, written in place (filled
-    by the loaders directly, ``direct=True``; with CUDA graphs over those addresses in
-    ``-graphs``), three updates, then one more staged through a buffer from a new session."""
+    by the loaders directly, ``direct=True``, under the CUDA graphs captured over those
+    addresses at start), three updates, then one more staged through a buffer from a new
+    session. ``-moving``: every parameter gets new storage after each update, so each
+    update is written through the handles the plugin published afresh."""
+    moves = bool(SERVERS[name].get("moving_storage"))
     server = start_server(name)
     client = EngineClient(server.url)
     pub = client.publication(0)
@@ -261,17 +278,40 @@ def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
     gpu = pub.segments[0].gpu_id
     reference = reference_checksums(server.url, model_folder)
     config = SyncConfig(transport=CudaIpcConfig(device=gpu), transfer_timeout_s=60)
+    updates = []
     with WeightSyncSession(config) as session:
         session.connect([server.url])
         for step, seed in enumerate(SEEDS, start=1):
-            update_and_check(session, server, name, step, seed, reference)
-            assert client.publication(0).epoch == 0  # nothing moved on the GPU
+            report = update_and_check(session, server, name, step, seed, reference)
+            updates.append(_summary(report, server.url, step, "direct"))
+            # sglang's GPU post-processing of bf16 weights moves nothing; the test plugin
+            # moves everything at each end
+            assert client.publication(0).epoch == (step if moves else 0)
     staged = SyncConfig(transport=CudaIpcConfig(device=gpu, direct=False), transfer_timeout_s=60)
     with WeightSyncSession(staged) as session:
         session.connect([server.url])
-        update_and_check(session, server, name, len(SEEDS) + 1, SEEDS[0], reference)
+        step = len(SEEDS) + 1
+        report = update_and_check(session, server, name, step, SEEDS[0], reference)
+        updates.append(_summary(report, server.url, step, "staged"))
+    assert client.publication(0).epoch == (step if moves else 0)
     assert server.alive
+    summary = {"case": f"qwen3-{name}", "backend": "cuda_ipc", "cuda_graphs": server.cuda_graphs}
+    print(json.dumps({**summary, "updates": updates}))
+    if os.environ.get("P2PWEIGHTS_GPU_SUMMARY"):  # the GPU runbook's summary (device.sh)
+        with open(os.environ["P2PWEIGHTS_GPU_SUMMARY"], "a") as out:
+            out.write(json.dumps({**summary, "updates": updates}) + "\n")
     record_answers(name, server)
+
+
+def _summary(report: UpdateReport, url: str, step: int, how: str) -> dict[str, object]:
+    engine = report.engines[url]
+    return {
+        "step": step,
+        "loads": how,
+        "update_s": round(report.seconds, 4),
+        "paused_s": engine.paused_s,
+        "verified_by": list(engine.verified_by),
+    }
 
 
 @pytest.mark.skipif(on_gpu(), reason="the refusal of a CPU server")

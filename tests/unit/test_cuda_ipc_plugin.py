@@ -32,6 +32,7 @@ from p2pweights.errors import EngineError, TransportError
 from p2pweights.local_engine.process import free_port
 from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
 from p2pweights.sglang_plugin.ipc_publish import IpcLivePublication, publish_ipc
+from p2pweights.sglang_plugin.publish import put_publication
 from p2pweights.transports import cuda_ipc
 from p2pweights.transports.cuda_ipc import CudaIpcTransport, host_id
 
@@ -313,6 +314,30 @@ def test_a_cpu_server_is_refused_logged_and_recorded_never_raised(
     assert "--device cuda" in message and "NixlConfig" in message
 
 
+def test_weights_under_sglangs_memory_saver_are_refused_before_any_handle(
+    hooks: list[str],
+    runtime: FakeRuntime,
+    bootstrap: NixlAwareBootstrapServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its VMM allocations cannot be shared by IPC handle, and a resume gives them new
+    physical memory at the same addresses, which no address check would see."""
+    from p2pweights.replica.sglang import facade
+
+    plugin.register_cuda_ipc()
+    monkeypatch.setattr(facade, "bootstrap_url", lambda: bootstrap.url)
+    runner = SimpleNamespace(
+        model=_model(),
+        is_draft_worker=False,
+        remote_instance_weight_transporter=SimpleNamespace(tp_rank=0),
+        memory_saver_adapter=SimpleNamespace(enabled=True),
+    )
+    plugin.publish_after_initialize(None, runner)  # not raised
+    assert id(runner) not in plugin._published and runtime.asked == []
+    error = _published(bootstrap)["error"]
+    assert "--enable-memory-saver" in error and "resume_memory_occupation" in error
+
+
 def test_a_handle_the_driver_refuses_is_recorded_with_the_reason(
     runtime: FakeRuntime, bootstrap: NixlAwareBootstrapServer
 ) -> None:
@@ -320,7 +345,7 @@ def test_a_handle_the_driver_refuses_is_recorded_with_the_reason(
     assert publish_ipc(0, bootstrap.url, _model()) is None  # type: ignore[arg-type]
     error = _published(bootstrap)["error"]
     assert "tp rank 0: cannot share the weights by CUDA IPC handle" in error
-    assert "cudaIpcGetMemHandle failed" in error
+    assert "cudaIpcGetMemHandle failed" in error and "--enable-memory-saver" in error
 
 
 @pytest.mark.parametrize(
@@ -361,6 +386,8 @@ def test_the_bootstrap_server_refuses_an_ipc_publication_without_its_segments(
     body = {"tp_rank": 0, "transfer_engine_info": info}
     response = httpx.put(f"{bootstrap.url}/register_transfer_engine_info", json=body)
     assert response.status_code == 400 and "segments" in response.text
+    with pytest.raises(EngineError, match=r"refused the CUDA IPC publication.*p2pweights_cuda_ipc"):
+        put_publication(bootstrap.url, 0, info, timeout_s=5)
 
 
 @pytest.fixture
@@ -423,3 +450,44 @@ def test_the_hooks_publish_and_republish_for_cuda_ipc(
     finally:
         plugin._published.pop(id(runner), None)
         plugin._sides.pop(id(runner), None)
+
+
+def test_a_trainer_follows_a_republication_and_closes_the_old_mappings(
+    runtime: FakeRuntime,
+    bootstrap: NixlAwareBootstrapServer,
+    engine: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a session does when it re-reads a live publication that moved: the executor
+    drops the old peer (its mappings closed, so nothing can be written through them) and
+    opens the new publication's allocations."""
+    from p2pweights.transfer.executor import TransferExecutor
+
+    model = _model()
+    published = publish_ipc(0, bootstrap.url, model)  # type: ignore[arg-type]
+    assert published is not None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    transport = CudaIpcTransport(CudaIpcConfig(device=0))
+    executor = TransferExecutor(transport, torch.device("cpu"), timeout_s=5.0)
+    connected = _connect("cuda_ipc")
+    try:
+        (first,) = connected.publications
+        executor.connect([first])
+        executor.connect([connected.client.publication(0)])  # re-read, unchanged: kept
+        assert sorted(runtime.opened) == sorted([handle_of(BASE_A), handle_of(BASE_B)])
+        assert runtime.closed == []
+
+        model.params["lm_head.weight"] = FakeGpuTensor(BASE_C, 4096)
+        published.refresh(model, "end_weight_update")
+        moved = connected.client.publication(0)
+        assert (moved.epoch, moved.peer != first.peer) == (1, True)
+        executor.connect([moved])
+        mapped = {0x7000_0000_0000 + base for base in (BASE_A, BASE_B)}
+        assert set(runtime.closed) == mapped  # every mapping of the old publication
+        assert runtime.opened[2:] == [handle_of(BASE_A), handle_of(BASE_C)]
+        assert transport.peers == {moved.peer}
+    finally:
+        executor.disconnect()
+        transport.close()
+        connected.client.close()

@@ -160,8 +160,12 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     if publishing_backend() == "cuda_ipc":
         from p2pweights.sglang_plugin.ipc_publish import publish_ipc
 
+        saver = getattr(runner, "memory_saver_adapter", None)
         published: LivePublication | None = publish_ipc(
-            _tp_rank(runner), facade.bootstrap_url(), runner.model
+            _tp_rank(runner),
+            facade.bootstrap_url(),
+            runner.model,
+            memory_saver=bool(getattr(saver, "enabled", False)),
         )
         if published is None:  # it logged and published why (a CPU server)
             return

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from p2pweights.errors import ConfigError, P2PWeightsError
+from p2pweights.errors import ConfigError, P2PWeightsError, TransportError
 from p2pweights.sglang_plugin.publish import LivePublication, put_publication
 from p2pweights.transports.base import Publisher
 
@@ -60,9 +60,10 @@ class IpcLivePublication(LivePublication):
             info = publisher.publication(params)
         except P2PWeightsError as exc:
             publisher.close()
+            hint = _allocator_hint() if isinstance(exc, TransportError) else ""
             raise ConfigError(
                 f"tp rank {self.engine_rank}: cannot share the weights by CUDA IPC handle "
-                f"({exc}){_allocator_hint()}"
+                f"({exc}){hint}"
             ) from exc
         except BaseException:
             publisher.close()
@@ -109,12 +110,21 @@ def gpu_parameters(model: nn.Module, engine_rank: int) -> dict[str, torch.Tensor
 
 
 def publish_ipc(
-    engine_rank: int, bootstrap_url: str, model: nn.Module
+    engine_rank: int, bootstrap_url: str, model: nn.Module, *, memory_saver: bool = False
 ) -> IpcLivePublication | None:
     """Publish ``model``'s weights for CUDA IPC (epoch 0); None where the rank cannot (it
-    logged why and published the reason as an error). Never raises an ``Exception``."""
+    logged why and published the reason as an error). ``memory_saver``: sglang's memory
+    saver manages the weights (refused). Never raises an ``Exception``."""
     published = IpcLivePublication(engine_rank, bootstrap_url)
     try:
+        if memory_saver:
+            raise ConfigError(
+                f"tp rank {engine_rank}: sglang's memory saver (--enable-memory-saver) holds "
+                f"the weights in CUDA virtual-memory allocations, which CUDA IPC handles "
+                f"cannot share, and gives them new physical memory at every "
+                f"resume_memory_occupation at the same addresses; start the server without "
+                f"--enable-memory-saver to publish with {PLUGIN}"
+            )
         published.publish(model)
     except Exception as exc:
         logger.error(
@@ -145,14 +155,18 @@ def withdraw(engine_rank: int, bootstrap_url: str, reason: str, *, epoch: int) -
 
 
 def _allocator_hint() -> str:
-    """Why ``cudaIpcGetMemHandle`` fails where torch's allocator maps memory itself."""
+    """Where ``cudaIpcGetMemHandle`` fails: memory mapped through CUDA's virtual memory
+    API (``cuMemCreate`` / ``cuMemMap``), which legacy IPC handles cannot share."""
     import torch
 
     settings = getattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")()
     if "expandable_segments:True" in str(settings):
         return (
             "; torch's allocator runs with expandable_segments:True here, whose memory "
-            "cudaIpcGetMemHandle cannot share: start the server without it in "
+            "CUDA IPC handles cannot share: start the server without it in "
             "PYTORCH_CUDA_ALLOC_CONF"
         )
-    return ""
+    return (
+        "; memory that sglang's --enable-memory-saver or torch's expandable_segments maps "
+        "cannot be shared by CUDA IPC handle: start the server without them"
+    )
