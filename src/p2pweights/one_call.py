@@ -35,8 +35,8 @@ class OneCall:
         self._lock = threading.Lock()
         self._name: str | None = None
         self._thread: int | None = None
+        # Set by ``abort()`` / ``close()`` while an update runs: it stops at its next check.
         self.cancel = threading.Event()
-        """Set by ``abort()`` / ``close()`` while an update runs: it stops at its next check."""
 
     @property
     def running(self) -> str | None:

@@ -111,6 +111,16 @@ def checksums_by_rank(url: str, answer: Mapping[str, Any]) -> list[dict[str, str
 
     Each rank's ``parallelism_info`` is one object in the local engine's answers and a
     list (one per runner role, all of one TP rank) in sglang 0.5.23's.
+
+    Args:
+        url: The engine's URL, for messages.
+        answer: The ``/weights_checker`` answer.
+
+    Returns:
+        Per TP rank in rank order, tensor name -> checksum.
+
+    Raises:
+        EngineError: The answer cannot be read, or its TP ranks are not 0..N-1 once each.
     """
     try:
         entries = [

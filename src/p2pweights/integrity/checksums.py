@@ -33,11 +33,11 @@ class StagedChecksums:
     """sglang weight-checker hashes of the slots staged so far in one update."""
 
     def __init__(self, devices: Mapping[str, str]) -> None:
+        # Engine URL -> the kind of device ("cpu" or "cuda") its ranks hold weights on,
+        # for each engine checked this way; slots going elsewhere are not hashed.
         self.devices = dict(devices)
-        """Engine URL -> the kind of device ("cpu" or "cuda") its ranks hold weights on,
-        for each engine checked this way; slots going elsewhere are not hashed."""
+        # Runner -> parameter -> hash of the bytes staged for it.
         self.found: dict[Runner, dict[str, str]] = {}
-        """Runner -> parameter -> hash of the bytes staged for it."""
         self.seconds = 0.0
 
     def __bool__(self) -> bool:
