@@ -129,15 +129,7 @@ class Connection:
         reserved, and the write check over them."""
         config = self.config
         check_one_model(fleet.engines)
-        # a delta an engine refused is seen only through its record: checked always, and
-        # by write digests only
-        verify = "always" if config.delta and config.verify_writes == "auto" else None
-        write_check = WriteCheck.connect(
-            fleet.engines,
-            verify or config.verify_writes,
-            self.unverified_warned,
-            digests_only=config.delta is not None,
-        )
+        write_check = WriteCheck.for_config(config, fleet.engines, self.unverified_warned)
         if self.executor is None:
             transport = create_transport(config.transport)
             self.executor = TransferExecutor(

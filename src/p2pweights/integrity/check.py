@@ -27,6 +27,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2pweights.config import SyncConfig
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
@@ -177,6 +178,17 @@ class WriteCheck:
                 )
             check.unverified[engine.url] = why
         return check
+
+    @classmethod
+    def for_config(
+        cls, config: SyncConfig, engines: Sequence[ConnectedEngine], warned: set[str]
+    ) -> WriteCheck:
+        """``connect`` under ``config``'s policy: ``verify_writes``, and for delta updates
+        "always" by write digests only (a delta an engine refused is seen only through its
+        record; ``SyncConfig.verification_policy`` says the same)."""
+        delta = config.delta is not None
+        mode = "always" if delta and config.verify_writes == "auto" else config.verify_writes
+        return cls.connect(engines, mode, warned, digests_only=delta)
 
     def __bool__(self) -> bool:
         return bool(self.engines)
