@@ -317,7 +317,7 @@ def test_the_manager_works_when_awaited_from_verls_async_trainers(events):
     async def trainer_step():  # FullyAsyncTrainer-style: await checkpoint_manager.update_weights
         return await manager.update_weights(global_steps=7)
 
-    assert asyncio.run(trainer_step()) == {"p2pweights/bytes": 0.0, "p2pweights/seconds": 0.0}
+    assert asyncio.run(trainer_step()) == {}  # the fake ranks report no metrics
     assert ("actor.update_weights", 7, BACKEND) in events
 
 
@@ -340,13 +340,19 @@ def test_the_manager_merges_the_ranks_metrics(events):
         {
             "p2pweights/bytes": 3e9,
             "p2pweights/seconds": 2.0,
-            "p2pweights/paused_s": 2.5,
+            "p2pweights/gb_per_s": 1.5,
+            "p2pweights/paused_s_max": 2.5,
             "p2pweights/max_engine_rank_bytes": 2e9,
+            "p2pweights/engines_verified": 2.0,
+            "p2pweights/num_engine_ranks": 2.0,
         },
         {
             "p2pweights/bytes": 1e9,
             "p2pweights/seconds": 1.0,
+            "p2pweights/gb_per_s": 1.0,
             "p2pweights/max_engine_rank_bytes": 1e9,
+            "p2pweights/engines_verified": 1.0,
+            "p2pweights/num_engine_ranks": 1.0,
         },
     ]
     group = _ActorWorkerGroup(events, metrics=per_rank)
@@ -354,8 +360,10 @@ def test_the_manager_merges_the_ranks_metrics(events):
     assert manager.update_weights(global_steps=1) == {
         "p2pweights/bytes": 4e9,
         "p2pweights/seconds": 2.0,
-        "p2pweights/paused_s": 2.5,
-        "p2pweights/max_engine_rank_bytes": 2e9,
         "p2pweights/gb_per_s": 2.0,
+        "p2pweights/paused_s_max": 2.5,
+        "p2pweights/max_engine_rank_bytes": 2e9,
+        "p2pweights/engines_verified": 1.0,
+        "p2pweights/num_engine_ranks": 3.0,
     }
     assert merge_metrics([None, None]) == {}

@@ -328,47 +328,39 @@ def engine_urls(replicas: Sequence[Any]) -> list[str]:
     return [f"http://{replica.server_address}" for replica in replicas]
 
 
-_BUSIEST = "p2pweights/max_engine_rank_bytes"
+_PREFIX = "p2pweights/"
+_SUMMED = ("bytes", "delta_sent_bytes", "num_engine_ranks")
+"""Metrics each actor rank counts for its own engine ranks: the update's are their sum."""
+_LEAST = ("engines_verified",)
+"""An engine counts as verified only where every rank's writes into it were."""
 
 
 def merge_metrics(per_rank: Iterable[object]) -> dict[str, float]:
-    """The actor ranks' ``send_weights`` metrics as one: bytes summed over the ranks,
-    seconds (and engine pause time) the slowest rank's, and the bytes of the engine rank
-    that took the most (``p2pweights/max_engine_rank_bytes``: what bounds the update's
-    time on the receiving side)."""
+    """The actor ranks' ``send_weights`` metrics (``UpdateReport.metrics``, docs/metrics.md)
+    as one: bytes summed over the ranks, ``engines_verified`` the least any rank counted,
+    every other value (seconds, pause, the busiest engine rank's bytes) the largest, and
+    ``gb_per_s`` the summed bytes over the slowest rank's seconds."""
     ranks = [m for m in per_rank if isinstance(m, Mapping)]
     if not ranks:
         return {}
-    merged = {
-        "p2pweights/bytes": float(sum(m.get("p2pweights/bytes", 0.0) for m in ranks)),
-        "p2pweights/seconds": max(m.get("p2pweights/seconds", 0.0) for m in ranks),
-    }
-    busiest = [m[_BUSIEST] for m in ranks if _BUSIEST in m]
-    if busiest:  # each engine rank is written by one actor rank
-        merged[_BUSIEST] = max(busiest)
-    paused = [m["p2pweights/paused_s"] for m in ranks if "p2pweights/paused_s" in m]
-    if paused:
-        merged["p2pweights/paused_s"] = max(paused)
-    if merged["p2pweights/seconds"] > 0:
-        merged["p2pweights/gb_per_s"] = (
-            merged["p2pweights/bytes"] / merged["p2pweights/seconds"] / 1e9
-        )
+    merged: dict[str, float] = {}
+    for name in dict.fromkeys(key for m in ranks for key in m):
+        values = [float(m[name]) for m in ranks if name in m]
+        short = name.removeprefix(_PREFIX)
+        if short in _SUMMED:
+            merged[name] = sum(values)
+        elif short in _LEAST:
+            merged[name] = min(values)
+        else:
+            merged[name] = max(values)
+    seconds = merged.get(f"{_PREFIX}seconds", 0.0)
+    if seconds > 0 and f"{_PREFIX}bytes" in merged:
+        merged[f"{_PREFIX}gb_per_s"] = merged[f"{_PREFIX}bytes"] / seconds / 1e9
     return merged
 
 
 def _rank_metrics(report: UpdateReport) -> dict[str, float]:
-    metrics = {
-        "p2pweights/bytes": float(report.bytes_written),
-        "p2pweights/seconds": report.seconds,
-    }
-    if report.bytes_by_target:
-        metrics[_BUSIEST] = float(max(report.bytes_by_target.values()))
-    paused = getattr(report, "paused_s", None)  # per engine, where the session records it
-    if isinstance(paused, Mapping) and paused:
-        metrics["p2pweights/paused_s"] = max(float(s) for s in paused.values())
-    elif isinstance(paused, int | float):
-        metrics["p2pweights/paused_s"] = float(paused)
-    return metrics
+    return {name: float(value) for name, value in report.metrics(prefix=_PREFIX).items()}
 
 
 def _caller_pauses(config: SyncConfig) -> SyncConfig:
