@@ -91,7 +91,7 @@ class WeightSyncSession:
         transport reads GPU memory); by default the GPU of a ``CudaIpcConfig`` transport,
         else pinned host memory. ``from_torch_distributed`` fills all of this in.
         """
-        logs.configure()  # P2PWEIGHTS_LOG, and third-party noise kept out
+        logs.apply_log_level()  # P2PWEIGHTS_LOG; nothing process-wide besides (logs.quiet)
         config = config or SyncConfig()
         # the config as this session holds it: its topology filled in
         self.config = config if topology is None else config.with_topology(topology)

@@ -56,6 +56,7 @@ PUBLIC = {
         "verify_engine",
     },
     "p2pweights.local_engine": {"LocalEngine", "free_port"},
+    "p2pweights.logs": {"apply_log_level", "configure", "keep_third_party_noise_out", "quiet"},
     "p2pweights.testing": {
         "MODEL_NAMES",
         "hf_checkpoint_names_and_shapes",
