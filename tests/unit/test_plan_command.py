@@ -181,3 +181,49 @@ def test_delta_fraction_beside_the_full_update(plans):
     out = json.loads(done.stdout)
     assert out["delta"]["fraction"] == 0.1
     assert out["delta"]["bytes_fraction"] == pytest.approx(0.3, rel=0.01)
+
+
+# -- layouts that cannot shard, idle senders, defaults (issue 41 item 9) ------------------------
+
+
+def _config_with(tmp_path: Path, **fields: object) -> Path:
+    from p2pweights.testing import model_config
+
+    config = {**model_config("qwen3-tiny"), **fields}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_heads_that_do_not_divide_by_tp_are_one_line_and_rc_2(tmp_path):
+    path = _config_with(tmp_path, num_attention_heads=5, num_key_value_heads=5, hidden_size=160)
+    done = _plan("--model", str(path), "--engine", "tp=2", "--senders", "2")
+    assert done.returncode == 2, done.stderr
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("p2pweights plan:")]
+    assert len(refusal) == 1 and "Traceback" not in done.stderr
+    assert "num_attention_heads=5 does not divide by the attention TP size 2" in refusal[0]
+
+
+def test_any_other_dimension_sglang_asserts_on_names_the_module(tmp_path):
+    path = _config_with(tmp_path, intermediate_size=509)
+    done = _plan("--model", str(path), "--engine", "tp=2", "--senders", "2")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "model.layers.0.mlp.gate_up_proj" in done.stderr
+    assert "output_size % tp_size == 0" in done.stderr
+
+
+def test_the_summary_says_which_senders_write_nothing_and_why(plan_folder):
+    done = _plan("--model", str(plan_folder), "--engine", "tp=2", "--senders", "4")
+    assert done.returncode == 0, done.stderr
+    assert "2 of 4 sender(s) write nothing: each engine rank has one writer" in done.stdout
+
+
+def test_help_shows_the_defaults():
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pweights.cli", "plan", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "(default: 50.0)" in done.stdout and "(default: 512MiB)" in done.stdout
