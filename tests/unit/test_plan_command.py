@@ -227,3 +227,43 @@ def test_help_shows_the_defaults():
         timeout=120,
     )
     assert "(default: 50.0)" in done.stdout and "(default: 512MiB)" in done.stdout
+
+
+def test_fp8_blocks_wider_than_a_ranks_share_name_the_parameter_and_the_way_out():
+    """Kimi-K2's 128 x 128 fp8 blocks at tp=32, ep=32 (issue 41 item 8)."""
+    done = _plan("--model", "kimi-k2-full", "--engine", "tp=32,ep=32", "--senders", "32")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    refusal = next(line for line in done.stderr.splitlines() if line.startswith("p2pweights"))
+    assert "model.layers.0.mlp.gate_up_proj" in refusal
+    assert "576 is not divisible by weight quantization block_n = 128" in refusal
+    assert "64 x 64" in refusal and "moe_dense_tp_size=1" in refusal
+
+
+def test_kimi_k2s_own_config_plans_as_the_architecture_sglang_serves(tmp_path):
+    """Kimi-K2's config says model_type "kimi_k2" (remote code) and DeepseekV3ForCausalLM
+    (issue 41 item 7): the plan reads it as deepseek_v3, as sglang serves it."""
+    from p2pweights.testing import model_config
+
+    config = {**model_config("kimi-k2-full"), "model_type": "kimi_k2"}
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = _plan("--model", str(tmp_path), "--engine", "tp=16,ep=16", "--senders", "16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "predicted p2p update" in done.stdout
+
+
+def test_a_model_type_nobody_knows_is_one_short_line(tmp_path):
+    config = {**json.loads(json.dumps(_qwen3())), "model_type": "nobody_knows"}
+    config["architectures"] = ["NobodyKnowsForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = _plan("--model", str(tmp_path), "--engine", "tp=1", "--senders", "1")
+    assert done.returncode == 2
+    refusal = next(line for line in done.stderr.splitlines() if line.startswith("p2pweights"))
+    assert "nobody_knows" in refusal and len(refusal) < 600
+
+
+def _qwen3() -> dict:
+    from p2pweights.testing import model_config
+
+    return model_config("qwen3-tiny")
