@@ -169,6 +169,12 @@ class DeltaConfig(_Config):
     then; ``delta.policy``); ``UpdateReport.delta`` says what was decided and why.
     ``"always"``: every update after the first is a delta wherever an engine rank holds
     the previous update, whatever it costs."""
+    objective: Literal["update", "pause"] = "update"
+    """What ``mode="auto"`` minimises: ``"update"``, the seconds of ``update()``; ``"pause"``,
+    the seconds the engines stand paused (only the compare done while they are paused
+    counts: the first staging buffer's runs while they still generate). A delta at a
+    small learning rate often pauses the engines less even where the whole update takes
+    longer. ``UpdateReport.delta.decision`` names the objective."""
 
     @field_validator("max_fraction")
     @classmethod

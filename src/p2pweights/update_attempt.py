@@ -226,7 +226,7 @@ class UpdateAttempt:
                 for _ in inputs:
                     pass
                 return RunResult()
-            result = self._run(tensors, checked, before_writes)
+            result = self._run(tensors, checked, before_writes, paused=not stream_first)
         except BaseException as exc:
             if isinstance(exc, ConfigError) and len(exc.args) == 1:
                 # bad input found as the input streamed: say what that left the engines in
@@ -254,6 +254,7 @@ class UpdateAttempt:
         tensors: Iterable[tuple[str, torch.Tensor]],
         checked: bool,
         before_writes: Callable[[], BytePlan | None],
+        paused: bool = False,
     ) -> RunResult:
         connection = self.connection
         executor, prepared = connection.ready()
@@ -270,6 +271,7 @@ class UpdateAttempt:
                     before_writes=before_writes,
                     cancel=self.cancel,
                     digest_staged=bool(connection.write_check),
+                    paused_before=paused,
                 ),
             )
         self.last_run = result

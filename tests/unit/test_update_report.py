@@ -357,7 +357,8 @@ def test_a_delta_report_says_whether_the_update_went_as_deltas_and_why():
     )
     delta = DeltaReport.of(summary)
     assert delta.decision == (
-        "sent in full: faster (predicted writes and compare: delta 0.200 s, full 0.100 s)"
+        "sent in full: faster (minimising update time; predicted writes and compare: "
+        "delta 0.200 s, full 0.100 s)"
     )
     report = UpdateReport(version="1", bytes_by_target={("http://e0", 0): 100}, delta=delta)
     assert "sent in full: faster" in report.summary()
