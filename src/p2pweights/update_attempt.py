@@ -93,6 +93,8 @@ class UpdateAttempt:
             raise ConfigError("call connect(engines) before update()")
         started = time.perf_counter()
         first = connection.prepared is None
+        if self.config.num_senders > 1:  # before any is read: an iterator may gather
+            self.collective.same_input_kind(named_tensors)
         tensors, described = read_input(named_tensors, first, self.receipts)
         given = tensors if isinstance(tensors, list) else None
         whole = given is not None  # checked whole in prepare, not again as it streams
