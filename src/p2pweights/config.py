@@ -293,7 +293,9 @@ class SyncConfig(_Config):
     (the default) writes every byte every update."""
     verify_finite_inputs: bool = False
     """Refuse, before it is staged, any tensor holding NaN or Inf (reads every byte once
-    more, on the tensor's own device; off by default). (Was ``check_finite``.)"""
+    more, on the tensor's own device). Off by default: on a 2-core CPU it added 18 % to
+    an update of 383 MB (1.17 s -> 1.39 s); ``UpdateReport.inputs_checked_finite`` and the
+    summary say when inputs went unchecked. (Was ``check_finite``.)"""
     allow_sglang_mismatch: bool = False
     """Connect to engines whose sglang release differs from the trainer's (a warning
     instead of an error; the replica runs the trainer's copy of sglang's model code)."""
