@@ -40,6 +40,7 @@ PUBLIC = {
         "PlanError",
         "SyncConfig",
         "TrainerTopology",
+        "TransportConfigBase",
         "TransferError",
         "TransportError",
         "UpdateReport",
@@ -68,7 +69,10 @@ PUBLIC = {
 }
 
 # Public names of modules whose full surface other work still grows: at least these.
-AT_LEAST = {"p2pweights.adapters": {"torch_agree"}}
+AT_LEAST = {
+    "p2pweights.adapters": {"torch_agree"},
+    "p2pweights.transports": {"Publisher", "Transport", "Write", "register_transport"},
+}
 
 
 @pytest.mark.parametrize("module", sorted(PUBLIC))
