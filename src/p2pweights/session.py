@@ -44,7 +44,7 @@ update received it fails the update with ``InputChangedError`` (``source.receipt
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -202,8 +202,20 @@ class WeightSyncSession:
         with self._one_call.refusing("connect"):
             self._connection.connect(engines)
 
-    def update(self, named_tensors: NamedTensors, *, version: str | None = None) -> UpdateReport:
+    def update(
+        self,
+        named_tensors: NamedTensors,
+        *,
+        version: str | None = None,
+        subset: Collection[str] | None = None,
+    ) -> UpdateReport:
         """Write ``(hf_name, tensor)`` pairs (checkpoint names) into every connected engine.
+
+        ``subset``: a partial update (not the first): the HF names this update sends,
+        exactly. Only the parameters they feed are written (and verified); the engines keep
+        every other weight as it was. A name outside ``subset``, one of it missing from the
+        input, or a parameter group it covers only in part is refused before any byte is
+        written. Not with ``SyncConfig.delta`` or pipeline stages.
 
         Returns once every engine runs the new weights; raises if any write failed,
         was refused or is still running after ``transfer_timeout_s``, or an engine
@@ -241,23 +253,25 @@ class WeightSyncSession:
         """
         with self._one_call.refusing("update"):
             try:
-                return self._update(named_tensors, version)
+                return self._update(named_tensors, version, _subset(subset, self.config))
             except BaseException:
                 executor = self._connection.executor
                 if executor is not None:
                     executor.forget_deltas()  # failed after its writes too: next is full
                 raise
 
-    def _update(self, named_tensors: NamedTensors, version: str | None) -> UpdateReport:
-        attempt = self._attempt(version)
+    def _update(
+        self, named_tensors: NamedTensors, version: str | None, subset: frozenset[str] | None
+    ) -> UpdateReport:
+        attempt = self._attempt(version, subset)
         self._last_attempt = attempt
         report = attempt.run(named_tensors)
         logger.info("p2pweights update %s", report.summary())
         return report
 
-    def _attempt(self, version: str | None) -> UpdateAttempt:
+    def _attempt(self, version: str | None, subset: frozenset[str] | None = None) -> UpdateAttempt:
         return UpdateAttempt(
-            self._connection, self._collective, self._cancel, self._rank_name, version
+            self._connection, self._collective, self._cancel, self._rank_name, version, subset
         )
 
     # -- giving up and teardown ----------------------------------------------------------------
@@ -310,3 +324,19 @@ class WeightSyncSession:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _subset(subset: Collection[str] | None, config: SyncConfig) -> frozenset[str] | None:
+    """``update(subset=...)`` as a set of names, refused where partial updates cannot go."""
+    if subset is None:
+        return None
+    if isinstance(subset, str):
+        raise ConfigError("subset= takes a collection of HF names, not one string")
+    if config.delta is not None:
+        raise ConfigError(
+            "a partial update (subset=) cannot go with SyncConfig.delta: deltas compare every "
+            "staged byte with the previous update's; use delta=None for partial updates"
+        )
+    if config.num_pipeline_stages > 1:
+        raise ConfigError("a partial update (subset=) is not supported with pipeline stages")
+    return frozenset(subset)

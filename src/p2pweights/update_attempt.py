@@ -70,8 +70,10 @@ class UpdateAttempt:
         cancel: threading.Event,
         rank_name: str,
         version: str | None,
+        subset: frozenset[str] | None = None,
     ) -> None:
         self.connection = connection
+        self.subset = subset  # a partial update's declared HF names (None: every one)
         self.config = connection.config
         self.collective = collective
         self.cancel = cancel  # set by abort(): stop before the writes or at the next group
@@ -146,9 +148,16 @@ class UpdateAttempt:
         iterator says it will yield."""
         connection = self.connection
         if connection.prepared is not None:
+            if self.subset is not None:
+                connection.prepared.source.check_subset(self.subset)
             if tensors is not None:
-                connection.prepared.source.check_whole(tensors)
+                connection.prepared.source.check_whole(tensors, self.subset)
             return
+        if self.subset is not None:
+            raise ConfigError(
+                "the first update sends every HF tensor (it is checked against the engines' "
+                "checkpoint and fixes what later updates send); pass subset= from the second on"
+            )
         if tensors is None and described is None:
             raise ConfigError(
                 "a first update must be read whole or say what it will yield (specs()) "
@@ -223,7 +232,11 @@ class UpdateAttempt:
             if not connection.targets:  # an idle trainer rank writes nothing, but reads its input
                 before_writes()
                 inputs = prepared.source.ready(
-                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                    tensors,
+                    prepared.plan,
+                    checked=checked,
+                    receipts=self.receipts,
+                    subset=self.subset,
                 )
                 for _ in inputs:
                     pass
@@ -265,7 +278,11 @@ class UpdateAttempt:
             result = executor.run(
                 prepared.plan,
                 prepared.source.ready(
-                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                    tensors,
+                    prepared.plan,
+                    checked=checked,
+                    receipts=self.receipts,
+                    subset=self.subset,
                 ),
                 checked_loaders(connection.replicas, self.receipts),
                 RunHooks(

@@ -25,7 +25,8 @@ EXPECTED = {
     ("docs/quickstart.md", 0): "http://127.0.0.1:",
     ("docs/quickstart.md", 1): "version step-1:",
     ("docs/quickstart.md", 2): "version moe-1:",
-    ("docs/quickstart.md", 4): "",
+    ("docs/quickstart.md", 3): "version step-2:",
+    ("docs/quickstart.md", 5): "",
 }
 
 

@@ -21,7 +21,8 @@ RUN = {
     ("docs/quickstart.md", 0): "a local engine from a shipped tiny config",
     ("docs/quickstart.md", 1): "two local engines, one update with a version",
     ("docs/quickstart.md", 2): "a MoE engine with expert parallelism",
-    ("docs/quickstart.md", 4): "p2pweights.logs.quiet()",
+    ("docs/quickstart.md", 3): "a partial update of one layer's MLP",
+    ("docs/quickstart.md", 5): "p2pweights.logs.quiet()",
 }
 """(page, index of the python block on it) -> what it does; tests/integration runs it."""
 
@@ -33,7 +34,7 @@ RUN_ELSEWHERE = {
 }
 
 FRAGMENTS = {
-    ("docs/quickstart.md", 3): "CUDA IPC: needs GPUs and an engine on the same host "
+    ("docs/quickstart.md", 4): "CUDA IPC: needs GPUs and an engine on the same host "
     "(tests/integration/test_cuda_ipc_gpu.py on the GPU machine)",
     ("docs/metrics.md", 0): "a line inside a training loop (session, step, wandb)",
     ("docs/nixl-plugin.md", 0): "needs sglang servers with the NIXL plugin at those hosts",
