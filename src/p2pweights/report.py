@@ -131,6 +131,9 @@ class UpdateReport:
     control_call_seconds: float = 0.0
     """Wall seconds during which at least one of those calls was in flight (calls issued
     at once count once)."""
+    subset_size: int | None = None
+    """A partial update (``update(..., subset=...)``): how many HF tensors its declared
+    subset named; the engines kept every weight those do not feed. None: every tensor."""
     inputs_checked_finite: bool = False
     """Whether every input tensor was checked for NaN / Inf before it was staged
     (``SyncConfig.verify_finite_inputs``; off by default: on a CPU the check costs tens
@@ -166,7 +169,8 @@ class UpdateReport:
         ``paused_s_max`` (where this rank drives the engines);
         ``delta_fraction``, ``delta_sent_bytes``, ``delta_params``, ``full_params``,
         ``unchanged_params`` (with ``SyncConfig.delta``);
-        ``control_calls``, ``control_call_s``; ``inputs_checked_finite`` (1 or 0); and
+        ``control_calls``, ``control_call_s``; ``inputs_checked_finite`` (1 or 0);
+        ``subset_size`` (a partial update's declared tensors); and
         ``<stage>_s`` for each stage timed
         (``stage_seconds``: ``load_s``, ``wait_s``, ...)."""
         values: dict[str, float | int] = {
@@ -189,6 +193,8 @@ class UpdateReport:
             )
         if self.paused_s:
             values["paused_s_max"] = float(max(self.paused_s.values()))
+        if self.subset_size is not None:
+            values["subset_size"] = self.subset_size
         if self.delta is not None:
             values["delta_fraction"] = self.delta.fraction
             values["delta_sent_bytes"] = self.delta.sent_bytes
@@ -223,6 +229,7 @@ class UpdateReport:
             else {**dataclasses.asdict(self.delta), "fraction": self.delta.fraction},
             "num_control_calls": self.num_control_calls,
             "control_call_seconds": self.control_call_seconds,
+            "subset_size": self.subset_size,
             "inputs_checked_finite": self.inputs_checked_finite,
             "metrics": self.metrics(prefix=""),
         }
@@ -230,6 +237,11 @@ class UpdateReport:
     def summary(self) -> str:
         """A few lines saying what the update did, for a person to read."""
         lines = [self._headline()]
+        if self.subset_size is not None:
+            lines.append(
+                f"  partial update: the {self.subset_size} HF tensor(s) of its declared subset; "
+                f"every other weight kept"
+            )
         if self.delta is not None:
             lines.append(_delta_line(self.delta))
         lines.extend(_engine_lines(self.engines.values()))

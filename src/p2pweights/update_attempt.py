@@ -405,6 +405,7 @@ class UpdateAttempt:
             delta=None if result.delta is None else DeltaReport.of(result.delta),
             num_control_calls=calls.num_calls,
             control_call_seconds=calls.wall_seconds,
+            subset_size=None if self.subset is None else len(self.subset),
             inputs_checked_finite=self.config.verify_finite_inputs,
         )
 

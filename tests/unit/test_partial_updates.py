@@ -43,6 +43,8 @@ def test_only_the_declared_subset_is_written_and_verified(engines, session):
     assert any(v == 5 for v in after.values())
     assert report.bytes_written < sum(t.numel() for t in engine.memory.values())
     assert report.engines["http://a"].verified_by == ("write_digests",)
+    assert report.subset_size == 1 and "partial update: the 1 HF tensor(s)" in report.summary()
+    assert report.metrics()["p2pweights/subset_size"] == 1
     assert engine.running
     session.update(_tensors(6))  # a full update after it still writes everything
     assert all(v == 6 for v in _values(engine).values())
