@@ -15,7 +15,7 @@ after the outer step's own ``agree``, instead of being wrapped again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar, cast
 
 from p2pweights import errors
@@ -91,6 +91,31 @@ class Collective:
         prefix = "" if cls.__name__ == kind else f"{kind}: "
         return cls(f"{who} failed the '{name}' step of this update{others}: {prefix}{message}")
 
+    def same_input_kind(self, given: object) -> None:
+        """Every sending rank was given the same kind of input: all read whole (a mapping
+        or a sequence) or all streamed (an iterator, e.g. FSDP2's gathering generator).
+        Mixed, the ranks would run their collectives in different orders (and an
+        iterator's own gathers) and hang until the process group's timeout; instead every
+        rank raises ``ConfigError`` naming what each passed (with ``gather``). Two
+        all-reduces (one with ``gather`` on a mismatch); nothing is read from ``given``."""
+        streamed = isinstance(given, Iterator)
+        all_whole = self._agree(not streamed)
+        all_streamed = self._agree(streamed)
+        if all_whole or all_streamed:
+            return
+        mine = f"{self.rank_name}: {_kind(given)}"
+        said = (
+            "; ".join(str(entry) for entry in self._gather(mine))
+            if self._gather is not None
+            else f"this rank ({mine}) and another differ"
+        )
+        raise ConfigError(
+            "the sending trainer ranks passed update() different kinds of input, some read "
+            f"whole (a mapping or a list) and some streamed (an iterator): {said}. Pass the "
+            "same on every rank (e.g. hf_named_tensors(model) everywhere: its FSDP2 gathers "
+            "run on every rank); nothing was read, paused or written"
+        )
+
     def stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
         """With pipeline stages: the inputs of every stage (one all-gather, first update
         only), checked for tensors sent by two stages; None if a rank (``own`` None here)
@@ -102,6 +127,15 @@ class Collective:
         if any(entry is None for entry in gathered):
             return None
         return union_of_stages(cast(list[tuple[int, Mapping[str, InputSpec]]], gathered))
+
+
+def _kind(given: object) -> str:
+    what = type(given).__name__
+    if isinstance(given, Mapping):
+        return f"a mapping ({what}), read whole"
+    if isinstance(given, Iterator):
+        return f"an iterator ({what}), streamed"
+    return f"a sequence ({what}), read whole"
 
 
 def union_of_stages(

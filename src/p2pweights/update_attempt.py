@@ -70,8 +70,10 @@ class UpdateAttempt:
         cancel: threading.Event,
         rank_name: str,
         version: str | None,
+        subset: frozenset[str] | None = None,
     ) -> None:
         self.connection = connection
+        self.subset = subset  # a partial update's declared HF names (None: every one)
         self.config = connection.config
         self.collective = collective
         self.cancel = cancel  # set by abort(): stop before the writes or at the next group
@@ -93,6 +95,8 @@ class UpdateAttempt:
             raise ConfigError("call connect(engines) before update()")
         started = time.perf_counter()
         first = connection.prepared is None
+        if self.config.num_senders > 1:  # before any is read: an iterator may gather
+            self.collective.same_input_kind(named_tensors)
         tensors, described = read_input(named_tensors, first, self.receipts)
         given = tensors if isinstance(tensors, list) else None
         whole = given is not None  # checked whole in prepare, not again as it streams
@@ -144,9 +148,16 @@ class UpdateAttempt:
         iterator says it will yield."""
         connection = self.connection
         if connection.prepared is not None:
+            if self.subset is not None:
+                connection.prepared.source.check_subset(self.subset)
             if tensors is not None:
-                connection.prepared.source.check_whole(tensors)
+                connection.prepared.source.check_whole(tensors, self.subset)
             return
+        if self.subset is not None:
+            raise ConfigError(
+                "the first update sends every HF tensor (it is checked against the engines' "
+                "checkpoint and fixes what later updates send); pass subset= from the second on"
+            )
         if tensors is None and described is None:
             raise ConfigError(
                 "a first update must be read whole or say what it will yield (specs()) "
@@ -221,12 +232,16 @@ class UpdateAttempt:
             if not connection.targets:  # an idle trainer rank writes nothing, but reads its input
                 before_writes()
                 inputs = prepared.source.ready(
-                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                    tensors,
+                    prepared.plan,
+                    checked=checked,
+                    receipts=self.receipts,
+                    subset=self.subset,
                 )
                 for _ in inputs:
                     pass
                 return RunResult()
-            result = self._run(tensors, checked, before_writes)
+            result = self._run(tensors, checked, before_writes, paused=not stream_first)
         except BaseException as exc:
             if isinstance(exc, ConfigError) and len(exc.args) == 1:
                 # bad input found as the input streamed: say what that left the engines in
@@ -254,6 +269,7 @@ class UpdateAttempt:
         tensors: Iterable[tuple[str, torch.Tensor]],
         checked: bool,
         before_writes: Callable[[], BytePlan | None],
+        paused: bool = False,
     ) -> RunResult:
         connection = self.connection
         executor, prepared = connection.ready()
@@ -262,7 +278,11 @@ class UpdateAttempt:
             result = executor.run(
                 prepared.plan,
                 prepared.source.ready(
-                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                    tensors,
+                    prepared.plan,
+                    checked=checked,
+                    receipts=self.receipts,
+                    subset=self.subset,
                 ),
                 checked_loaders(connection.replicas, self.receipts),
                 RunHooks(
@@ -270,6 +290,7 @@ class UpdateAttempt:
                     before_writes=before_writes,
                     cancel=self.cancel,
                     digest_staged=bool(connection.write_check),
+                    paused_before=paused,
                 ),
             )
         self.last_run = result
@@ -384,6 +405,8 @@ class UpdateAttempt:
             delta=None if result.delta is None else DeltaReport.of(result.delta),
             num_control_calls=calls.num_calls,
             control_call_seconds=calls.wall_seconds,
+            subset_size=None if self.subset is None else len(self.subset),
+            inputs_checked_finite=self.config.verify_finite_inputs,
         )
 
     @contextmanager

@@ -727,7 +727,8 @@ def test_versions_continue_from_the_engine_and_never_go_back(engines):
 
 
 def test_other_rank_failure_fails_this_rank(engines):
-    votes = iter([True, True, False])  # prepare and open agreed; another rank's write failed
+    # every rank was given a list, prepare and open agreed; another rank's write failed
+    votes = iter([True, True, True, False])
     config = SyncConfig(buffer_bytes="1MiB")
     second = TrainerTopology(rank=1, num_ranks=2)
     with WeightSyncSession(config, topology=second, agree=lambda ok: ok and next(votes)) as session:

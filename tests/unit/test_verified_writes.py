@@ -329,7 +329,8 @@ def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines
 
     def agree(ok: bool) -> bool:
         steps.append(ok)
-        return ok and len(steps) != 5  # prepare, open, write, close, verify_writes
+        # the input kinds (whole, streamed), prepare, open, write, close, verify_writes
+        return ok and len(steps) != 7
 
     config = SyncConfig(buffer_bytes="1MiB")
     two = TrainerTopology(rank=0, num_ranks=2)
@@ -339,7 +340,7 @@ def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines
         session.connect(["http://a", "http://b"])
         with pytest.raises(TransferError, match="another trainer rank failed the 'verify_writes'"):
             session.update(_tensors(6))
-        assert steps == [True] * 5
+        assert steps == [True, False] + [True] * 5  # the kinds: whole, not streamed
         report = session.abort()
         assert sorted(report.left_paused) == ["http://a", "http://b"]
         session.update(_tensors(7))  # every rank passes: both resumed

@@ -17,6 +17,7 @@ from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, Engi
 from p2pweights.errors import EngineError, EngineUnreachable
 from p2pweights.replica.speculative import has_model_draft
 from p2pweights.report import EngineReport, Verification
+from p2pweights.transport_registry import publication_backend
 from p2pweights.wire.publication import RankPublication, require_backend
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ def connect_engine(
     index: int, endpoint: EngineEndpoint, options: ConnectOptions
 ) -> ConnectedEngine:
     transport_kind = options.transport_kind
+    backend = publication_backend(transport_kind)  # what the engines must publish for it
     client = EngineClient(
         endpoint.url,
         timeout_s=options.timeout_s,
@@ -157,7 +159,7 @@ def connect_engine(
     try:
         server_info = client.server_info()
         check_sglang_version(endpoint.url, server_info, options.allow_sglang_mismatch)
-        check_mooncake_writable(endpoint.url, server_info, transport_kind)
+        check_mooncake_writable(endpoint.url, server_info, backend)
         ranks = range(num_engine_ranks(endpoint.url, server_info))
         publications = [client.publication(rank) for rank in ranks]
         drafts = (
@@ -170,12 +172,11 @@ def connect_engine(
         raise
     try:
         for pub in publications + drafts:
-            require_backend(pub, transport_kind)
+            require_backend(pub, backend)
     except EngineError as exc:
         client.close()
-        raise EngineError(
-            f"{exc}. To publish for {transport_kind}: {_PUBLISH_FLAGS[transport_kind]}."
-        ) from None
+        how = _PUBLISH_FLAGS.get(backend, f"start the engine with the {backend} publisher")
+        raise EngineError(f"{exc}. To publish for {backend}: {how}.") from None
     engine = ConnectedEngine(index, endpoint, client, server_info, publications, drafts)
     try:
         engine.update.adopt()

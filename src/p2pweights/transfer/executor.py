@@ -88,6 +88,9 @@ class RunHooks:
     """Once set, the run raises ``TransferError`` at its next group or flush."""
     digest_staged: bool = False
     """Digest every staged slot (``RunResult.digests``) for the engines' write check."""
+    paused_before: bool = False
+    """The engines were paused before the run began (``stage_before_pause`` off): all of
+    its delta compare counts as paused (``RunResult.delta_paused_s``)."""
 
 
 @dataclass
@@ -105,6 +108,9 @@ class RunResult:
     digest_s: float = 0.0
     delta_s: float = 0.0
     """With ``SyncConfig.delta``: comparing staged slots with the previous update's."""
+    delta_paused_s: float = 0.0
+    """Of ``delta_s``, the seconds compared while the engines stood paused (every staging
+    buffer after the first, or all with ``RunHooks.paused_before``)."""
     delta: DeltaSummary | None = None
     """With ``SyncConfig.delta``: the bytes a full update would have written, those
     written instead, the memory the previous update's copy takes, and whether the update
@@ -310,7 +316,11 @@ class TransferExecutor:
             self._late.extend(update.late)  # they may still read the buffers
         if self._delta is not None and delta is not None:
             self._delta.finish(
-                delta, result.failures, compare_s=result.delta_s, wait_s=result.wait_s
+                delta,
+                result.failures,
+                compare_s=result.delta_s,
+                wait_s=result.wait_s,
+                compare_paused_s=result.delta_paused_s,
             )
             result.delta = summary = delta.summary
             logger.info(
@@ -568,7 +578,10 @@ class _Run:
             self._compare(buffer)
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
-        self.result.delta_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.result.delta_s += seconds
+        if self._opened or self._hooks.paused_before:
+            self.result.delta_paused_s += seconds
 
     def _compare(self, buffer: StagingBuffer) -> None:
         assert self._delta is not None

@@ -162,7 +162,7 @@ def _transfer_engine_class() -> Any:
 def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
     """A Mooncake ``TransferEngine`` (``protocol`` is passed on, as sglang does; Mooncake
     picks what ``installed_protocol`` says)."""
-    logs.configure()
+    logs.apply_log_level()
     environment.quiet_mooncake_logs()
     engine = _transfer_engine_class()()
     ret = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
