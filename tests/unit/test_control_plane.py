@@ -274,8 +274,9 @@ def test_the_fleet_reports_the_last_updates_paused_seconds_per_engine():
     fleet.open("abort", "1", snapshot=False)
     assert clients[0].reachable_connections == [2]  # both connections of the pair warmed
     fleet.mark_written()
-    fleet.writes_landed(lambda url: True)
+    fleet.writes_sent(lambda url: True)
     fleet.close()
+    assert fleet.writes_verified() == ["http://a"]
     fleet.finish("1")
     assert _paused_seconds(fleet) == {"http://a": 6.0}
     clients[0].fail["reachable"] = EngineUnreachable("engine http://a: no answer")

@@ -13,7 +13,12 @@ from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate
+from p2pweights.engines.update_session import (
+    UPDATING_PREFIX,
+    AbortReport,
+    EngineUpdate,
+    Phase,
+)
 from p2pweights.errors import EngineError, EngineUnreachable
 from p2pweights.replica.speculative import has_model_draft
 from p2pweights.report import EngineReport, Verification
@@ -246,11 +251,36 @@ class Fleet:
         for engine in self.engines:
             engine.update.mark_written()
 
-    def writes_landed(self, complete: Callable[[str], bool]) -> None:
-        """``complete(url)``: whether every write of this update into the engine landed."""
+    def writes_sent(self, complete: Callable[[str], bool]) -> None:
+        """``complete(url)``: whether every write of this update into the engine landed
+        (still unverified: ``writes_verified``)."""
         for engine in self.engines:
             if complete(engine.url):
-                engine.update.writes_landed()
+                engine.update.writes_sent()
+
+    def writes_verified(self, wrong: Collection[str] = ()) -> list[str]:
+        """The engines whose writes all landed and whose end answered in this update
+        (closed), except ``wrong`` (their write check failed or could not run): whole
+        at the new version. Returns their URLs; the others stay torn."""
+        whole = []
+        for engine in self.engines:
+            update = engine.update
+            if update.unverified and update.phase is Phase.CLOSED and engine.url not in wrong:
+                update.writes_landed()
+                whole.append(engine.url)
+        return whole
+
+    def unended(self) -> list[str]:
+        """The engines written in this update whose end has not answered (not closed)."""
+        return [
+            e.url
+            for e in self.engines
+            if e.update.unverified and e.update.phase is not Phase.CLOSED
+        ]
+
+    def close_only(self, urls: Collection[str]) -> None:
+        """End the update sessions of these engines (each one's error kept in its state)."""
+        concurrently(lambda e: e.update.close(), [e for e in self.engines if e.url in urls])
 
     def close(self) -> None:
         """End every open update session."""
