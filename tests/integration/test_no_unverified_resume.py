@@ -107,7 +107,8 @@ def test_a_frozen_engine_does_not_tear_a_healthy_one_in_a_streamed_update(model_
 
         def stream():
             for index, pair in enumerate(weights):
-                if index == 1:  # the engines are paused and open: freeze one for 8 s
+                if index == 12:  # a 1 MiB buffer was written (the engines are open):
+                    # freeze one for 8 s, past transfer_timeout_s
                     os.killpg(frozen.pid, signal.SIGSTOP)
                     threading.Timer(8.0, os.killpg, (frozen.pid, signal.SIGCONT)).start()
                 yield pair

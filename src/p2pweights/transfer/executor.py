@@ -8,10 +8,11 @@ per engine rank, and the writes of a failed update that may still be running.
 the current buffer for every engine rank that needs it. When the buffer is full it
 is flushed: the loaders (the replicas: sglang's own loaders, one call per replica and
 buffer) fill the staged groups' bytes, the writes are built from the plan and go to
-the writers, and filling continues in the other buffer, reused only once every write
-reading it has returned. A failed or late write fails its engine rank, not the
-others: later batches to it are skipped while the other ranks get all their bytes,
-and ``RunResult`` says which engines received everything.
+the writers, and filling continues in the other buffer, reused once every write reading
+it has returned or was given up on. A failed or late write fails its engine rank, not
+the others: later batches to it are skipped while the other ranks get all their bytes
+(a stuck rank holds no buffer: ``_Run._flush``), and ``RunResult`` says which engines
+received everything.
 
 Nothing reaches an engine before ``RunHooks.before_writes`` returned: the run calls it
 once, after the first buffer was loaded and before its first write (or load into
@@ -492,9 +493,16 @@ class _Run:
             views[slot.param] = buffer.view(base + slot.offset, slot.num_bytes)
         self._placed.append(_Placed(group, base, targets))
 
-    def _flush(self, refill: bool = True) -> StagingBuffer:
-        """Load and send the current buffer; return the other one once its writes returned
-        (and, to be ``refill``ed, once no write given up on may still read it)."""
+    def _flush(self) -> StagingBuffer:
+        """Load and send the current buffer; return the other one once its writes returned.
+
+        A write given up on (late, or unsettled in the transport) may still read the
+        buffer returned: it is refilled all the same, so that one stuck engine rank does
+        not hold the others' writes. That write's rank failed in this run: it takes no
+        other write, stays torn (never resumed, never verified) and is settled before any
+        later update writes anything (``TransferExecutor.settle``), so the refill changes
+        only which stale bytes may still land in that torn rank; the buffer stays
+        registered until the write settled (``LateWrites``)."""
         self._raise_if_cancelled()
         started = time.perf_counter()
         buffer = self._buffers.current
@@ -537,8 +545,6 @@ class _Run:
         self.result.num_flushes += 1
         buffer = self._buffers.swap()
         self._wait(1 - index)
-        if refill:
-            self._settle(buffer)  # never refilled while a write given up on may still read it
         buffer.used_bytes = 0
         return buffer
 
@@ -591,14 +597,6 @@ class _Run:
         layouts = getattr(self._loaders[key], "layouts", None)
         layout = None if layouts is None else layouts.get(param)
         return 1 if layout is None else int(layout.dtype.itemsize)
-
-    def _settle(self, buffer: StagingBuffer) -> None:
-        """Every write given up on that reads ``buffer`` must settle within
-        ``transfer_timeout_s`` before it is refilled, or the update fails (``buffer`` is
-        then left as it is, and the next run settles first)."""
-        unsettled = self.late.settle(self._timeout_s, buffer)
-        if unsettled:
-            raise still_in_flight(unsettled, self._timeout_s, "refilling their staging buffer")
 
     def _open(self) -> None:
         """Once per run, before anything reaches an engine: ``before_writes``. A new
@@ -708,7 +706,7 @@ class _Run:
                 buffer = self._flush()
             self._header_at = buffer.reserve(need)
         if self._placed or self._staged or self._direct or self._header_at is not None:
-            self._flush(refill=False)  # the last: its writes are waited for below
+            self._flush()  # the last: its writes are waited for below
         self._open()  # a run that wrote nothing still opens, once
         for index in (0, 1):
             self._wait(index)
