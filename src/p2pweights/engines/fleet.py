@@ -60,6 +60,30 @@ class ConnectedEngine:
     def num_ranks(self) -> int:
         return len(self.publications)
 
+    def check_not_restarted(self) -> None:
+        """Refuse the engine if another process answers at its URL than at ``connect``
+        (restarted without a new ``connect``): its rank 0 now publishes through another
+        transport peer, other addresses where its publication is not live, or an epoch
+        below the one connected (a live publisher's epochs only grow). Asked before any
+        engine is paused: writes to the old registration could only fail, after the
+        pause."""
+        if not self.publications:
+            return
+        before = self.publications[0]
+        now = self.client.publication(0)
+        why = None
+        if now.reached_through != before.reached_through:
+            why = f"it now publishes through {now.where} (connected: {before.where})"
+        elif not before.live and now.regions != before.regions:
+            why = "its rank 0 now publishes other weight addresses"
+        elif before.live and now.epoch < before.epoch:
+            why = f"its publication went back to epoch {now.epoch} (connected: {before.epoch})"
+        if why is not None:
+            raise EngineError(
+                f"engine {self.url} was restarted since connect() ({why}): call connect() "
+                f"again with it before update(); no engine was paused or written"
+            )
+
     def published_bytes(self, rank: int) -> int:
         """Bytes engine rank ``rank`` published for writing (its draft runner's included)."""
         pubs = [self.publications[rank]]
@@ -243,6 +267,7 @@ class Fleet:
                 f"{exc} (before the update: no engine was paused or written; restart or drop "
                 f"it and connect() again)"
             ) from exc
+        self.each(lambda e: e.check_not_restarted())  # before any engine changes
         if pause_mode == "caller":  # refuse a generating engine before any engine changes
             self.each(lambda e: e.update.check_paused_by_caller())
         self.each(lambda e: e.update.open(pause_mode, version, snapshot=snapshot))
