@@ -236,9 +236,9 @@ class UpdateAttempt:
                 # (the class kept, for callers that catch it)
                 left = _LEFT_TORN if writing else _LEFT_PAUSED if opened else _LEFT_RUNNING
                 exc.args = (f"{exc.args[0]}. {left.format(version=self.version)}",)
-            if not opened and isinstance(exc, Exception):
+            if not opened:
                 # only where no stream is drained below (stream_first rules it out), as
-                # this step raises
+                # this step raises (an interrupt too: the others wait in its agreement)
                 opened = True
                 self.collective.step("open", functools.partial(_raise, exc))
             if self.config.num_senders > 1 and isinstance(tensors, Iterator):
@@ -482,7 +482,7 @@ _LEFT_TORN = (
 )
 
 
-def _raise(error: Exception) -> None:
+def _raise(error: BaseException) -> None:
     raise error
 
 
