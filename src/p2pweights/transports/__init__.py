@@ -22,15 +22,24 @@ _PUBLISHERS = {
 __all__ = ["Publisher", "Transport", "Write", "create_publisher", "create_transport"]
 
 
+_EXTRAS = {"mooncake": ("mooncake", "mooncake"), "nixl": ("nixl", "nixl")}
+"""Transport -> (the package it needs, the p2pweights extra that installs it); CUDA IPC
+needs no package beyond torch."""
+
+
 def _load(table: dict[str, str], name: str) -> Any:
     if name not in table:
         raise ConfigError(f"unknown transport {name!r}; known: {sorted(table)}")
     module_name, _, attr = table[name].partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        package, extra = _EXTRAS.get(name, (None, None))
+        if package is None or (exc.name or "").split(".")[0] != package:
+            raise  # not the transport's own package: an error to show as it is
         raise ConfigError(
-            f"transport {name!r} needs its package: pip install 'p2pweights[{name}]' ({exc})"
+            f"transport {name!r} needs the {package!r} package: pip install "
+            f"'p2pweights[{extra}]' ({exc})"
         ) from exc
     return getattr(module, attr)
 
