@@ -215,6 +215,10 @@ class UpdateAttempt:
                 if self.leader and others_write:  # they write even if this rank's refresh fails
                     connection.fleet.mark_written()
                 replanned = connection.refresh_targets()  # the sessions are open now
+                if connection.write_check:  # a session's first update: the records' numbers
+                    connection.write_check.note_begun(
+                        pub.runner for pubs in connection.targets.values() for pub in pubs
+                    )
             if self.leader and not others_write:  # alone, a failed refresh left them whole
                 connection.fleet.mark_written()
             writing = True
