@@ -297,8 +297,8 @@ class UpdateAttempt:
         With several ranks no rank knows which engines got every byte: all stay torn."""
         fleet, run = self.connection.fleet, self.last_run
         whole = [e.url for e in fleet.engines if e.update.unverified]
-        if run is None or not whole:
-            return
+        if run is None or not whole or self._weight_check_pending:
+            return  # a first update's weight check never ran: none is verified whole
         try:
             fleet.close_only(whole)
         except Exception:  # those stay torn (unverified); the write error is the one raised
@@ -320,6 +320,12 @@ class UpdateAttempt:
                 logger.warning("p2pweights: write verification failed: %s", mismatch)
             wrong = {m.runner[0] for m in found}
         fleet.writes_verified(wrong)
+
+    @property
+    def _weight_check_pending(self) -> bool:
+        """This update is to be compared by the engines' own weight check (a first update
+        with ``verify_with_weight_checker``), which has not passed yet."""
+        return self.config.verify_with_weight_checker and not self.connection.checked
 
     def _landed_alone(self, url: str) -> bool:
         """After a failed write step: whether ``url`` surely got all its bytes. Only a lone
@@ -350,13 +356,15 @@ class UpdateAttempt:
                 stages["digest"] = result.digest_s
                 stages["engine_digest"] = connection.write_check.engine_digest_s
         except Exception:
-            if self.leader:  # the others passed: whole at the new version
+            if self.leader and not self._weight_check_pending:  # the others passed: whole
                 connection.fleet.writes_verified(self._wrong)
             if not_closed is None:
                 raise
             logger.warning("p2pweights: write verification after a failed end", exc_info=True)
         else:
-            if self.leader:  # whole where the end answered; an engine whose end failed stays torn
+            # whole where the end answered (an engine whose end failed stays torn), unless
+            # the weight check, which runs only after every end answered, is still to come
+            if self.leader and not (not_closed is not None and self._weight_check_pending):
                 connection.fleet.writes_verified()
         if not_closed is not None:
             raise not_closed

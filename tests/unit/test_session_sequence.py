@@ -884,3 +884,20 @@ def test_bad_input_of_a_later_update_says_the_engines_were_not_touched(engines):
         with pytest.raises(ConfigError, match="No engine was paused or written"):
             session.update(bad)
         assert engine.events == before and engine.running
+
+
+def test_engines_a_first_update_s_weight_check_never_compared_are_not_resumed_as_new(engines):
+    """With ``verify_with_weight_checker`` the first update is whole only once the engines'
+    own check passed: a write failing on another engine stops the update before it, so
+    the engine that got every byte is not resumed under the new version either."""
+    _fail_once(engines, "http://bad", "write2", "failed", True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
+    with WeightSyncSession(config) as session:
+        session.connect(["http://bad", "http://good"])
+        with pytest.raises(TransferError, match="http://bad rank 0"):
+            session.update(_tensors(0))
+        report = session.abort()
+        assert sorted(report.left_paused) == ["http://bad", "http://good"], report
+        assert "not verified" in report.outcomes["http://good"]
+        session.update(_tensors(0))  # the retry compares and resumes both
+    assert engines["http://good"].running and engines["http://bad"].running
