@@ -63,21 +63,28 @@ class ConnectedEngine:
     def check_not_restarted(self) -> None:
         """Refuse the engine if another process answers at its URL than at ``connect``
         (restarted without a new ``connect``): its rank 0 now publishes through another
-        transport peer, other addresses where its publication is not live, or an epoch
-        below the one connected (a live publisher's epochs only grow). Asked before any
-        engine is paused: writes to the old registration could only fail, after the
-        pause."""
+        transport peer or at other addresses; for a live publication (which the same
+        process republishes through a new peer, with a later epoch, when its weights
+        move), an epoch below the one connected, or the same epoch through another peer.
+        Asked before any engine is paused: writes to the old registration could only
+        fail, after the pause."""
         if not self.publications:
             return
         before = self.publications[0]
         now = self.client.publication(0)
         why = None
-        if now.reached_through != before.reached_through:
-            why = f"it now publishes through {now.where} (connected: {before.where})"
-        elif not before.live and now.regions != before.regions:
+        if before.live:  # republished in place: a new peer too, but with a later epoch
+            if now.epoch < before.epoch:
+                why = f"its publication went back to epoch {now.epoch} (connected: {before.epoch})"
+            elif now.epoch == before.epoch and now.reached_through != before.reached_through:
+                why = (
+                    f"it now publishes epoch {now.epoch} through {now.peer} "
+                    f"(connected: {before.peer})"
+                )
+        elif now.reached_through != before.reached_through:
+            why = f"it now publishes through {now.peer} (connected: {before.peer})"
+        elif now.regions != before.regions:
             why = "its rank 0 now publishes other weight addresses"
-        elif before.live and now.epoch < before.epoch:
-            why = f"its publication went back to epoch {now.epoch} (connected: {before.epoch})"
         if why is not None:
             raise EngineError(
                 f"engine {self.url} was restarted since connect() ({why}): call connect() "
