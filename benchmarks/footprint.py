@@ -1,5 +1,5 @@
-"""What p2pweights costs its host besides the update: start-up time, idle CPU, CPU
-seconds per GB of an update, the first update's peak memory, and the lines it prints.
+"""What p2pweights costs its host besides the update: start-up time, idle CPU and CPU
+seconds per GB of an update.
 
     .venv/bin/python benchmarks/footprint.py start --repeats 1 --only import help
 """
@@ -26,12 +26,6 @@ CASES = [
         "footprint_cpu_cost",
         "wall and CPU seconds per GB: ceiling, update, load",
         "cpu_cost",
-    ),
-    Case(
-        "first-update-memory",
-        "footprint_first_update_memory",
-        "peak trainer memory of a first update, read whole vs streamed",
-        "first_update_memory",
     ),
 ]
 

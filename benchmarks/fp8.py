@@ -1,5 +1,5 @@
-"""fp8 engines: the sender's block quantization cost, the fused kernel's launch settings,
-and the fp8 replica against sglang's own fp8 code on a device.
+"""fp8 engines: the sender's block quantization cost and the fused kernel's launch
+settings.
 
     .venv/bin/python benchmarks/fp8.py convert --shapes 256x512 --devices cpu --repeats 2
 """
@@ -21,12 +21,6 @@ CASES = [
         "the fused fp8 kernel's launch settings",
         "fp8_kernel_variants",
         needs_cuda=True,
-    ),
-    Case(
-        "replica",
-        "fp8_replica",
-        "fp8 replica vs sglang's fp8 code on a device (bit-exact)",
-        "gpu_fp8_replica",
     ),
 ]
 

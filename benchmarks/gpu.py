@@ -1,6 +1,7 @@
 """Updates on GPUs (the lent H200 machines): full updates over CUDA IPC against the NCCL
 broadcast they replace, and where to stage (device or pinned host memory, NIXL writes).
-Both need a CUDA host; see docs/benchmarks.md for the machine's set-up.
+Both need a CUDA host; docs/benchmarks-archive.md ("Full updates on GPUs") has the
+machine's set-up.
 
     PYTHONPATH=/tmp/site:benchmarks/gpu_stub:src python3 benchmarks/gpu.py update --help
 """
@@ -15,6 +16,13 @@ CASES = [
         "gpu_update",
         "full updates vs NCCL broadcast, ceilings, colocated",
         "gpu_update",
+        needs_cuda=True,
+    ),
+    Case(
+        "real-colocated",
+        "real_colocated",
+        "a real sglang server on the trainer's GPU: paused_s vs update_weights_from_tensor",
+        "real_colocated_gpu",
         needs_cuda=True,
     ),
     Case(

@@ -10,7 +10,7 @@ the timing loop (warm-up, repeats, median and min; variants interleaved repeat b
 so a shared machine's load hits all alike).
 
 Benchmarks are measurements, never tests: nothing here asserts a timing. Cases that keep
-a section of ``docs/benchmarks.md`` (between ``<!-- <name>:begin -->`` and
+a section of ``docs/benchmarks-archive.md`` (between ``<!-- <name>:begin -->`` and
 ``<!-- <name>:end -->``) replace it with ``write_doc_section`` unless ``--no-doc``.
 """
 
@@ -36,7 +36,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DOC = ROOT / "docs" / "benchmarks.md"
+DOC = ROOT / "docs" / "benchmarks-archive.md"
 CONFIGS = ROOT / "benchmarks" / "configs"
 
 GB = 1e9
@@ -88,6 +88,12 @@ def peak_rss_bytes() -> int:
 def reset_peak_rss() -> None:
     """Make ``VmHWM`` restart from the current RSS (Linux ``clear_refs`` 5)."""
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _status_kib(field: str) -> int:
@@ -143,9 +149,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def write_doc_section(name: str, text: str) -> None:
-    """Replace ``docs/benchmarks.md``'s section ``name`` (and the results/<name>.md copy)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.md").write_text(text + "\n")
+    """Replace ``docs/benchmarks-archive.md``'s generated section ``name`` (the results page,
+    docs/benchmarks.md, is written by hand from the results files)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     doc = DOC.read_text() if DOC.exists() else ""
     if begin in doc and end in doc:

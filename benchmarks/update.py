@@ -1,7 +1,6 @@
 """Update and pause time on this host's local engines (sglang's model code on the CPU):
-against the transport's ceiling and a broadcast, stage by stage, as the model and the
-engines grow, the engine's pause, the control plane's calls, which miles ranks send, and
-the demo before and after a change.
+against the transport's ceiling and a broadcast, as the model and the engines grow, and
+the engine's pause.
 
     .venv/bin/python benchmarks/update.py ceiling --quick
 """
@@ -18,18 +17,6 @@ CASES = [
         "update_vs_ceiling",
     ),
     Case(
-        "stages",
-        "update_stages",
-        "UpdateReport stages; --profile: the load stage profiled",
-        "stage_breakdown",
-    ),
-    Case(
-        "load-contention",
-        "update_load_contention",
-        "the load stage beside background writes",
-        "load_contention",
-    ),
-    Case(
         "growth",
         "update_growth",
         "update time and trainer RSS as model and engines double",
@@ -40,18 +27,6 @@ CASES = [
         "update_pause",
         "engine pause: first buffer staged before the pause or not",
         "pause_time",
-    ),
-    Case(
-        "control-plane",
-        "update_control_plane",
-        "the session's HTTP calls, two orders A/B",
-        "control_plane",
-    ),
-    Case(
-        "miles-senders",
-        "update_miles_senders",
-        "every miles rank sends vs miles' rule",
-        "miles_senders",
     ),
 ]
 

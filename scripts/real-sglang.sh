@@ -6,11 +6,11 @@
 #   bash scripts/real-sglang.sh env          # print the exports that point tests at the kernel
 #
 # The kernel's sources come from sglang's git history at commit $COMMIT below (upstream
-# main as of 2026-08-21, about two months before 0.5.23), given as a git directory in
-# SGLANG_SNAPSHOT:
-#   git clone https://github.com/sgl-project/sglang sglang-src
-#   git -C sglang-src checkout 44806dc507835746b67abebad041726c422030ea
-#   SGLANG_SNAPSHOT=$PWD/sglang-src/.git bash scripts/real-sglang.sh test
+# main as of 2026-08-21, about two months before 0.5.23): a git clone of sglang with that
+# commit, by default in the cache below, once:
+#   git clone https://github.com/sgl-project/sglang ~/.cache/p2pweights/real-sglang/sglang
+#   git -C ~/.cache/p2pweights/real-sglang/sglang checkout 44806dc507835746b67abebad041726c422030ea
+# or elsewhere, named by SGLANG_SNAPSHOT (the clone's git directory, e.g. .../sglang/.git).
 # Two attention kernels changed their signature before 0.5.23;
 # scripts/real_sglang/compat.patch adapts them (bf16 KV cache, causal only).
 # The build takes 15-30 minutes on 2 cores and leaves a 5 MB package in
@@ -20,8 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 COMMIT=44806dc507835746b67abebad041726c422030ea
-SNAPSHOT=${SGLANG_SNAPSHOT:-/work/.mirror/xinguozhu-2026+sglang/repo}
 CACHE=${P2PWEIGHTS_REAL_SGLANG_CACHE:-$HOME/.cache/p2pweights/real-sglang}
+SNAPSHOT=${SGLANG_SNAPSHOT:-$CACHE/sglang/.git}
 AOT=python/sglang/kernels/aot
 PY=.venv/bin/python
 
@@ -51,10 +51,12 @@ build() {
     return
   fi
   if ! git --git-dir="$SNAPSHOT" cat-file -e "$COMMIT^{commit}" 2>/dev/null; then
-    echo "real-sglang: no sglang snapshot with commit $COMMIT at $SNAPSHOT" >&2
-    echo "  git clone https://github.com/sgl-project/sglang sglang-src" >&2
-    echo "  git -C sglang-src checkout $COMMIT" >&2
-    echo "  and run again with SGLANG_SNAPSHOT=\$PWD/sglang-src/.git (docs/real-sglang.md)" >&2
+    echo "real-sglang: sglang's CPU kernel is built from sglang's git history at commit" >&2
+    echo "  $COMMIT, and $SNAPSHOT has no such commit." >&2
+    echo "  Clone it once (about 1 GB), then run this again:" >&2
+    echo "    git clone https://github.com/sgl-project/sglang $CACHE/sglang" >&2
+    echo "    git -C $CACHE/sglang checkout $COMMIT" >&2
+    echo "  (or set SGLANG_SNAPSHOT to the git directory of a clone that has it; docs/real-sglang.md)" >&2
     exit 2
   fi
   work=$(mktemp -d "${TMPDIR:-/tmp}/p2pweights-sgl-kernel.XXXXXX")
@@ -79,7 +81,7 @@ build() {
   for so in "$work"/out/sgl_kernel/common_ops*.so; do
     strip --strip-debug -o "$KERNEL_DIR.tmp/sgl_kernel/$(basename "$so")" "$so"
   done
-  printf 'snapshot xinguozhu-2026/sglang %s\n%s\npatch %s\nbuilt in %s s on %s\n' \
+  printf 'sglang %s\n%s\npatch %s\nbuilt in %s s on %s\n' \
     "$COMMIT" "$versions" "$(sha256sum scripts/real_sglang/compat.patch | cut -c1-12)" \
     "$(( $(date +%s) - start ))" "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)" \
     > "$KERNEL_DIR.tmp/BUILT"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install everything p2pweights needs on a fresh Debian machine (root, Python 3.11, no GPU):
 # the RDMA user-space libraries Mooncake links against, a venv in .venv, pinned Python
-# packages (torch 2.14.1, sglang 0.5.23 without its CUDA kernels, Mooncake, NIXL) and
-# p2pweights itself in editable mode. Safe to run again: it skips what is already done.
+# packages (torch 2.14.1, sglang 0.5.23 without its CUDA kernels, Mooncake, NIXL, the docs
+# build's mkdocs) and p2pweights itself in editable mode. Safe to run again: it skips what
+# is already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +29,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing pinned Python packages (torch first; a few minutes on a fresh machine)"
   "${pip[@]}" torch==2.14.1
   "${pip[@]}" -r requirements/runtime-lock.txt
+  # the documentation build the test command runs (mkdocs, mkdocstrings)
+  "${pip[@]}" -c requirements/runtime-lock.txt -r requirements/docs-lock.txt
   "${pip[@]}" --no-deps -r requirements/nodeps.txt
   # the lock holds the [engine] extra's fastapi and uvicorn: the tests and the demo serve
   # local engines

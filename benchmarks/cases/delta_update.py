@@ -26,7 +26,7 @@ machine) take CUDA IPC writes from staging buffers on the GPU. Everything shares
 GPU, so before anything starts the case adds up what the trainer (fp32 weights, gradients
 and AdamW's two states: 16 bytes a parameter, plus the bf16 cast sent), each engine
 (about twice its bf16 weights), each delta session's copy and the staging buffers will
-hold, and refuses a run that cannot fit (docs/benchmarks.md, "Delta updates on one H200:
+hold, and refuses a run that cannot fit (docs/benchmarks-archive.md, "Delta updates on one H200:
 what fits")::
 
     .venv/bin/python benchmarks/delta.py update --steps 8 --lr 1e-6 1e-4 \\

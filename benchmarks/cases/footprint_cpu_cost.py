@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from cases.update_ceiling import BenchTargets, run_ceiling, transport_config
-from harness import GB, hf_tensors, machine, markdown_table, median, write_doc_section
+from harness import GB, cpu_seconds, hf_tensors, machine, markdown_table, median, write_doc_section
 from p2pweights.config import SyncConfig
 from p2pweights.local_engine import LocalEngine
 from p2pweights.session import WeightSyncSession
@@ -44,11 +44,6 @@ from p2pweights.transports import Write, create_transport
 
 NAME = "cpu_cost"
 TIMEOUT_S = 300.0
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class GcClock:
@@ -328,7 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one more variant: adjacent writes merged before the transport sees them",
     )
-    parser.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    parser.add_argument(
+        "--no-doc", action="store_true", help="do not touch docs/benchmarks-archive.md"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:

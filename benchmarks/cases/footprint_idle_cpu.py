@@ -21,19 +21,13 @@ from typing import Any
 
 import torch
 
-from harness import machine, markdown_table, write_doc_section
+from harness import cpu_seconds, machine, markdown_table, write_doc_section
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.local_engine import LocalEngine
 from p2pweights.session import WeightSyncSession
 from p2pweights.testing import synthetic_weights, write_model_dir
 
 NAME = "idle_cpu"
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of every thread of ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def idle_rates(pids: dict[str, int], seconds: float) -> dict[str, float]:
@@ -79,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen3-tiny")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    parser.add_argument(
+        "--no-doc", action="store_true", help="do not touch docs/benchmarks-archive.md"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:

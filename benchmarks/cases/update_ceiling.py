@@ -322,7 +322,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any], command: str) ->
         f"{meta['machine_before']['cpus']} cores, load average (1/5/15 min) {load[0]} before "
         f"and {load[1]} after the run ({meta['machine_before']['time']}, "
         f"{meta['wall_s']:.0f} s).\n\n{table}\n\nMedian stage seconds:\n\n{stages}\n\n"
-        f"![update vs ceiling vs broadcast](../benchmarks/results/{NAME}.png)"
+        f"Figure: `benchmarks/results/{NAME}.png` (written by the run, not kept in git)."
     )
 
 
@@ -367,7 +367,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--buffer", default="256MiB")
     parser.add_argument("--quick", action="store_true", help="TP 1 and 2, Mooncake, 2 repeats")
-    parser.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
+    parser.add_argument(
+        "--no-doc", action="store_true", help="do not touch docs/benchmarks-archive.md"
+    )
     parser.add_argument(
         "--resume",
         action="store_true",

@@ -174,7 +174,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['wall_s']:.0f} s). Linear fit of warm seconds on GB written: "
         f"{meta['fit']['slope_s_per_gb']:.3f} s/GB + {meta['fit']['intercept_s']:.3f} s "
         f"(R^2 {meta['fit']['r2']:.3f}).\n\n{table}\n\n"
-        f"![growth](../benchmarks/results/{NAME}.png)"
+        f"Figure: `benchmarks/results/{NAME}.png` (written by the run, not kept in git)."
     )
 
 

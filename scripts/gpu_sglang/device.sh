@@ -8,6 +8,13 @@
 #   bash scripts/gpu_sglang/device.sh smoke     # torch 2.14.1 on the GPU, sgl_kernel imports
 #   bash scripts/gpu_sglang/device.sh serve     # tiny Qwen3 on a real sglang server, one generation
 #   bash scripts/gpu_sglang/device.sh test [ARGS]  # the real-server suite on the GPU (pytest ARGS)
+#   bash scripts/gpu_sglang/device.sh freeze    # the machine's own package list (for the check)
+#
+# The runbook, one device call each, back to back after the last piece arrived (each
+# writes what it saw under $OUT: summary.txt, summary.jsonl, logs, recorded answers):
+#   bash scripts/gpu_sglang/device.sh stage1    # install, smoke, a server with and without CUDA graphs
+#   bash scripts/gpu_sglang/device.sh stage2    # the GPU cases: every path and model, bit-exact
+#   bash scripts/gpu_sglang/device.sh stage3    # paused_s beside sglang's update_weights_from_tensor
 #
 # Everything installs into .relay/site, first on PYTHONPATH; the machine's own packages
 # (triton, the CUDA 13 libraries, numpy, ...) are used for the rest.
@@ -22,6 +29,10 @@ export PYTHONUNBUFFERED=1
 mkdir -p $RELAY/boot
 echo "import site; site.addsitedir('$PWD/$SITE')" > $RELAY/boot/sitecustomize.py
 export PYTHONPATH=$PWD/$RELAY/boot:$PYTHONPATH
+# torch 2.14.1 on the machine's NCCL 2.28.9: preload the stub of the calls it lacks (pack.sh)
+if [ -f $RELAY/ncclshim.so ] && [ ! -d $SITE/nvidia/nccl ]; then
+  export LD_PRELOAD=$PWD/$RELAY/ncclshim.so${LD_PRELOAD:+:$LD_PRELOAD}
+fi
 
 status() {
   [ -f $RELAY/MANIFEST ] || { echo "relay: no MANIFEST"; return 1; }
@@ -70,12 +81,13 @@ print("sglang", sglang.__version__)
 PY
 }
 
-serve() {
-  local model=$RELAY/tiny-qwen3 port=${PORT:-31000}
-  python3 scripts/gpu_sglang/tiny_model.py "$model"
+serve() {  # serve [graphs]: one server of the tiny Qwen3, one generation (CUDA graphs with "graphs")
+  local model=$RELAY/tiny-qwen3 port=${PORT:-31000} graph_args=(--disable-cuda-graph)
+  [ "${1:-}" = graphs ] && graph_args=(--disable-prefill-cuda-graph --cuda-graph-max-bs-decode 8)
+  [ -f "$model/config.json" ] || python3 scripts/gpu_sglang/tiny_model.py "$model"
   python3 -m sglang.launch_server --model-path "$model" --device cuda --tp 1 \
     --host 127.0.0.1 --port "$port" --skip-tokenizer-init \
-    --attention-backend triton --sampling-backend pytorch --disable-cuda-graph \
+    --attention-backend triton --sampling-backend pytorch "${graph_args[@]}" \
     --grammar-backend none --mem-fraction-static 0.2 --max-total-tokens 4096 \
     > $RELAY/server.log 2>&1 &
   local pid=$!
@@ -100,6 +112,72 @@ test() {
   fi
   P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda python3 -m pytest tests/real_sglang -m real_sglang \
     -p no:cacheprovider -q -rs "$@"
+}
+
+freeze() {
+  python3 -m pip list --format=freeze 2>/dev/null
+}
+
+out() {  # where a stage writes what it saw: $OUT on the lent machine, else .relay/out
+  local dir=${OUT:-$RELAY/out}
+  mkdir -p "$dir" && echo "$dir"
+}
+
+p2pweights_here() {  # p2pweights from this working tree (src/ is first on PYTHONPATH), and a
+  # dist-info that names its sglang plugins' entry points, which sglang finds plugins by
+  python3 - "$SITE" <<'PY'
+import pathlib, sys, tomllib
+site = pathlib.Path(sys.argv[1])
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = site / "p2pweights_relay-0.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: p2pweights-relay\nVersion: 0\n")
+lines = ["[sglang.srt.plugins]"] + [
+    f"{name} = {target}" for name, target in project["entry-points"]["sglang.srt.plugins"].items()
+]
+(info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+print("p2pweights from", pathlib.Path("src").resolve(), "plugins:", ", ".join(lines[1:]))
+PY
+}
+
+stage1() {
+  local dir; dir=$(out)
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } \
+    | tee "$dir/summary.txt"
+  freeze > "$dir/gpu-machine-packages.txt"
+  install 2>&1 | tail -3 | tee -a "$dir/summary.txt"
+  p2pweights_here
+  smoke 2>&1 | tee -a "$dir/summary.txt"
+  local t
+  for mode in nographs graphs; do
+    t=$(date +%s)
+    if serve $mode > "$dir/serve-$mode.txt" 2>&1; then
+      echo "serve $mode: ok in $(( $(date +%s) - t )) s: $(grep -o '"output_ids":[^]]*]' "$dir/serve-$mode.txt")" \
+        | tee -a "$dir/summary.txt"
+    else
+      echo "serve $mode: FAILED (serve-$mode.txt)" | tee -a "$dir/summary.txt"
+      cp $RELAY/server.log "$dir/server-$mode.log" || true
+    fi
+  done
+}
+
+stage2() {  # stage2 [pytest -k expression]
+  local dir; dir=$(out)
+  p2pweights_here
+  export P2PWEIGHTS_GPU_SUMMARY=$dir/summary.jsonl P2PWEIGHTS_RECORD_ANSWERS=$dir/answers \
+    P2PWEIGHTS_REAL_SGLANG_LOGS=$dir/logs P2PWEIGHTS_WRITE_DIGESTS=${P2PWEIGHTS_WRITE_DIGESTS:-1}
+  P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda timeout ${STAGE_S:-560} python3 -m pytest \
+    tests/real_sglang/test_real_server_gpu.py tests/real_sglang/test_real_server.py \
+    -m real_sglang -p no:cacheprovider -q -rs -k "${1:-not tp2 and not moving}" \
+    2>&1 | tee "$dir/pytest.txt" | tail -60
+  (cd "$dir" && tar -czf logs.tgz logs answers 2>/dev/null; rm -rf logs answers) || true
+}
+
+stage3() {
+  local dir; dir=$(out)
+  p2pweights_here
+  timeout ${STAGE_S:-560} python3 benchmarks/gpu.py real-colocated --out "$dir/colocated.json" "$@" 2>&1 \
+    | tee "$dir/colocated.txt" | tail -40
 }
 
 cmd=${1:-status}

@@ -34,16 +34,16 @@ class OneCall:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Guards who holds ``_lock`` (taking it and naming the holder are one step) and the
+        # waiters, so ``abort()`` never misses the update it must cancel.
         self._state = threading.Lock()
-        """Guards who holds ``_lock`` (taking it and naming the holder are one step) and
-        the waiters, so ``abort()`` never misses the update it must cancel."""
         self._name: str | None = None
         self._thread: int | None = None
+        # ``abort()`` / ``close()`` calls waiting for ``_lock``: new updates are refused
+        # meanwhile, so a loop of updates cannot starve them.
         self._waiters = 0
-        """``abort()`` / ``close()`` calls waiting for ``_lock``: new updates are refused
-        meanwhile, so a loop of updates cannot starve them."""
+        # Set by ``abort()`` / ``close()`` while an update runs: it stops at its next check.
         self.cancel = threading.Event()
-        """Set by ``abort()`` / ``close()`` while an update runs: it stops at its next check."""
 
     @property
     def running(self) -> str | None:

@@ -67,7 +67,14 @@ __all__ = ["WeightSyncSession"]
 
 
 class WeightSyncSession:
-    """Pushes a trainer's HF-named tensors into connected sglang engines, point to point."""
+    """Pushes a trainer's HF-named tensors into connected sglang engines, point to point.
+
+    One session per trainer process: ``connect`` once (again when the engines change),
+    then ``update`` after every training step; ``abort`` gives up on a failed update and
+    ``close`` (or leaving the ``with`` block) releases everything. One call runs at a
+    time; docs/architecture.md ("Calls from several threads") says what a second call
+    does.
+    """
 
     def __init__(
         self,
@@ -78,18 +85,32 @@ class WeightSyncSession:
         gather: Callable[[object], list[object]] | None = None,
         staging_device: torch.device | str | None = None,
     ):
-        """``topology``: where this process stands among the sending trainer ranks (default:
-        the only one); it replaces the deprecated ``SyncConfig`` fields of the same facts.
-        ``agree(ok)`` must return whether every sending trainer rank, of every pipeline
-        stage, passed ``True`` (an all-reduce of the flags, e.g.
-        ``p2pweights.adapters.torch_agree()``); it is required with more than one sending
-        rank. ``gather(obj)`` must return every such rank's ``obj`` (picklable), in one
-        order on every rank (an all-gather, e.g. ``p2pweights.adapters.torch_gather()``):
-        required with pipeline stages, and, where given, a failed step raises on every
-        rank the same error (the first failing rank's, naming it). ``staging_device``
-        places the staging buffers ("cpu": pinned host memory; "cuda:N" where the
-        transport reads GPU memory); by default the GPU of a ``CudaIpcConfig`` transport,
-        else pinned host memory. ``from_torch_distributed`` fills all of this in.
+        """Make a session; nothing is connected or allocated until ``connect``.
+
+        ``from_torch_distributed`` fills in ``topology``, ``agree`` and ``gather`` for the
+        ranks of a ``torch.distributed`` group.
+
+        Args:
+            config: The transport, buffers, time limits and checks (default: ``SyncConfig()``).
+            topology: Where this process stands among the sending trainer ranks (default:
+                the only one); replaces the deprecated ``SyncConfig`` fields of the same
+                facts.
+            agree: ``agree(ok)`` returns whether every sending trainer rank, of every
+                pipeline stage, passed ``True`` (an all-reduce of the flags, e.g.
+                ``p2pweights.adapters.torch_agree()``). Required with more than one
+                sending rank.
+            gather: ``gather(obj)`` returns every sending rank's ``obj`` (picklable), in
+                one order on every rank (an all-gather, e.g.
+                ``p2pweights.adapters.torch_gather()``). Required with pipeline stages;
+                where given, a failed step raises the same error (the first failing
+                rank's, naming it) on every rank.
+            staging_device: Where the staging buffers live: ``"cpu"`` (pinned host
+                memory) or ``"cuda:N"`` where the transport reads GPU memory. Default: the
+                GPU of a ``CudaIpcConfig`` transport, else pinned host memory.
+
+        Raises:
+            ConfigError: Several sending ranks without ``agree``, or pipeline stages
+                without ``gather``.
         """
         logs.configure()  # P2PWEIGHTS_LOG, and third-party noise kept out
         config = config or SyncConfig()
@@ -133,14 +154,23 @@ class WeightSyncSession:
         num_pipeline_stages: int | None = None,
         staging_device: torch.device | str | None = None,
     ) -> WeightSyncSession:
-        """A session for every rank of a ``torch.distributed`` ``group`` (default: all).
+        """A session for every rank of a ``torch.distributed`` group.
 
         Every rank of ``group`` sends, and each must call this (it runs one all-gather).
-        ``pipeline_stage`` / ``num_pipeline_stages`` say which stage this rank holds
-        (default: the config's, else one stage, all ranks holding the same weights, e.g.
-        FSDP2); this rank's place among its stage's ranks, in group order, makes the
-        session's ``TrainerTopology``, and ``agree`` and ``gather`` run over ``group``
-        (gloo or NCCL).
+        This rank's place among its stage's ranks, in group order, makes the session's
+        ``TrainerTopology``; ``agree`` and ``gather`` run over ``group`` (gloo or NCCL).
+
+        Args:
+            config: As for ``WeightSyncSession``.
+            group: The ``torch.distributed`` process group of the sending ranks (default:
+                the whole world).
+            pipeline_stage: The pipeline stage this rank holds (default: the config's).
+            num_pipeline_stages: How many stages there are (default: the config's, else
+                one: every rank holds the same weights, e.g. FSDP2).
+            staging_device: As for ``WeightSyncSession``.
+
+        Returns:
+            The session, one on every rank of ``group``.
         """
         from p2pweights.adapters.torch_distributed import (
             torch_agree,
@@ -181,63 +211,71 @@ class WeightSyncSession:
     def connect(self, engines: Sequence[str | EngineEndpoint]) -> None:
         """Read every engine's layout and published weights; prepare this rank's targets.
 
-        Refuses, before any byte moves, engines published for another transport,
-        engines on another sglang release (unless ``allow_sglang_mismatch``), layouts
-        that cannot be written and engines whose published parameter sizes differ
-        from the replica's. Engines are ordered by URL, so every trainer rank plans
-        the same way whatever order it lists them in. An engine a previous session
-        left mid-update is adopted: the next update rewrites it whole. A failed
-        connect leaves the session unconnected.
-
-        Called again with another engine list (engines added, removed, restarted on new
-        addresses), it reads every engine afresh and plans the next update anew; the
-        replicas (one per layout, for the process) and the registered staging buffers
+        Engines are ordered by URL, so every trainer rank plans the same way whatever
+        order it lists them in. An engine a previous session left mid-update is adopted:
+        the next update rewrites it whole. Called again with another engine list
+        (engines added, removed, restarted on new addresses), it reads every engine
+        afresh and plans the next update anew; replicas and registered staging buffers
         are kept, and an engine rank no longer listed, or listed with other addresses,
-        loses its writer and its transport connection: nothing is written to a stale
-        registration.
+        loses its writer and its transport connection, so nothing is written to a stale
+        registration. A failed connect leaves the session unconnected.
 
-        Raises ``SessionBusyError`` (doing nothing) while another call of this session
-        (``update``, ``connect``, ``abort``, ``close``) runs, in any thread.
+        Args:
+            engines: sglang server URLs, or ``EngineEndpoint``s where an engine's model
+                folder is not readable from the trainer (``model_path``).
+
+        Raises:
+            ConfigError: Before any byte moves: an engine published for another transport,
+                on another sglang release (unless ``allow_sglang_mismatch``), with a layout
+                that cannot be written, or with published parameter sizes other than the
+                replica's.
+            EngineError: An engine did not answer or answered in error.
+            TransportError: The transport could not be set up or connected to an engine
+                rank.
+            SessionBusyError: Another call of this session runs, in any thread (nothing
+                was done).
         """
         with self._one_call.refusing("connect"):
             self._connection.connect(engines)
 
     def update(self, named_tensors: NamedTensors, *, version: str | None = None) -> UpdateReport:
-        """Write ``(hf_name, tensor)`` pairs (checkpoint names) into every connected engine.
+        """Write one training step's weights into every connected engine.
 
-        Returns once every engine runs the new weights; raises if any write failed,
-        was refused or is still running after ``transfer_timeout_s``, or an engine
-        did not answer an update-session call within ``control_timeout_s``. A
-        Mapping or a sequence is checked whole before any byte is written (the first
-        update also against the engine's checkpoint); an iterator is checked tensor
-        by tensor.
+        Engines pause only once the first staging buffer is loaded, and resume once every
+        engine rank holds the new bytes (checked by the write digests where the engine
+        records them). Each tensor must keep its bytes from when ``update`` receives it
+        (the call, for a mapping or sequence; its yield, for an iterator) until ``update``
+        returns; writes through torch in between are detected, writes that bypass torch's
+        version counter (``.numpy()``, DLPack, a kernel writing by address) are not.
+        After a failure the engines stay paused, their weight version
+        ``p2pweights-updating:<version>``: the next ``update`` rewrites every weight and
+        resumes them, or ``abort()`` gives up. docs/architecture.md ("One update") has the
+        steps, docs/reliability.md the state each failure leaves.
 
-        Every tensor must keep its bytes from when ``update`` receives it (the call, for a
-        mapping or sequence; its yield, for an iterator) until ``update`` returns: bytes
-        are read when their staging buffer is flushed, after later tensors were read. An
-        iterator must not refill a buffer whose tensors it already yielded (yield a fresh
-        buffer per bucket, or copies). Writes through torch are detected (each tensor's
-        version counter and data pointer, recorded on receipt, are checked right before
-        its bytes are read: in-place ops on it, its base or any view of its storage, even
-        of another part of a shared bucket buffer; ``copy_``; ``out=``; ``.data =``;
-        ``set_``) and fail the update with ``InputChangedError`` naming the tensor, before
-        any engine resumes under the new version. Writes that bypass torch's version
-        counter (through ``.numpy()`` or DLPack views, a kernel or transport writing by
-        address) are not detected.
+        Args:
+            named_tensors: ``(hf_name, tensor)`` pairs under the checkpoint's names, as a
+                mapping, a sequence (both checked whole before any byte is written) or an
+                iterator (checked tensor by tensor; it must not refill a buffer whose
+                tensors it already yielded), e.g. ``adapters.hf_named_tensors(model)``.
+            version: The weight version the engines report afterwards (default: the next
+                number after the session's last version).
 
-        Engines are paused only once the first staging buffer is loaded: reading and
-        checking the inputs, converting them (fp8) and staging the first buffer happen
-        while they still generate (with several sending trainer ranks and an
-        iterator, which may run collectives as it is read, they pause first).
+        Returns:
+            What the update did: bytes, seconds by stage, how long each engine stood
+            paused, how each was verified (``UpdateReport.summary()`` in one line).
 
-        After a failed update the engines stay paused (their weight version says
-        ``p2pweights-updating:<version>``); the next ``update`` rewrites every weight
-        and resumes them, or ``abort()`` gives up. ``abort()`` from another thread
-        cancels a running update: it stops before its writes or at its next
-        parameter group and raises ``TransferError``, and then ``abort()`` does its work
-        (an update past its writes completes first). While another call of this session
-        (``update``, ``connect``, ``abort``, ``close``) runs, in any thread, ``update``
-        raises ``SessionBusyError`` and does nothing.
+        Raises:
+            ConfigError: An input the engines' checkpoint does not describe (name, shape,
+                dtype), found before any engine is touched; ``SessionBusyError`` (a
+                ``ConfigError``) while another call of this session runs, doing nothing.
+            InputChangedError: A tensor written through torch after it was received,
+                before any engine resumes under the new version.
+            TransferError: A write failed, was refused, or was still running after
+                ``transfer_timeout_s``; a digest did not match; or ``abort()`` from another
+                thread cancelled the update (before its writes or at its next group).
+            EngineError: An engine did not answer an update-session call within
+                ``control_timeout_s``, or answered in error.
+            PlanError: No valid assignment of trainer ranks to engine ranks (first update).
         """
         with self._one_call.refusing("update"):
             try:
@@ -266,22 +304,28 @@ class WeightSyncSession:
         """Give up on an update: end open update sessions and resume the engines this
         session paused whose weights are whole.
 
-        An engine whose writes did not all land stays paused, its weight version
-        saying ``p2pweights-updating:<version>``, unless ``resume_incomplete`` (then it
-        serves torn weights, and still shows that version). Returns what happened to
-        each engine, including those that could not be reached; it does not raise.
         Only trainer rank 0 drives the engines; on other ranks this returns an empty
         report. With ``pause_mode="caller"`` it resumes nothing: each engine is left to the
         caller, and one with torn weights is reported "left paused by the caller: ... must
-        not be resumed" (``AbortReport.ok`` False). Called from another thread while
-        ``update()`` runs, it cancels that
-        update (which raises ``TransferError`` before its writes or at its next parameter
-        group) and waits for it to stop (writes in flight are bounded by ``transfer_timeout_s``,
-        engine calls by their time limits) before giving up as above. While ``connect``,
-        ``abort`` or ``close`` runs in another thread it waits for that to return. Called
-        on the thread of a running call (from ``update()``'s input iterator, a signal
-        handler) it raises ``SessionBusyError`` instead of waiting forever (a running
-        update is still cancelled).
+        not be resumed". Called from another thread while ``update()`` runs, it cancels
+        that update (which raises ``TransferError``) and waits for it to stop (writes in
+        flight are bounded by ``transfer_timeout_s``, engine calls by their time limits);
+        while ``connect``, ``abort`` or ``close`` runs in another thread it waits for
+        that to return.
+
+        Args:
+            resume_incomplete: Resume an engine whose writes did not all land too (it then
+                serves torn weights, and still shows the ``p2pweights-updating:<version>``
+                weight version). By default it stays paused.
+
+        Returns:
+            What happened to each engine, including those that could not be reached
+            (``AbortReport.ok`` is False where one is left torn or unreachable).
+
+        Raises:
+            SessionBusyError: Called on the thread of a running call (from ``update()``'s
+                input iterator, a signal handler) instead of waiting forever for itself (a
+                running update is still cancelled). Nothing else: failures are reported.
         """
         with self._one_call.waiting("abort"):
             return self._abort(resume_incomplete)
@@ -295,9 +339,12 @@ class WeightSyncSession:
         return report
 
     def close(self) -> None:
-        """``abort()``, then release connections, writer threads and the transport (an
-        update running in another thread is cancelled and waited for first, any other
-        call waited for, as ``abort()`` does). ``connect()`` opens the session again."""
+        """``abort()``, then release connections, writer threads and the transport.
+
+        An update running in another thread is cancelled and waited for first, any other
+        call waited for, as ``abort()`` does; a failed abort is logged, not raised.
+        ``connect()`` opens the session again.
+        """
         with self._one_call.waiting("close"):
             try:
                 self._abort(resume_incomplete=False)

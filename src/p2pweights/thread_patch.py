@@ -37,8 +37,8 @@ class _Slot:
 
     def __init__(self, owner: Any, name: str) -> None:
         self.owner, self.name = owner, name
+        # Whether the owner itself held the attribute (not a base class).
         self.own = name in vars(owner)
-        """Whether the owner itself held the attribute (not a base class)."""
         self.original = getattr(owner, name)
         self.holders = 0
         self.dispatcher: Any = None

@@ -42,10 +42,26 @@ def expected_checksums(
 ) -> dict[str, str]:
     """sglang's per-tensor checksums for ``engine_rank`` loaded from ``hf_tensors()``.
 
-    ``hf_tensors`` are in the trainer's format; for an fp8 engine they are quantized
-    into its checkpoint format first, as the engine's checkpoint would hold them. The
-    reference model is built on ``device`` (a GPU for models too large to check on
-    the host quickly).
+    A reference model of that rank is built with sglang's model class, filled by sglang's
+    own ``load_weights`` and hashed by sglang's ``WeightChecker``.
+
+    Args:
+        server_info: The engine's ``/server_info`` answer (its layout and server args).
+        engine_rank: The engine rank whose weights to compute.
+        hf_tensors: The HF tensors in the trainer's format, given afresh per call; for an
+            fp8 engine they are quantized into its checkpoint format first, as the
+            engine's checkpoint would hold them.
+        model_path: The engine's model folder where ``server_info``'s is not readable
+            here.
+        role: ``"target"``, or ``"draft"`` for the rank's speculative draft model.
+        device: Where the reference model is built (a GPU for models too large to check
+            on the host quickly).
+
+    Returns:
+        Tensor name -> checksum.
+
+    Raises:
+        EngineError: sglang's ``WeightChecker`` returned no checksums.
     """
     from p2pweights.replica.engine_checkpoint import engine_checkpoint
     from p2pweights.replica.ranks import RankSpec
@@ -69,7 +85,15 @@ def expected_checksums(
 
 
 def engine_checksums(client: EngineClient, role: str = "target") -> list[dict[str, str]]:
-    """The engine's own per-tensor checksums of ``role``'s runner, one dict per rank."""
+    """The engine's own per-tensor checksums of ``role``'s runner, one dict per rank.
+
+    Args:
+        client: The engine's HTTP client.
+        role: ``"target"`` or ``"draft"``.
+
+    Returns:
+        Per TP rank in rank order, tensor name -> checksum.
+    """
     return checksums_by_rank(client.url, client.weights_checker("checksum", selector=role))
 
 
@@ -79,6 +103,16 @@ def checksums_by_rank(url: str, answer: Mapping[str, Any]) -> list[dict[str, str
 
     Each rank's ``parallelism_info`` is one object in the local engine's answers and a
     list (one per runner role, all of one TP rank) in sglang 0.5.23's.
+
+    Args:
+        url: The engine's URL, for messages.
+        answer: The ``/weights_checker`` answer.
+
+    Returns:
+        Per TP rank in rank order, tensor name -> checksum.
+
+    Raises:
+        EngineError: The answer cannot be read, or its TP ranks are not 0..N-1 once each.
     """
     try:
         entries = [
@@ -107,7 +141,15 @@ def _tp_rank(info: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> int:
 
 
 def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[str]:
-    """Names whose checksums differ or that only one side has (empty when bit-exact)."""
+    """Names whose checksums differ or that only one side has.
+
+    Args:
+        expected: Tensor name -> checksum, e.g. from ``expected_checksums``.
+        actual: Tensor name -> checksum, e.g. one rank of ``engine_checksums``.
+
+    Returns:
+        The differing names, sorted; empty when bit-exact.
+    """
     names = sorted(set(expected) | set(actual))
     return [n for n in names if expected.get(n) != actual.get(n)]
 
@@ -120,11 +162,25 @@ def verify_engine(
     skip: frozenset[str] = frozenset(),
     device: torch.device | str = "cpu",
 ) -> dict[int, list[str]]:
-    """Engine rank -> mismatching tensor names (empty lists when every rank is bit-exact).
+    """Check every rank of an engine bit-exactly against sglang's own loader.
 
-    ``role="draft"`` checks the ranks' speculative draft runners; ``skip`` names
-    tensors left out (a draft's embedding and head are the target's, checked there).
-    ``device`` is where the reference models are built.
+    Args:
+        client: The engine's HTTP client (``EngineClient(url)``).
+        hf_tensors: The HF tensors the engine should hold, given afresh per call (read
+            once per rank).
+        model_path: The engine's model folder where its ``/server_info``'s is not
+            readable here.
+        role: ``"target"``, or ``"draft"`` to check the ranks' speculative draft runners.
+        skip: Tensor names left out (a draft's embedding and head are the target's,
+            checked there).
+        device: Where the reference models are built.
+
+    Returns:
+        Engine rank -> the names of mismatching tensors (empty lists when every rank is
+        bit-exact).
+
+    Raises:
+        EngineError: The engine's checksums or the reference's cannot be had.
     """
     server_info = client.server_info()
     actual = engine_checksums(client, role)

@@ -6,7 +6,11 @@ Run as its own process with sglang's CPU kernel on the path and ``SGLANG_USE_CPU
 seed, sglang's start-up postprocess runs (on a CPU with AMX, its weight packing too),
 and sglang's own ``WeightChecker`` hashes it, as the engine's ``/weights_checker`` does.
 
-stdin: ``{"config": {...}, "model_path": str, "cases": [{"key", "server_info", "seed"}]}``;
+On a GPU server (``"device": "cuda"``) the reference is built on the GPU, where sglang's
+checker hashes with its own GPU kernel instead of sha256.
+
+stdin: ``{"config": {...}, "model_path": str, "device": "cpu" | "cuda",
+"cases": [{"key", "server_info", "seed"}]}``;
 stdout, one line: ``{key: [checksums of rank 0, rank 1, ...]}``.
 """
 
@@ -34,7 +38,9 @@ def main() -> None:
             return synthetic_weights(config, seed)
 
         answer[case["key"]] = [
-            expected_checksums(info, rank, tensors, model_path=job["model_path"])
+            expected_checksums(
+                info, rank, tensors, model_path=job["model_path"], device=job.get("device", "cpu")
+            )
             for rank in range(num_engine_ranks("reference", info))
         ]
     print(json.dumps(answer), flush=True)

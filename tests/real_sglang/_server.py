@@ -5,8 +5,9 @@ On the CPU (the default) the server runs sglang 0.5.23's CPU backend
 kernel (``sgl_kernel``) from the folder ``scripts/real-sglang.sh build`` made. With
 ``P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda`` it runs on the GPU with the kernel package
 installed beside sglang (scripts/gpu_sglang/ carries both to a lent GPU machine), with
-Triton attention and without CUDA graphs. With ``nixl=True`` the p2pweights NIXL plugin
-publishes. docs/real-sglang.md explains each setting.
+Triton attention and without CUDA graphs (``cuda_graphs=True``: decode graphs captured).
+With ``nixl=True`` the p2pweights NIXL plugin publishes, with ``cuda_ipc=True`` its CUDA
+IPC publication. docs/real-sglang.md explains each setting.
 """
 
 from __future__ import annotations
@@ -32,12 +33,24 @@ PLUGIN_SITE = Path(__file__).with_name("plugin_site")
 """Where the test-only ``p2pweights_moving_storage`` plugin and its entry point live."""
 
 
+ENTRY_POINT_SITE = Path(__file__).with_name("cuda_ipc_entry")
+"""A dist-info naming the ``p2pweights_cuda_ipc`` entry point, put on the servers' path
+where the installed p2pweights metadata predates it (an editable install made before
+the entry point was added; its code is this tree's, which has the plugin)."""
+
+
 DEVICE_ENV = "P2PWEIGHTS_REAL_SGLANG_DEVICE"
 """``cpu`` (default) or ``cuda``: where the servers run."""
 
 
 def on_gpu() -> bool:
     return os.environ.get(DEVICE_ENV, "cpu") == "cuda"
+
+
+def cuda_graphs_by_default() -> bool:
+    """Whether the GPU cases capture CUDA graphs (``P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH``, on
+    by default; test_real_server_gpu.py)."""
+    return on_gpu() and os.environ.get("P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH", "1") != "0"
 
 
 def unavailable() -> str | None:
@@ -94,10 +107,17 @@ class RealServer:
         nixl: bool = True,
         mooncake: bool = False,
         moving_storage: bool = False,
+        cuda_ipc: bool = False,
+        cuda_graphs: bool = False,
+        model_args: tuple[str, ...] = (),
     ) -> None:
         """``nixl``: the p2pweights NIXL plugin publishes; ``mooncake``: sglang's own
         transfer-engine publication; ``moving_storage``: the test plugin in
-        ``plugin_site/`` gives every parameter new storage after each postprocess."""
+        ``plugin_site/`` gives every parameter new storage after each postprocess;
+        ``cuda_ipc``: the plugin publishes by CUDA IPC handle (``p2pweights_cuda_ipc``);
+        ``cuda_graphs``: on the GPU, decode CUDA graphs are captured (at start-up, over
+        the weights' addresses) instead of turned off; ``model_args``: more
+        ``launch_server`` arguments (they come last, so they override the defaults)."""
         self.model_dir = model_dir
         self.tp = tp
         self.port = free_port()
@@ -106,6 +126,9 @@ class RealServer:
         self.nixl = nixl
         self.mooncake = mooncake
         self.moving_storage = moving_storage
+        self.cuda_ipc = cuda_ipc
+        self.cuda_graphs = cuda_graphs
+        self.model_args = model_args
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -144,17 +167,25 @@ class RealServer:
         ]
         if on_gpu():
             # FA3 (flash_ops) is not carried to the GPU machine, and nothing here needs
-            # CUDA graphs, FlashInfer's sampling or a grammar backend
-            args += ["--sampling-backend", "pytorch", "--disable-cuda-graph"]
-            args += ["--grammar-backend", "none"]
+            # FlashInfer's sampling or a grammar backend
+            args += ["--sampling-backend", "pytorch", "--grammar-backend", "none"]
+            if self.cuda_graphs:  # decode graphs (batches up to 8); prefill runs eagerly
+                args += ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs-decode", "8"]
+            else:
+                args.append("--disable-cuda-graph")
         if self.mooncake:
             args.append("--remote-instance-weight-loader-start-seed-via-transfer-engine")
-        return args
+        return args + list(self.model_args)
 
     def start(self) -> None:
         env = kernel_env()
         env["MOONCAKE_PROTOCOL"] = "tcp"
         plugins = ["p2pweights_nixl"] if self.nixl else []
+        if self.cuda_ipc:
+            plugins.append("p2pweights_cuda_ipc")
+            if not cuda_ipc_entry_point_installed():
+                paths = [str(ENTRY_POINT_SITE), env.get("PYTHONPATH")]
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
         if self.moving_storage:
             plugins.append("p2pweights_moving_storage")
             env["PYTHONPATH"] = os.pathsep.join([str(PLUGIN_SITE), env["PYTHONPATH"]])
@@ -233,6 +264,22 @@ class RealServer:
                     break
                 except subprocess.TimeoutExpired:
                     continue
+
+
+def cuda_ipc_entry_point_installed() -> bool:
+    """Whether sglang finds ``p2pweights_cuda_ipc`` among its plugins' entry points here;
+    raises if the p2pweights the servers import has no such plugin (an old wheel)."""
+    import importlib.metadata
+
+    import p2pweights.sglang_plugin
+
+    if not hasattr(p2pweights.sglang_plugin, "register_cuda_ipc"):
+        raise RuntimeError(
+            f"the p2pweights imported here ({p2pweights.sglang_plugin.__file__}) has no CUDA "
+            f"IPC plugin: build and install this tree's p2pweights"
+        )
+    found = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    return any(ep.name == "p2pweights_cuda_ipc" for ep in found)
 
 
 def shared_memory_files() -> set[str]:

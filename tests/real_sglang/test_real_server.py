@@ -8,7 +8,17 @@ Four servers of a tiny Qwen3 model, one at a time:
 * ``tp1-moving``: the plugin, plus a test plugin that gives every parameter new storage
   after each postprocess (what sglang's AMX weight packing does on CPUs with AMX), so
   the published addresses go stale after every update;
-* ``tp1-mooncake``: sglang's own Mooncake publication, no plugin.
+* ``tp1-mooncake``: sglang's own Mooncake publication, no plugin;
+* ``tp1-cuda-ipc``: the plugin's CUDA IPC publication
+  (``SGLANG_PLUGINS=p2pweights_cuda_ipc``). On a GPU (decode CUDA graphs captured at
+  start unless ``P2PWEIGHTS_REAL_SGLANG_CUDA_GRAPH=0``) this process is the colocated
+  trainer: it opens the server's weights by IPC handle on the same GPU and takes three
+  updates through ``CudaIpcConfig``, checked as the NIXL servers are, then a fourth
+  staged (``direct=False``) from a new session. On the CPU the server's rank refuses to
+  publish and says why, which connect reports;
+* ``tp1-cuda-ipc-moving`` (GPU only): the same with the moving-storage test plugin, so
+  every update is published afresh with new IPC handles (epoch 1, 2, 3, 4) and written
+  where the parameters live then.
 
 Each NIXL server takes three updates in a row from a trainer process (this one). After
 each, every rank's weights are compared bit for bit, through sglang's own
@@ -33,15 +43,17 @@ import httpx
 import pytest
 import torch
 
-from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
+from p2pweights import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.errors import EngineError
+from p2pweights.report import UpdateReport
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
 from p2pweights.verify import checksums_by_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _server import (
     RealServer,
+    cuda_graphs_by_default,
     kernel_env,
     on_gpu,
     remove_left_behind,
@@ -74,6 +86,15 @@ SERVERS = {
     "tp2": {"tp": 2},
     "tp1-moving": {"tp": 1, "moving_storage": True},
     "tp1-mooncake": {"tp": 1, "nixl": False, "mooncake": True},
+    "tp1-cuda-ipc": {
+        "tp": 1,
+        "nixl": False,
+        "cuda_ipc": True,
+        "cuda_graphs": cuda_graphs_by_default(),
+    },
+    # without CUDA graphs: graphs captured at start would read the storage the test
+    # plugin gives up after every update
+    "tp1-cuda-ipc-moving": {"tp": 1, "nixl": False, "cuda_ipc": True, "moving_storage": True},
 }
 NIXL_SERVERS = ("tp1", "tp2", "tp1-moving")
 NEAR_TIE_NATS = 0.05
@@ -116,7 +137,12 @@ def reference_checksums(url: str, model_folder: Path) -> dict[int, list[dict[str
     """Per seed, per rank: sglang's checksums of the reference of engine ``url``'s ranks."""
     info = EngineClient(url).server_info()
     cases = [{"key": str(seed), "server_info": info, "seed": seed} for seed in SEEDS]
-    job = {"config": CONFIG, "model_path": str(model_folder), "cases": cases}
+    job = {
+        "config": CONFIG,
+        "model_path": str(model_folder),
+        "device": "cuda" if on_gpu() else "cpu",
+        "cases": cases,
+    }
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("_reference.py"))],
         input=json.dumps(job),
@@ -194,21 +220,7 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
     with WeightSyncSession(config) as session:
         session.connect([server.url])
         for step, seed in enumerate(SEEDS, start=1):
-            report = session.update(dict(synthetic_weights(CONFIG, seed)))
-            assert report.version == str(step)
-            # P2PWEIGHTS_WRITE_DIGESTS=1 (the servers inherit it): every rank's digests of
-            # its written weights compared with what was staged, each update
-            verified = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS") == "1"
-            assert report.engines[server.url].verified_by == (
-                ("write_digests",) if verified else ()
-            )
-            assert client.weight_version() == str(step)
-            actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
-            assert len(actual) == server.tp
-            for rank in range(server.tp):
-                assert len(actual[rank]) == 19
-                assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
-            assert_generates_as_transformers(server, seed)
+            update_and_check(session, server, name, step, seed, reference)
             # the test plugin moved every parameter at each end_weight_update, as sglang's
             # own AMX packing does on a CPU with AMX tiles: published afresh each time
             moves = name == "tp1-moving" or _sglang_packs_for_amx()
@@ -220,9 +232,115 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
     record_answers(name, server)
 
 
+def update_and_check(
+    session: WeightSyncSession,
+    server: RealServer,
+    name: str,
+    step: int,
+    seed: int,
+    reference: dict[int, list[dict[str, str]]],
+) -> UpdateReport:
+    """Update ``server`` to seed ``seed``'s weights as version ``step``; every rank's
+    weights bit-exact by sglang's own checksums, and greedy generation as transformers'."""
+    client = EngineClient(server.url)
+    report = session.update(dict(synthetic_weights(CONFIG, seed)))
+    assert report.version == str(step)
+    # P2PWEIGHTS_WRITE_DIGESTS=1 (the servers inherit it): every rank's digests of
+    # its written weights compared with what was staged, each update
+    verified = os.environ.get("P2PWEIGHTS_WRITE_DIGESTS") == "1"
+    assert report.engines[server.url].verified_by == (("write_digests",) if verified else ())
+    assert client.weight_version() == str(step)
+    actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
+    assert len(actual) == server.tp
+    for rank in range(server.tp):
+        assert len(actual[rank]) == 19
+        assert actual[rank] == reference[seed][rank], f"{name} rank {rank} update {step}"
+    assert_generates_as_transformers(server, seed)
+    return report
+
+
+@pytest.mark.skipif(not on_gpu(), reason="CUDA IPC shares GPU memory: a GPU server only")
+@pytest.mark.parametrize("name", ["tp1-cuda-ipc", "tp1-cuda-ipc-moving"])
+def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
+    name: str, start_server: Callable[[str], RealServer], model_folder: Path
+) -> None:
+    """The colocated trainer (this process) on the server's own GPU, as verl's and slime's
+    colocated mode runs: the weights opened by CUDA IPC handle, written in place (filled
+    by the loaders directly, ``direct=True``, under the CUDA graphs captured over those
+    addresses at start), three updates, then one more staged through a buffer from a new
+    session. ``-moving``: every parameter gets new storage after each update, so each
+    update is written through the handles the plugin published afresh."""
+    moves = bool(SERVERS[name].get("moving_storage"))
+    server = start_server(name)
+    client = EngineClient(server.url)
+    pub = client.publication(0)
+    assert (pub.backend, pub.live, pub.epoch) == ("cuda_ipc", True, 0), pub
+    gpu = pub.segments[0].gpu_id
+    reference = reference_checksums(server.url, model_folder)
+    config = SyncConfig(transport=CudaIpcConfig(device=gpu), transfer_timeout_s=60)
+    updates = []
+    with WeightSyncSession(config) as session:
+        session.connect([server.url])
+        for step, seed in enumerate(SEEDS, start=1):
+            report = update_and_check(session, server, name, step, seed, reference)
+            updates.append(_summary(report, server.url, step, "direct"))
+            # sglang's GPU post-processing of bf16 weights moves nothing; the test plugin
+            # moves everything at each end
+            assert client.publication(0).epoch == (step if moves else 0)
+    staged = SyncConfig(transport=CudaIpcConfig(device=gpu, direct=False), transfer_timeout_s=60)
+    with WeightSyncSession(staged) as session:
+        session.connect([server.url])
+        step = len(SEEDS) + 1
+        report = update_and_check(session, server, name, step, SEEDS[0], reference)
+        updates.append(_summary(report, server.url, step, "staged"))
+    assert client.publication(0).epoch == (step if moves else 0)
+    assert server.alive
+    summary = {"case": f"qwen3-{name}", "backend": "cuda_ipc", "cuda_graphs": server.cuda_graphs}
+    print(json.dumps({**summary, "updates": updates}))
+    if os.environ.get("P2PWEIGHTS_GPU_SUMMARY"):  # the GPU runbook's summary (device.sh)
+        with open(os.environ["P2PWEIGHTS_GPU_SUMMARY"], "a") as out:
+            out.write(json.dumps({**summary, "updates": updates}) + "\n")
+    record_answers(name, server)
+
+
+def _summary(report: UpdateReport, url: str, step: int, how: str) -> dict[str, object]:
+    engine = report.engines[url]
+    return {
+        "step": step,
+        "loads": how,
+        "update_s": round(report.seconds, 4),
+        "paused_s": engine.paused_s,
+        "verified_by": list(engine.verified_by),
+    }
+
+
+@pytest.mark.skipif(on_gpu(), reason="the refusal of a CPU server")
+def test_cuda_ipc_from_a_cpu_server_is_refused_with_its_reason(
+    start_server: Callable[[str], RealServer],
+) -> None:
+    server = start_server("tp1-cuda-ipc")
+    client = EngineClient(server.url)
+    with pytest.raises(EngineError) as refused:
+        client.publication(0)
+    message = str(refused.value)
+    assert f"engine {server.url} rank 0 could not publish its weights for cuda_ipc" in message
+    assert "shares GPU memory only" in message and "SGLANG_PLUGINS=p2pweights_nixl" in message
+    config = SyncConfig(transport=CudaIpcConfig())
+    with (
+        WeightSyncSession(config) as session,
+        pytest.raises(EngineError, match="could not publish its weights for cuda_ipc"),
+    ):
+        session.connect([server.url])
+    assert client.weight_version() == "default"  # nothing was paused, opened or written
+    assert len(server.generate(PROMPT, 2)) == 2  # the server serves on
+    record_answers("tp1-cuda-ipc-cpu", server)
+
+
 def test_mooncake_into_a_cpu_server_is_refused_at_connect(
     start_server: Callable[[str], RealServer],
 ) -> None:
+    if on_gpu():
+        pytest.skip("a GPU server takes Mooncake writes: test_real_server_gpu.py")
     server = start_server("tp1-mooncake")
     client = EngineClient(server.url)
     assert client.publication(0).backend == "mooncake"  # sglang's own, no plugin loaded

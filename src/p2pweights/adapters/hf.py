@@ -47,11 +47,20 @@ def hf_named_tensors(
     """(checkpoint name, full tensor) pairs of a transformers ``model``, plain or FSDP2.
 
     Under FSDP2 (``fully_shard``, DTensor parameters) this is a collective: every rank
-    of the mesh must iterate it to the end. ``dtype`` casts floating-point tensors
-    bucket by bucket, before gathering (e.g. fp32 master weights to the engine's bf16).
-    Tensors come on the device the parameters live on. The answer is an iterator that
-    also says what it will yield without gathering anything (``specs()``), so even a
-    first ``WeightSyncSession.update`` streams it instead of holding the whole model.
+    of the mesh must iterate it to the end. Tensors come on the device the parameters
+    live on. The answer is an iterator that also says what it will yield without
+    gathering anything (``specs()``), so even a first ``WeightSyncSession.update``
+    streams it instead of holding the whole model.
+
+    Args:
+        model: A transformers model, plain or sharded with FSDP2.
+        bucket_bytes: How many bytes of parameters are gathered (and cast) at a time, as
+            a number or a size such as ``"512MiB"``.
+        dtype: Cast floating-point tensors to this, bucket by bucket, before gathering
+            (e.g. fp32 master weights to the engine's bf16). Default: as they are.
+
+    Returns:
+        An iterator of ``(checkpoint name, tensor)`` pairs for ``WeightSyncSession.update``.
     """
     return HfNamedTensors(model, parse_bytes(bucket_bytes), dtype)
 

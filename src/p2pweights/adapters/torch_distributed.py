@@ -20,8 +20,14 @@ __all__ = ["stage_ranks", "torch_agree", "torch_gather", "torch_stage_ranks"]
 def torch_agree(group: Any = None) -> Callable[[bool], bool]:
     """``agree(ok)``: True iff every rank of ``group`` passed True (an all-reduce MIN).
 
-    Give it the group of every sending trainer rank (of every pipeline stage). Works on
-    gloo (CPU) and NCCL (current CUDA device) groups.
+    Works on gloo (CPU) and NCCL (current CUDA device) groups.
+
+    Args:
+        group: The ``torch.distributed`` group of every sending trainer rank, of every
+            pipeline stage (default: the whole world).
+
+    Returns:
+        The ``agree`` callable ``WeightSyncSession`` takes.
     """
     import torch.distributed as dist
 
@@ -38,8 +44,15 @@ def torch_agree(group: Any = None) -> Callable[[bool], bool]:
 def torch_gather(group: Any = None) -> Callable[[object], list[object]]:
     """``gather(obj)``: every rank's ``obj`` in ``group`` rank order (``all_gather_object``).
 
-    Used at the first update (what each rank sends) and when a step failed (each
-    rank's error), never on the path of a successful later update.
+    The session uses it at the first update (what each rank sends) and when a step failed
+    (each rank's error), never on the path of a successful later update.
+
+    Args:
+        group: The ``torch.distributed`` group of every sending trainer rank (default:
+            the whole world).
+
+    Returns:
+        The ``gather`` callable ``WeightSyncSession`` takes.
     """
     import torch.distributed as dist
 

@@ -130,18 +130,18 @@ class DeltaPolicy:
         self._compare_s_per_byte: deque[float] = deque(maxlen=window)
         self._fraction: float | None = None
         self._full_bytes = 0
+        # Full updates since the last delta.
         self._num_full = 0
-        """Full updates since the last delta."""
+        # Full updates before the next probe.
         self._wait = probe_after
-        """Full updates before the next probe."""
+        # Whether the last decision probed while full was predicted faster.
         self._reprobe = False
-        """Whether the last decision probed while full was predicted faster."""
+        # Delta updates since the last full one.
         self._num_delta = 0
-        """Delta updates since the last full one."""
+        # Delta updates before the next full probe.
         self._full_wait = probe_after
-        """Delta updates before the next full probe."""
+        # Whether the last decision probed a full update while deltas were faster.
         self._full_probe = False
-        """Whether the last decision probed a full update while deltas were faster."""
 
     def decide(self, can_delta: bool) -> Decision:
         """How the next update goes; ``can_delta``: some engine rank holds the previous

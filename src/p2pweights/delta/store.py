@@ -58,15 +58,15 @@ class PreviousBytes:
     def __init__(self, device: torch.device | None = None) -> None:
         """``device``: where copies live; None keeps each on the device it was staged on."""
         self._device = device
+        # Each parameter's stored bytes (views into ``_images`` where they came by flush).
         self._slots: dict[tuple[Hashable, str], torch.Tensor] = {}
-        """Each parameter's stored bytes (views into ``_images`` where they came by flush)."""
+        # Flush position in an update -> the image of that flush's range.
         self._images: dict[int, _Image] = {}
-        """Flush position in an update -> the image of that flush's range."""
+        # Parameters this update's flushes staged so far.
         self._seen: set[tuple[Hashable, str]] = set()
-        """Parameters this update's flushes staged so far."""
         self._holders: set[Runner] = set()
+        # The update whose bytes are stored (0: none).
         self.sequence = 0
-        """The update whose bytes are stored (0: none)."""
 
     @property
     def num_bytes(self) -> int:

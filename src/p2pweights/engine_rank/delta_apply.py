@@ -207,8 +207,8 @@ class DeltaReceiver:
 
     def __init__(self, where: str = "this engine rank") -> None:
         self.where = where
+        # The update whose bytes the rank holds as far as deltas know (0: none yet).
         self.sequence = 0
-        """The update whose bytes the rank holds as far as deltas know (0: none yet)."""
 
     def take(
         self, payload: torch.Tensor, params: Mapping[str, torch.Tensor]

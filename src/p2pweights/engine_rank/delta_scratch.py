@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
 from p2pweights import environment
 from p2pweights.config import parse_bytes
+from p2pweights.engine_rank.before_end import BeforeEnd
 from p2pweights.engine_rank.delta_apply import DeltaReceiver
 from p2pweights.errors import ConfigError
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, read_header
-
-if TYPE_CHECKING:
-    from p2pweights.engine_rank.steps import BeforeEnd
 
 logger = logging.getLogger(__name__)
 

@@ -24,31 +24,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from p2pweights.engine_rank.before_end import BeforeEnd
+from p2pweights.engine_rank.delta_scratch import apply_delta as apply_payload
+from p2pweights.engine_rank.delta_scratch import clear_payload
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BEFORE_END_STEPS", "BeforeEnd", "RankSide", "record_digests"]
-
-
-@dataclass
-class BeforeEnd:
-    """What the before-end steps of one engine rank's runner see, and what they publish."""
-
-    engine_rank: int
-    role: str
-    """The model runner: "target", or "draft"."""
-    params: Mapping[str, torch.Tensor]
-    """Published parameter name -> its tensor, where the writers wrote it."""
-    update: int
-    """This runner's update-session number (1 for the first ``begin``)."""
-    write_digests: bool = True
-    """The engine digests its weights for the trainers (``P2PWEIGHTS_WRITE_DIGESTS``)."""
-    record: dict[str, Any] = field(default_factory=dict)
-    """What the rank publishes once the steps ran (JSON-serializable)."""
 
 
 def record_digests(context: BeforeEnd) -> None:
@@ -68,8 +54,6 @@ def record_digests(context: BeforeEnd) -> None:
 def apply_delta(context: BeforeEnd) -> None:
     """A delta payload the sender wrote into the rank's scratch region, applied to the
     parameters (``engine_rank.delta_scratch``); later steps see them without the region."""
-    from p2pweights.engine_rank.delta_scratch import apply_delta as apply_payload
-
     apply_payload(context)
 
 
@@ -95,8 +79,6 @@ class RankSide:
         case: the trainer taking over writes its own header (``delta.sender.FullHeaders``)."""
         self.update += 1
         if scratch is not None:
-            from p2pweights.engine_rank.delta_scratch import clear_payload
-
             clear_payload(scratch, f"engine rank {self.engine_rank} ({self.role})")
         return self._record(digests=None, error=None)
 

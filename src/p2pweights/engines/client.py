@@ -63,8 +63,8 @@ class EngineClient:
         """``transport``: httpx's, for tests that replay recorded answers (default: HTTP);
         ``clock``: monotonic seconds for ``calls`` (injectable for tests)."""
         self.url = url.rstrip("/")
+        # Every request this client sent (``Fleet`` clears it when an update opens).
         self.calls = CallLog()
-        """Every request this client sent (``Fleet`` clears it when an update opens)."""
         self._clock = clock
         if isinstance(api_key, SecretStr):
             api_key = api_key.get_secret_value()

@@ -27,6 +27,11 @@ class EngineEndpoint:
 
     @classmethod
     def of(cls, engine: str | EngineEndpoint) -> EngineEndpoint:
+        """The endpoint of a URL (an endpoint is returned as it is).
+
+        Raises:
+            ConfigError: ``engine`` is neither an endpoint nor an http(s) URL.
+        """
         if isinstance(engine, EngineEndpoint):
             return engine
         if not isinstance(engine, str) or not engine.startswith(("http://", "https://")):

@@ -30,8 +30,9 @@ _PUBLISH_FLAGS = {
     "mooncake": "start sglang with --remote-instance-weight-loader-start-seed-via-transfer-engine",
     "nixl": "start sglang with the p2pweights NIXL plugin (SGLANG_PLUGINS=p2pweights_nixl) "
     "or --remote-instance-weight-loader-start-seed-via-nixl",
-    "cuda_ipc": "start the engine on a GPU of the trainer's host with the cuda_ipc publisher "
-    "(p2pweights engine --transport cuda_ipc --device cuda:N)",
+    "cuda_ipc": "start sglang on a GPU of the trainer's host with the p2pweights CUDA IPC "
+    "plugin (SGLANG_PLUGINS=p2pweights_cuda_ipc), or a local engine with "
+    "p2pweights engine --transport cuda_ipc --device cuda:N",
 }
 
 

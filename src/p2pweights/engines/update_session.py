@@ -453,6 +453,7 @@ class AbortReport:
 
     @property
     def left_paused(self) -> list[str]:
+        """URLs of the engines not running again (paused, torn or unreachable)."""
         return [
             url
             for url, what in self.outcomes.items()
@@ -466,6 +467,11 @@ class AbortReport:
         return not self.left_paused
 
     def raise_if_not_ok(self) -> None:
+        """Raise where ``ok`` is False.
+
+        Raises:
+            EngineStateError: Naming each engine left paused and what was found.
+        """
         if not self.ok:
             raise EngineStateError(
                 "engines not resumed: "

@@ -106,8 +106,8 @@ class P2PWeightsProtocol(_Base):
         super().__init__(args)
         self.group_name = "p2pweights"
         self.session: WeightSyncSession | None = None
+        # A gloo group over every trainer rank, for the stage all-gather at connect.
         self._all_ranks: Any = None
-        """A gloo group over every trainer rank, for the stage all-gather at connect."""
         self._senders: list[int] | None = None
         self._stream: StreamedUpdate | None = None
 

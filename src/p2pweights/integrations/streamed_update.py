@@ -54,8 +54,8 @@ class StreamedUpdate:
         self, session: _Session, *, version: str | None = None, name: str = "p2pweights-update"
     ):
         self._lock = threading.Condition()
+        # The bucket handed over and not yet taken whole by the update.
         self._bucket: list[tuple[str, torch.Tensor]] | None = None
-        """The bucket handed over and not yet taken whole by the update."""
         self._closed = False
         self._cancelled: BaseException | None = None
         self._done = False

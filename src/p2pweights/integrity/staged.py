@@ -54,9 +54,9 @@ class StagedDigests:
     def __init__(self) -> None:
         self._sums: dict[str, Lanes] = {}
         self._filed: list[tuple[str, str, Iterable[Runner]]] = []
+        # Per GPU batch, an event recorded in its stream after its sums, and the stream: ``into``
+        # may run on another thread, whose own streams would not wait for them.
         self._done: list[tuple[torch.cuda.Event, torch.cuda.Stream]] = []
-        """Per GPU batch, an event recorded in its stream after its sums, and the stream:
-        ``into`` may run on another thread, whose own streams would not wait for them."""
 
     def add(self, slots: Iterable[tuple[str, torch.Tensor, Iterable[Runner]]]) -> None:
         """``slots``: (parameter name, its bytes, the runners it goes to): what a direct

@@ -25,6 +25,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     The kernel may hand the same ephemeral port to two binds in a row once the first
     socket is closed, and engines started together bind theirs only later.
+
+    Args:
+        host: The address the port is free on.
+
+    Returns:
+        The port number.
     """
     while True:
         with socket.socket() as sock:
@@ -39,7 +45,29 @@ class LocalEngine:
     """A local rollout engine process speaking sglang's weight-update API.
 
     ``with LocalEngine("models/qwen3-tiny.json", tp=2, seed=0) as engine: engine.url``.
-    ``start()`` and ``wait_ready()`` let several engines start concurrently.
+    ``start()`` and ``wait_ready()`` let several engines start concurrently. It runs
+    ``p2pweights engine`` (sglang's own model classes and loaders) in a process of its own
+    session, and stands in for a sglang server in tests and demos.
+
+    Args:
+        model: An HF ``config.json`` or a folder holding one.
+        tp: Tensor-parallel ranks to serve.
+        transport: ``"mooncake"``, ``"nixl"`` or ``"cuda_ipc"``: what the engine publishes
+            its weights for.
+        seed: Start from deterministic random HF weights of this seed
+            (``p2pweights.testing.synthetic_weights``; ``None``: the engine's default
+            seed). Ignored with ``weights``.
+        weights: A folder of ``*.safetensors`` with HF checkpoint names to start from.
+        dtype: The weights' dtype.
+        host: The address the engine's HTTP server binds.
+        port: Its port (default: a free one).
+        startup_timeout_s: How long ``wait_ready`` waits for ``/health``.
+        env: Environment variables added to this process's for the engine.
+        server_args: sglang server args the engine's replicas are built with (e.g.
+            ``{"quantization": "fp8"}``).
+        log_path: Where the engine logs (default: a new temporary file).
+        stream_log: Log to this process's stderr instead of a file.
+        device: Where the engine's weights live (``"cpu"``, ``"cuda:N"``).
     """
 
     def __init__(
@@ -87,6 +115,7 @@ class LocalEngine:
 
     @property
     def url(self) -> str:
+        """The engine's base URL, for ``WeightSyncSession.connect``."""
         return f"http://{self.host}:{self.port}"
 
     @property
@@ -100,6 +129,7 @@ class LocalEngine:
         return None if self._process is None else self._process.pid
 
     def command(self) -> list[str]:
+        """The ``p2pweights engine`` command line ``start`` runs."""
         cmd = [
             sys.executable,
             "-m",
@@ -129,6 +159,7 @@ class LocalEngine:
         return cmd
 
     def start(self) -> LocalEngine:
+        """Start the engine process, without waiting for it (``wait_ready``)."""
         env = {**os.environ, **(self._env or {})}
         self._process = subprocess.Popen(
             self.command(),
@@ -140,6 +171,16 @@ class LocalEngine:
         return self
 
     def wait_ready(self) -> LocalEngine:
+        """Wait until the engine answers ``/health``.
+
+        Returns:
+            This engine.
+
+        Raises:
+            EngineError: ``start`` was not called, the process exited while starting (the
+                message ends with its log), or it was not ready within
+                ``startup_timeout_s`` (then it is stopped).
+        """
         if self._process is None:
             raise EngineError(f"local engine {self.url}: call start() before wait_ready()")
         process = self._process
@@ -164,11 +205,13 @@ class LocalEngine:
         )
 
     def log_tail(self, num_chars: int = 3000) -> str:
+        """The last ``num_chars`` characters of the engine's log file."""
         if self.log_path is None:
             return "(the engine logged to this process's stderr)"
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def stop(self) -> None:
+        """Terminate the engine process (killed after 15 s); its log file stays."""
         process, self._process = self._process, None
         if self._log is not None:
             self._log.close()  # the file stays for log_tail() and post-mortems

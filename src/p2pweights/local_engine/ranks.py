@@ -186,11 +186,10 @@ class _Runner:
         self.side = RankSide(
             spec.tp_rank, role, write_digests=environment.write_digests(default=True)
         )
+        # What the runner recorded at its last begin or before its last end (``engine_rank.steps``).
         self.digest_record: dict[str, Any] = {"update": 0, "role": role, "digests": None}
-        """What the runner recorded at its last begin or before its last end
-        (``engine_rank.steps``)."""
+        # Test only: a parameter one byte of which changes after the writes (one-shot).
         self.corrupt_at_end: str | None = None
-        """Test only: a parameter one byte of which changes after the writes (one-shot)."""
 
     def publication(self) -> Any:
         return self.publisher.publication(self.params)

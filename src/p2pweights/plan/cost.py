@@ -44,7 +44,7 @@ __all__ = [
 
 GB = 1e9
 
-# Measured on 2 x H200 (NVLink NV18, one run each; docs/benchmarks.md and the
+# Measured on 2 x H200 (NVLink NV18, one run each; docs/benchmarks-archive.md and the
 # environment notes): a NIXL/UCX write of 4 GiB from GPU 0 into GPU 1, NCCL send/recv
 # GPU 0 -> GPU 1, and p2pweights' staging pipeline over NIXL with device staging
 # (16 flushes of 256 MiB, benchmarks/results/gpu_staging_h200x2.json).

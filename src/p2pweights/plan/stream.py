@@ -81,10 +81,10 @@ class UpdateSource:
         self._formats = dict(formats)
         self._finite = finite
         self.convert_s = 0.0
+        # Weights quantized only in the blocks this sender's loaders read (``use_regions``).
         self.regions = 0
-        """Weights quantized only in the blocks this sender's loaders read (``use_regions``)."""
+        # The recordings' change counts the regions were learned from.
         self._reads_seen: tuple[int, ...] | None = None
-        """The recordings' change counts the regions were learned from."""
 
     def learn_regions(self, replicas: Mapping[Hashable, ReadRecorder]) -> None:
         """After writes landed: quantize, from the next update on, only the blocks the

@@ -1,9 +1,18 @@
-"""An sglang general plugin: released sglang servers publish their weights over NIXL.
+"""An sglang general plugin: released sglang servers publish their weights over NIXL,
+or by CUDA IPC handle for trainers on their own host.
 
 Enable it on the engine host with ``pip install 'p2pweights[nixl,engine]'`` and
 ``SGLANG_PLUGINS=p2pweights_nixl`` (the entry point ``p2pweights_nixl`` in group
 ``sglang.srt.plugins``); ``SGLANG_REMOTE_INSTANCE_NIXL_BACKEND`` picks the NIXL
 backend (default UCX). See docs/nixl-plugin.md.
+
+``SGLANG_PLUGINS=p2pweights_cuda_ipc`` (``pip install 'p2pweights[engine]'``, no NIXL)
+runs the same hooks but publishes each rank's GPU weights by CUDA IPC handle
+(``ipc_publish``), for ``CudaIpcConfig`` trainers colocated with the server on its GPUs
+(docs/cuda-ipc-plugin.md). A server on the CPU cannot be shared that way: its ranks
+log why and publish the reason instead, and the server serves on. Where both entry
+points load (``SGLANG_PLUGINS`` unset loads every installed plugin), NIXL publishes, with
+a warning.
 
 sglang (0.5.21 - 0.5.23) runs ``load_plugins()`` early in every process it starts
 (launcher, schedulers, detokenizer) and then applies the hooks plugins registered.
@@ -19,7 +28,9 @@ This plugin registers six, the first three where sglang's Mooncake publishing li
    sglang's own start-up runs the replaced server and the plugin leaves it alone.
 3. AFTER ``ModelRunner.initialize`` (each TP rank's scheduler process): the model is
    loaded, ``process_weights_after_loading`` and every post-load transform have run,
-   so the parameter addresses are final. Register the weights with a NIXL agent and
+   so the parameter addresses are final (the CUDA graphs the scheduler captures next
+   read them there: writes land in place, so the graphs stay valid). Register the weights with
+   a NIXL agent (or take their CUDA IPC handles) and
    PUT the publication to the bootstrap server, keyed by TP rank as sglang keys
    Mooncake info. With the Mooncake flag also set, this PUT comes after sglang's and
    replaces it. Draft models (speculative decoding) are not published: they would
@@ -30,9 +41,11 @@ This plugin registers six, the first three where sglang's Mooncake publishing li
    backend's AMX weight packing puts a new tensor into the model after every load);
    the old address then points at freed memory. The rank then publishes afresh (a new
    agent registering the new storage, the next ``epoch``) and closes the old agent, so
-   no write can reach the freed memory. Publications say ``"live": true``: writers
-   re-read them once the update session is open, before writing. After ``begin`` the
-   rank also PUTs an empty write-digest record for the new session (see 6.).
+   no write can reach the freed memory (CUDA IPC: the new handles replace the old ones,
+   and where that fails the rank publishes an error in their place). Publications say
+   ``"live": true``: writers re-read them once the update session is open, before
+   writing. After ``begin`` the rank also PUTs an empty write-digest record for the new
+   session (see 6.).
 6. BEFORE the runner's ``end_weight_update`` (each TP rank): the writes are in and
    sglang's postprocess (which may repack or move the weights) has not run. The rank
    runs ``p2pweights.engine_rank.steps``'s before-end steps on its published parameters and
@@ -67,7 +80,7 @@ from p2pweights.replica.sglang.hook_targets import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOOK_TARGETS", "register"]
+__all__ = ["HOOK_TARGETS", "register", "register_cuda_ipc"]
 
 # Alive for the life of the process, by id of the model runner they publish: each owns
 # a NIXL agent whose registrations writers use; dropping it would deregister the weights.
@@ -75,10 +88,33 @@ _published: dict[int, Any] = {}
 _sides: dict[int, Any] = {}
 """``engine_rank.steps.RankSide`` of each published runner, by id of the model runner."""
 _bootstrap_server: Any = None
+_asked: set[str] = set()
+"""The backends the entry points sglang loaded in this process asked to publish for."""
 
 
 def register() -> None:
-    """The entry point sglang's ``load_plugins()`` calls in each process."""
+    """The entry point ``p2pweights_nixl``, which sglang's ``load_plugins()`` calls in each
+    process: publish over NIXL."""
+    _register("nixl")
+
+
+def register_cuda_ipc() -> None:
+    """The entry point ``p2pweights_cuda_ipc``: publish by CUDA IPC handle."""
+    _register("cuda_ipc")
+
+
+def publishing_backend() -> str:
+    """What this process's ranks publish for: NIXL where its entry point loaded (also
+    beside ``p2pweights_cuda_ipc``, as with ``SGLANG_PLUGINS`` unset), else CUDA IPC."""
+    return "nixl" if "nixl" in _asked or not _asked else "cuda_ipc"
+
+
+def _register(backend: str) -> None:
+    """Register the hooks once per process, whichever entry points load."""
+    first = not _asked
+    _asked.add(backend)
+    if not first:
+        return
     from p2pweights.replica.sglang import facade
     from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
 
@@ -100,9 +136,10 @@ def start_bootstrap_server(*_args: Any, **_kwargs: Any) -> None:
         return
     if facade.model_args().remote_instance_weight_loader_start_seed_via_transfer_engine:
         logger.warning(
-            "p2pweights_nixl: --remote-instance-weight-loader-start-seed-via-transfer-engine is "
+            "p2pweights: --remote-instance-weight-loader-start-seed-via-transfer-engine is "
             "also set; sglang serves the bootstrap server and registers the weights with "
-            "Mooncake too, but each rank's NIXL publication replaces its Mooncake one"
+            "Mooncake too, but each rank's %s publication replaces its Mooncake one",
+            "NIXL" if publishing_backend() == "nixl" else "CUDA IPC",
         )
         return
     _bootstrap_server = NixlAwareBootstrapServer(
@@ -115,13 +152,32 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     from p2pweights.sglang_plugin.publish import LivePublication
 
     if getattr(runner, "is_draft_worker", False):
-        logger.info("p2pweights_nixl: not publishing the draft model's weights")
+        logger.info("p2pweights: not publishing the draft model's weights")
         return
     from p2pweights.engine_rank.steps import RankSide
     from p2pweights.replica.sglang import facade
 
-    published = LivePublication(_tp_rank(runner), NixlConfig().backend, facade.bootstrap_url())
-    published.publish(runner.model)
+    if publishing_backend() == "cuda_ipc":
+        from p2pweights.sglang_plugin.ipc_publish import publish_ipc
+
+        saver = getattr(runner, "memory_saver_adapter", None)
+        published: LivePublication | None = publish_ipc(
+            _tp_rank(runner),
+            facade.bootstrap_url(),
+            runner.model,
+            memory_saver=bool(getattr(saver, "enabled", False)),
+        )
+        if published is None:  # it logged and published why (a CPU server)
+            return
+    else:
+        if len(_asked) > 1:
+            logger.warning(
+                "p2pweights: both p2pweights_nixl and p2pweights_cuda_ipc are loaded (an "
+                "unset SGLANG_PLUGINS loads every installed plugin); publishing over NIXL. "
+                "Set SGLANG_PLUGINS=p2pweights_cuda_ipc to publish by CUDA IPC handle"
+            )
+        published = LivePublication(_tp_rank(runner), NixlConfig().backend, facade.bootstrap_url())
+        published.publish(runner.model)
     _published[id(runner)] = published
     _sides[id(runner)] = RankSide(
         published.engine_rank, write_digests=environment.write_digests(default=False)

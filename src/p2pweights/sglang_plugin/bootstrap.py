@@ -11,7 +11,10 @@ cannot hold the dict sglang PR #35712 publishes for NIXL.
 ``NixlAwareBootstrapServer`` is a drop-in replacement (same constructor, attributes,
 routes and ``close``): a Mooncake PUT is stored and answered exactly as before; a
 PUT whose info says ``"backend": "nixl"`` is stored as the dict and answered as
-``{"rank": R, "remote_instance_transfer_engine_info": {"backend": "nixl", ...}}``.
+``{"rank": R, "remote_instance_transfer_engine_info": {"backend": "nixl", ...}}``;
+so is one saying ``"backend": "cuda_ipc"`` (the plugin's CUDA IPC publication,
+``ipc_publish``), and one of either that says only why the rank could not publish
+(``"error"``).
 
 It also keeps each rank's write-digest record (``p2pweights.engine_rank.steps``): a PUT with
 ``"role": "p2pweights-digests"`` is stored apart from the rank's publication and
@@ -46,24 +49,33 @@ def _entry(info: dict[str, Any]) -> tuple[Any, Any] | dict[str, Any]:
     if backend == "mooncake":
         # sglang's own form, answered as [session_id, weights_info_dict] like before.
         return (info["session_id"], info["weights_info_dict"])
-    if backend == "nixl":
-        for key in ("agent_name", "agent_metadata", "weights_info_dict"):
-            if key not in info:
-                raise KeyError(key)
+    if backend in _REQUIRED:
+        if not isinstance(info.get("error"), str):  # a rank that could not publish says why
+            for key in _REQUIRED[backend]:
+                if key not in info:
+                    raise KeyError(key)
         return dict(info)
     raise ValueError(f"unknown backend {backend!r}")
 
 
+_REQUIRED = {
+    "nixl": ("agent_name", "agent_metadata", "weights_info_dict"),
+    "cuda_ipc": ("agent_name", "host_id", "segments", "weights_info_dict"),
+}
+"""The fields a publication of each dict-form backend must have (``wire.publication``)."""
+
+
 class NixlAwareBootstrapServer:
-    """Per-rank transfer info over HTTP, for Mooncake (sglang's form) and NIXL (PR #35712's)."""
+    """Per-rank transfer info over HTTP, for Mooncake (sglang's form), NIXL (PR #35712's)
+    and CUDA IPC (the plugin's)."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
         # {tp_rank: (session_id, weights_info_dict)} for Mooncake, {tp_rank: info} for NIXL
         self.transfer_engine_info: dict[int, tuple[Any, Any] | dict[str, Any]] = {}
+        # {tp_rank: its last write-digest record}
         self.digest_records: dict[int, dict[str, Any]] = {}
-        """{tp_rank: its last write-digest record}"""
         self.lock = threading.Lock()
         self._server = uvicorn.Server(
             uvicorn.Config(self._app(), host=host, port=port, log_level="warning")

@@ -21,6 +21,7 @@ import httpx
 from p2pweights import environment
 from p2pweights.errors import ConfigError, EngineError
 from p2pweights.polling import poll_until
+from p2pweights.transports.base import Publisher
 from p2pweights.transports.nixl import NixlPublisher
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import DIGESTS_ROLE
@@ -82,18 +83,24 @@ class LivePublication:
     epoch and the moved names, and only then closes the old agent: the freed memory is
     deregistered, so a writer still holding the old publication is refused instead of
     writing into it.
+
+    A subclass publishes for another transport by overriding ``_register`` and
+    ``_published_over`` (``ipc_publish.IpcLivePublication``: CUDA IPC).
     """
+
+    plugin = "p2pweights_nixl"
+    """The plugin this publication is made by, as its log lines name it."""
 
     def __init__(self, engine_rank: int, backend: str, bootstrap_url: str) -> None:
         self.engine_rank = engine_rank
         self.backend = backend
         self.bootstrap_url = bootstrap_url
         self.epoch = -1
-        self._publisher: NixlPublisher | None = None
+        self._publisher: Publisher | None = None
         self._storage: Storage = {}
+        # The delta scratch region (``p2pweights.engine_rank.delta_scratch``), published with the
+        # weights under its reserved name; allocated once, kept across publications.
         self.scratch: torch.Tensor | None = None
-        """The delta scratch region (``p2pweights.engine_rank.delta_scratch``), published with the
-        weights under its reserved name; allocated once, kept across publications."""
 
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
         import torch
@@ -109,13 +116,14 @@ class LivePublication:
                 )
             except torch.OutOfMemoryError:  # the engine serves; deltas are written in full
                 logger.warning(
-                    "p2pweights_nixl: tp rank %d: no memory for the delta scratch region; "
+                    "%s: tp rank %d: no memory for the delta scratch region; "
                     "delta updates of this rank are written in full (set "
                     "P2PWEIGHTS_DELTA_SCRATCH smaller, or 0)",
+                    self.plugin,
                     self.engine_rank,
                 )
         extra = {} if self.scratch is None else {SCRATCH_NAME: self.scratch}
-        publisher, info = publish_model(model, self.engine_rank, self.backend, extra)
+        publisher, info = self._register(model, extra)
         info.update(
             live=True,
             epoch=self.epoch + 1,
@@ -141,19 +149,29 @@ class LivePublication:
                 old.close()
             except Exception:  # the new publication stands; the old agent's memory may stay
                 logger.exception(
-                    "p2pweights_nixl: tp rank %d: closing the previous NIXL agent failed",
+                    "%s: tp rank %d: closing the previous publisher failed",
+                    self.plugin,
                     self.engine_rank,
                 )
         logger.info(
-            "p2pweights_nixl: tp rank %d published %d parameters (%s) through NIXL agent %s "
-            "(%s, epoch %d)",
+            "%s: tp rank %d published %d parameters %s (epoch %d)",
+            self.plugin,
             self.engine_rank,
             len(info["weights_info_dict"]),
-            info["mem_type"],
-            info["agent_name"],
-            self.backend,
+            self._published_over(info),
             self.epoch,
         )
+
+    def _register(
+        self, model: nn.Module, extra: dict[str, torch.Tensor]
+    ) -> tuple[Publisher, dict[str, Any]]:
+        """A new publisher holding ``model``'s parameters and ``extra``, and its publication
+        (closed by the caller if the publication cannot be put)."""
+        return publish_model(model, self.engine_rank, self.backend, extra)
+
+    def _published_over(self, info: dict[str, Any]) -> str:
+        """How ``info`` reaches the weights, for the log line."""
+        return f"({info['mem_type']}) through NIXL agent {info['agent_name']} ({self.backend})"
 
     def refresh(self, model: nn.Module, after: str) -> list[str]:
         """Publish afresh if any parameter moved since the last publication; the moved names."""
@@ -164,8 +182,9 @@ class LivePublication:
         if not moved:
             return []
         logger.warning(
-            "p2pweights_nixl: tp rank %d: %s replaced the storage of %d parameter(s) (%s); "
+            "%s: tp rank %d: %s replaced the storage of %d parameter(s) (%s); "
             "publishing the new addresses",
+            self.plugin,
             self.engine_rank,
             after,
             len(moved),
@@ -179,8 +198,9 @@ class LivePublication:
             # Not raised: an exception here would take the engine's scheduler down.
             self.close()
             logger.exception(
-                "p2pweights_nixl: tp rank %d could not publish afresh; p2pweights updates "
+                "%s: tp rank %d could not publish afresh; p2pweights updates "
                 "of this engine will fail until it restarts",
+                self.plugin,
                 self.engine_rank,
             )
         return moved
@@ -218,6 +238,9 @@ one attempt, never retried, so a bootstrap server that does not answer stalls sg
 scheduler for at most this long. The failure is logged; the trainer then finds no
 record (or a refused publication) for its update and fails it."""
 
+_PLUGINS = {"nixl": ("NIXL", "p2pweights_nixl"), "cuda_ipc": ("CUDA IPC", "p2pweights_cuda_ipc")}
+"""Published backend -> (its name in messages, the plugin that publishes it)."""
+
 
 def put_publication(
     bootstrap_url: str,
@@ -247,10 +270,12 @@ def put_publication(
             failed[:] = [exc]
             return False
         if response.status_code != 200:
+            label, plugin = _PLUGINS.get(str(info.get("backend")), _PLUGINS["nixl"])
             raise EngineError(
                 f"tp rank {engine_rank}: the engine info bootstrap server at {bootstrap_url} "
-                f"refused the NIXL publication ({response.status_code}: {response.text[:300]}); "
-                f"is SGLANG_PLUGINS=p2pweights_nixl set for the launching process too?"
+                f"refused the {label} publication ({response.status_code}: "
+                f"{response.text[:300]}); is SGLANG_PLUGINS={plugin} set for the launching "
+                f"process too?"
             )
         return True
 

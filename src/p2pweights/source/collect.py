@@ -123,8 +123,8 @@ class ConvertingCollector:
             _Lane(converters[fmt_key], GroupCollector(layouts))
             for fmt_key, layouts in by_format.items()
         ]
+        # Seconds spent converting tensors (e.g. fp8 quantization).
         self.convert_s = 0.0
-        """Seconds spent converting tensors (e.g. fp8 quantization)."""
 
     def add(self, name: str, tensor: torch.Tensor) -> list[Released]:
         ready: list[Released] = []

@@ -109,7 +109,7 @@ def quantize(
     amax = amax.float().clamp(min=_MIN_AMAX)
     # A true division on every device: CUDA turns division by a Python number into a
     # multiply by its rounded reciprocal (1 ulp off in most scales); by a tensor on the
-    # same device it divides, as the CPU does (found on an H200, see docs/benchmarks.md).
+    # same device it divides, as the CPU does (found on an H200, see docs/benchmarks-archive.md).
     scale = amax / torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
     if fmt.ue8m0:
         scale = _ceil_power_of_two(scale)
@@ -127,7 +127,7 @@ def quantize_many(
     """``quantize`` of each weight (in ``boxes[i]`` where given), the same bits; GPU
     weights of one shape, dtype, strides and box (a layer's experts) share one launch
     of the fused kernel, whose host cost per launch is most of a small weight's
-    quantization (docs/benchmarks.md)."""
+    quantization (docs/benchmarks-archive.md)."""
     boxes = boxes if boxes is not None else [None] * len(weights)
     alike: dict[tuple[object, ...], list[int]] = {}
     for i, (weight, box) in enumerate(zip(weights, boxes, strict=True)):

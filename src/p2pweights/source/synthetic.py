@@ -51,7 +51,18 @@ ConfigLike = str | os.PathLike[str] | Mapping[str, Any]
 
 
 def model_config(config: ConfigLike) -> dict[str, Any]:
-    """The HF config dict of a shipped name, a model folder, or a dict."""
+    """The HF config dict of a shipped model, a model folder, or a dict.
+
+    Args:
+        config: A name in ``MODEL_NAMES``, a folder holding ``config.json``, the path of a
+            config file, or a config dict (copied).
+
+    Returns:
+        The config as a dict.
+
+    Raises:
+        ValueError: ``config`` is neither a shipped model nor a config file.
+    """
     if isinstance(config, Mapping):
         return dict(config)
     text = os.fspath(config)
@@ -71,7 +82,15 @@ def model_config(config: ConfigLike) -> dict[str, Any]:
 
 
 def write_model_dir(config: ConfigLike, directory: str | os.PathLike[str]) -> Path:
-    """Write ``config.json`` into ``directory`` (created) so sglang can use it as model_path."""
+    """Write ``config.json`` into ``directory`` so sglang can use it as model_path.
+
+    Args:
+        config: As for ``model_config``.
+        directory: The folder (created if missing).
+
+    Returns:
+        The folder.
+    """
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model_config(config), indent=2) + "\n")
@@ -87,6 +106,12 @@ def hf_checkpoint_names_and_shapes(
     the meta device, fused experts split per expert, MTP layers appended) without the
     tied aliases: a tied ``lm_head.weight`` is not listed, as ``save_pretrained`` does
     not write it.
+
+    Args:
+        config: As for ``model_config``.
+
+    Returns:
+        ``(name, shape, dtype)`` per checkpoint tensor.
     """
     from p2pweights.source.config_checkpoint import config_checkpoint
 
@@ -104,7 +129,15 @@ def synthetic_weights(
     """Deterministic CPU tensors for every checkpoint name, values fixed by (seed, name).
 
     Matrices and biases are N(0, 0.02) (sane activations); norm weights are
-    1 + N(0, 0.02). ``dtype`` defaults to the config's dtype.
+    1 + N(0, 0.02). A ``p2pweights engine --seed S`` engine starts from these tensors.
+
+    Args:
+        config: As for ``model_config``.
+        seed: Fixes the values, with each tensor's name.
+        dtype: The tensors' dtype (default: the config's).
+
+    Yields:
+        ``(checkpoint name, tensor)`` pairs, in checkpoint order.
     """
     for name, shape, native in hf_checkpoint_names_and_shapes(config):
         generator = torch.Generator().manual_seed(_seed_of(seed, name))
@@ -119,7 +152,16 @@ def save_safetensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
     filename: str = "model.safetensors",
 ) -> Path:
-    """Write ``tensors`` as one safetensors file in ``directory``; returns its path."""
+    """Write ``tensors`` as one safetensors file in ``directory``.
+
+    Args:
+        directory: The folder (created if missing).
+        tensors: ``(name, tensor)`` pairs.
+        filename: The file's name.
+
+    Returns:
+        The file's path.
+    """
     from safetensors.torch import save_file
 
     folder = Path(directory)

@@ -172,10 +172,10 @@ class TransferExecutor:
         self._buffers: StagingBuffers | None = None
         self._writers: dict[TargetKey, RankWriter] = {}
         self._connected: dict[Runner, RankPublication] = {}
+        # Writes of failed updates not seen settled: their buffers are not handed out again.
         self._late = LateWrites()
-        """Writes of failed updates not seen settled: their buffers are not handed out again."""
+        # Delta updates: the previous update's bytes and the engine ranks holding them.
         self._delta = DeltaSender(delta) if delta is not None else None
-        """Delta updates: the previous update's bytes and the engine ranks holding them."""
 
     @property
     def transport(self) -> Transport:
@@ -412,10 +412,10 @@ class _Run:
         self._transport = transport
         self._hooks = hooks
         self._delta = delta
+        # Whose headers the last flush writes to the ranks publishing a scratch region.
         self._headers: DeltaRun | FullHeaders | None = delta if delta is not None else full_headers
-        """Whose headers the last flush writes to the ranks publishing a scratch region."""
+        # Where the last flush's buffer holds the delta headers (reserved by ``finish``).
         self._header_at: int | None = None
-        """Where the last flush's buffer holds the delta headers (reserved by ``finish``)."""
         self._opened = hooks.before_writes is None
         buffers.reset()
         self._staged: dict[Hashable, tuple[list[HfInput], dict[str, torch.Tensor]]] = {}
@@ -423,14 +423,14 @@ class _Run:
         # loads straight into engine memory, per (replica, engine rank and runner)
         self._direct: dict[tuple[Hashable, Runner], _DirectLoad] = {}
         self._direct_bytes: dict[Runner, int] = defaultdict(int)
+        # GPUs direct loads queued copies on: synchronized before the run returns or fails.
         self._direct_devices: set[torch.device] = set()
-        """GPUs direct loads queued copies on: synchronized before the run returns or fails."""
         self._pending: dict[int, list[tuple[Future[None], WriteBatch]]] = {0: [], 1: []}
         self._failed = FailedTargets()
         self.result = RunResult()
         self._staged_digests = StagedDigests()
+        # Writes given up on (late, or unsettled in the transport), with their buffers.
         self.late = LateWrites()
-        """Writes given up on (late, or unsettled in the transport), with their buffers."""
 
     def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
         """Phase 1, per group: reserve its block in the current buffer for the ranks written

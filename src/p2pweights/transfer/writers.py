@@ -88,10 +88,10 @@ class RankWriter:
         self._timeout_s = timeout_s
         url, rank = key
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"p2pw-writer-{url}-r{rank}")
+        # Batches submitted and maybe not run yet (pruned at each submit).
         self._queued: list[Future[None]] = []
-        """Batches submitted and maybe not run yet (pruned at each submit)."""
+        # This rank's last write given up on while in flight, until it settled.
         self._unsettled: UnsettledWrite | None = None
-        """This rank's last write given up on while in flight, until it settled."""
 
     def submit(self, batch: WriteBatch, failed: FailedTargets) -> Future[None]:
         """Queue ``batch``; once the writer was closed, a future failed with

@@ -117,8 +117,8 @@ class InFlight(ABC):
     nor cancelled; ``settle`` polls them (and releases what they hold once they ended)."""
 
     def __init__(self, sources: Sequence[tuple[int, int]]) -> None:
+        # (address, num_bytes) of the source memory they read.
         self.sources = tuple(sources)
-        """(address, num_bytes) of the source memory they read."""
         self._lock = threading.Lock()
         self._settled = False
 

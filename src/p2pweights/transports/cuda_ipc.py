@@ -129,12 +129,12 @@ class CudaIpcTransport(Transport):
         self._host = host_id()
         self._sources = RegisteredRegions()
         self._opened: dict[str, Opened] = {}
+        # Each engine rank's last copies: waited for before its memory or a buffer goes.
         self._pending: dict[str, torch.cuda.Event] = {}
-        """Each engine rank's last copies: waited for before its memory or a buffer goes."""
         self._lock = threading.Lock()
         self._local = threading.local()
+        # (peer, segment index) -> the mapped segment as a tensor, None if not on our GPU.
         self._direct: dict[tuple[str, int], torch.Tensor | None] = {}
-        """(peer, segment index) -> the mapped segment as a tensor, None if not on our GPU."""
         self._direct_allowed = config.direct
 
     @property

@@ -3,7 +3,7 @@
 torch exposes CUDA IPC only through its storage sharing, which opens a peer's handle
 in the context of the GPU the memory lives on; copies from another GPU into memory
 opened that way crawled on the H200 machine (38 GB/s, against 397 GB/s for the same
-copy from memory opened in the writer's own context: docs/benchmarks.md). So the
+copy from memory opened in the writer's own context: docs/benchmarks-archive.md). So the
 handles are opened here, with the CUDA runtime torch itself loaded, after selecting
 the writer's device, and copies are issued with ``cudaMemcpyAsync`` on torch streams.
 """

@@ -195,8 +195,8 @@ class MooncakeTransport(Transport):
         self._registered: list[tuple[int, int]] = []
         self._local = RegionIndex([])
         self._peers: set[str] = set()
+        # Batches writes gave up on that had not ended: their memory stays registered.
         self._given_up = GivenUp("Mooncake", "engine", "write")
-        """Batches writes gave up on that had not ended: their memory stays registered."""
 
     @property
     def protocol(self) -> str:

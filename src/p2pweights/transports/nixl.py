@@ -180,8 +180,8 @@ class NixlTransport(Transport):
         self._local_device: dict[int, int] = {}  # buffer address -> device id
         self._descs: dict[int, Any] = {}  # buffer address -> its nixlRegDList
         self._remote: dict[str, _RemoteAgent] = {}  # agent name -> what we learnt
+        # Transfers writes gave up on that had not ended: their memory stays registered.
         self._given_up = GivenUp("NIXL", "agent", "transfer")
-        """Transfers writes gave up on that had not ended: their memory stays registered."""
 
     @property
     def agent_name(self) -> str:

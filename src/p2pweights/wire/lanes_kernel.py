@@ -2,7 +2,7 @@
 
 Digested one by one, each region costs a few launches and some Python: the 227
 parameters of a 1 GB model took 3.5-6.3 ms on an H200 (0.2-0.3 TB/s), where one
-launch of this kernel takes 0.6 ms (docs/benchmarks.md, "Verified writes: cost").
+launch of this kernel takes 0.6 ms (docs/benchmarks-archive.md, "Verified writes: cost").
 Here every region of one device is cut into chunks of ``CHUNK_WORDS`` int64 words (the
 last of a region shorter; longer chunks where the regions come to many GB:
 ``_chunk_blocks``), one Triton program per chunk sums its words into the ``LANES`` lanes,

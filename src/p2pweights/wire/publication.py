@@ -21,6 +21,12 @@ every load). Writers re-read a live publication once its engine's update session
 open, before any write (``WeightSyncSession``). sglang's own Mooncake publication is
 taken once at start-up and never says ``live``.
 
+A dict publication saying ``"error": "<why>"`` (and perhaps nothing else but its
+``backend``) is an engine rank's word that it could not publish, or withdrew what it
+published (the p2pweights plugin's CUDA IPC publication on a CPU server, or after its
+weights moved and could not be published afresh): ``parse_publication`` refuses it with
+that reason, so no writer uses an earlier publication of the rank.
+
 A dict publication saying ``"write_digests": true`` comes from an engine rank that
 records, before every ``end_weight_update``, a digest of each published parameter
 (``p2pweights.engine_rank.steps``), read with ``EngineClient.write_digests``.
@@ -187,6 +193,7 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
             f"the engine answered for rank {answered!r:.40}; nothing was written. Is another "
             f"server answering at this URL?"
         )
+    _refuse_withdrawn(engine_url, engine_rank, info)
     try:
         publication = _parse(engine_url, engine_rank, info)
         _check_regions(publication.regions)
@@ -197,6 +204,17 @@ def parse_publication(engine_url: str, engine_rank: int, body: dict[str, Any]) -
             f"publishes something p2pweights cannot write safely"
         ) from exc
     return publication
+
+
+def _refuse_withdrawn(engine_url: str, engine_rank: int, info: Any) -> None:
+    """Raise ``EngineError`` with the engine's reason if it published an ``error``."""
+    if not isinstance(info, dict) or info.get("error") is None:
+        return
+    backend = info.get("backend", "mooncake")
+    raise EngineError(
+        f"engine {engine_url} rank {engine_rank} could not publish its weights for "
+        f"{str(backend)[:40]}: {str(info['error'])[:1000]}; nothing was written"
+    )
 
 
 def _reason(exc: Exception) -> str:

@@ -134,8 +134,8 @@ class _Launch:
         self, copies: Sequence[_Described], positions: list[int], unit: int, device: torch.device
     ):
         self.unit = unit
+        # Where its copies stand in the list the ``GatheredCopies`` was made from.
         self.positions = positions
-        """Where its copies stand in the list the ``GatheredCopies`` was made from."""
         self.flat = all(c.shape.flat for c in copies)
         rows: list[list[int]] = []
         chunk_copy: list[int] = []

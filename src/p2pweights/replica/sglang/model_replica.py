@@ -36,6 +36,7 @@ from p2pweights.replica.layout_key import ENGINE_LOCAL_ARGS
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import env as sglang_env
 from p2pweights.replica.sglang.parameters import repoint
+from p2pweights.replica.sglang.probe import LoaderMap, Written, probe_loader
 from p2pweights.replica.sglang.replay import (
     LoadRecorder,
     Replay,
@@ -51,8 +52,6 @@ from p2pweights.source.inputs import InputSpec, ParamGroup, describe_inputs
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from p2pweights.replica.sglang.probe import LoaderMap, Written
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +117,12 @@ class ModelReplica:
         # inputs and destinations alike but for values -> the loader's recorded copies
         # (None: that load must run the loader every time); see replay.py
         self._replays: dict[ReplayKey, Replay | None] = {}
+        # Counts changes to the recordings (new, confirmed, dropped): reads learned from them are
+        # stale once it moves.
         self.replays_changed = 0
-        """Counts changes to the recordings (new, confirmed, dropped): reads learned from
-        them are stale once it moves."""
         self.replayed_loads = 0
+        # Loads served by a replay instead of the loader (tests and benchmarks read it).
         self._told_not_replayed = False
-        """Loads served by a replay instead of the loader (tests and benchmarks read it)."""
 
     @classmethod
     def from_server_info(
@@ -285,8 +284,6 @@ class ModelReplica:
 
     def loader_map(self, inputs: Mapping[str, InputSpec]) -> LoaderMap:
         """Which HF names feed which parameters, probed once per set of inputs (cached)."""
-        from p2pweights.replica.sglang.probe import probe_loader
-
         key = tuple(inputs.items())
         found = self._loader_maps.get(key)
         if found is None:
@@ -325,8 +322,6 @@ class ModelReplica:
         parameter the given HF tensors feed must have a destination; the inputs are
         checked against the probe before any byte is written.
         """
-        from p2pweights.replica.sglang.probe import probe_loader
-
         key = replay_key(hf_tensors, destinations) if environment.loader_replay_allowed() else None
         replay = self._replays.get(key) if key is not None else None
         if replay is not None and replay.confirmed:

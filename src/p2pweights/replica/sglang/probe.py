@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,12 +45,35 @@ from p2pweights.errors import ConfigError
 from p2pweights.replica.sglang.compat import api_error
 from p2pweights.source.inputs import InputSpec, ParamGroup
 
-if TYPE_CHECKING:
-    from p2pweights.replica.sglang.model_replica import ModelReplica
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoaderMap", "Written", "probe_loader"]
+__all__ = ["LoaderMap", "Probed", "Written", "probe_loader"]
+
+
+class _HasWorldRank(Protocol):
+    @property
+    def world_rank(self) -> int: ...
+
+
+class Probed(Protocol):
+    """What the probe needs of a replica (``ModelReplica`` is one); a protocol, so the
+    replica imports the probe and the probe never imports the replica."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def spec(self) -> _HasWorldRank: ...
+
+    @property
+    def layouts(self) -> Mapping[str, Any]: ...
+
+    @property
+    def probe_cache(self) -> MutableMapping[tuple[str, tuple[int, ...], torch.dtype], Written]:
+        """(HF name, shape, dtype) -> what loading it writes; filled by the probe."""
+        ...
+
+    def loading_scope(self) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +104,7 @@ class LoaderMap:
         raise ConfigError(f"no probed HF tensor feeds parameter {param_name!r}")
 
 
-def probe_loader(replica: ModelReplica, inputs: Mapping[str, InputSpec]) -> LoaderMap:
+def probe_loader(replica: Probed, inputs: Mapping[str, InputSpec]) -> LoaderMap:
     """Probe ``replica``'s loader for HF name -> ``InputSpec`` (cached per spec on the replica).
 
     Names not yet cached are probed together in one ``load_weights`` call with
@@ -121,9 +145,7 @@ class Written:
     buffers: frozenset[str] = frozenset()
 
 
-def _probe_batch(
-    replica: ModelReplica, inputs: Mapping[str, InputSpec]
-) -> dict[str, Written] | None:
+def _probe_batch(replica: Probed, inputs: Mapping[str, InputSpec]) -> dict[str, Written] | None:
     """All ``inputs`` through one ``load_weights`` call; None when a name-by-name probe must decide.
 
     Each placeholder's storage is tagged with its HF name; the watcher carries
@@ -162,7 +184,7 @@ def _probe_batch(
     }
 
 
-def _probe_one(replica: ModelReplica, hf_name: str, spec: InputSpec) -> Written:
+def _probe_one(replica: Probed, hf_name: str, spec: InputSpec) -> Written:
     params = dict(replica.model.named_parameters())
     before = {name: _identity(param) for name, param in params.items()}
     watcher = _WriteWatcher(params, hf_name, dict(replica.model.named_buffers()))
@@ -290,13 +312,13 @@ class _ProvenanceWatcher(TorchDispatchMode):
         self, params: dict[str, torch.nn.Parameter], buffers: Mapping[str, torch.Tensor]
     ) -> None:
         super().__init__()
+        # HF name -> parameters written with values derived from it.
         self.fed: dict[str, set[str]] = {}
-        """HF name -> parameters written with values derived from it."""
+        # HF name -> module buffers written with values derived from it.
         self.fed_buffers: dict[str, set[str]] = {}
-        """HF name -> module buffers written with values derived from it."""
         self._buffers = _ParamIndex(buffers)
+        # Parameters written with values no tagged input reached.
         self.unattributed: set[str] = set()
-        """Parameters written with values no tagged input reached."""
         self._tags: dict[int, frozenset[str]] = {}
         self._alive: list[Any] = []
         self._index = _ParamIndex(params)

@@ -261,14 +261,14 @@ class Replay:
         self._ops = ops
         self._dtypes = dict(dtypes)
         self._steps = _steps(ops)
+        # The destinations, numbered after the inputs for the gathered copies.
         self._names = sorted(self._dtypes)
-        """The destinations, numbered after the inputs for the gathered copies."""
+        # Per step, how its copies run (``_plan``), per GPU, with and without the gathered-copies
+        # kernel; made on the first run there (the replay's key fixes names, dtypes, shapes and
+        # strides).
         self._plans: dict[tuple[bool, torch.device], list[_StepPlan]] = {}
-        """Per step, how its copies run (``_plan``), per GPU, with and without the
-        gathered-copies kernel; made on the first run there (the replay's key fixes
-        names, dtypes, shapes and strides)."""
+        # Whether it reproduced the loader on a load other than the recorded one.
         self.confirmed = False
-        """Whether it reproduced the loader on a load other than the recorded one."""
 
     def reads(self) -> dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
         """Per input (by index), the views its copies read: (element offset, shape, stride)."""
@@ -406,7 +406,7 @@ def _scratch_device(
     """Where a replay onto marker bytes runs: on the inputs' GPU when they all sit on one
     and the destinations are host memory (the GPU fills and compares far faster than
     host threads, and fresh pinned memory is slow to allocate: 9 s per 8 GB load on the
-    H200 host, docs/benchmarks.md); else where the destinations are.
+    H200 host, docs/benchmarks-archive.md); else where the destinations are.
 
     On the GPU the check copies device to device where the real replay queues copies
     into pinned memory: the bytes are the same (a copy moves bytes; a copy that also
@@ -453,8 +453,8 @@ class LoadRecorder(TorchDispatchMode):
         self._spans = _SpanIndex(spans)
         self._ops: list[_Copy | _Fill] = []
         self._cats: dict[int, tuple[torch.Tensor, int, list[tuple[_View, int]]]] = {}
+        # Concatenations of inputs: they hold input values, so they are watched too.
         self._temps: list[tuple[tuple[int, int], torch.device]] = []
-        """Concatenations of inputs: they hold input values, so they are watched too."""
         self.reason: str | None = None
 
     def __enter__(self) -> LoadRecorder:
@@ -643,8 +643,8 @@ class _SpanIndex:
         self._starts = [start for (start, _), _ in ordered]
         self._ends = [end for (_, end), _ in ordered]
         self._owners = [owner for _, owner in ordered]
+        # The largest end among the spans up to each index.
         self._reach = list(itertools.accumulate(self._ends, max))
-        """The largest end among the spans up to each index."""
 
     def containing(self, start: int, end: int) -> list[int | str]:
         """Owners of the spans holding all of ``[start, end)``."""
