@@ -55,36 +55,45 @@ class Collective:
         self._stage, self._num_stages = stage, num_stages
 
     def step(self, name: str, action: Callable[[], T]) -> T:
-        """Run ``action``; every trainer rank learns whether all of them succeeded."""
-        error: Exception | None = None
+        """Run ``action``; every trainer rank learns whether all of them succeeded.
+
+        An interrupt (``KeyboardInterrupt``, a ``SystemExit`` from a preemption handler)
+        is agreed on like any failure, then re-raised as it was: the other ranks fail the
+        step instead of waiting in the agreement for a rank that left it."""
+        error: BaseException | None = None
         try:
             result = action()
-        except Exception as exc:  # an interrupt propagates at once: no rank waits for it
+        except BaseException as exc:
             error = exc
         if self._agree(error is None):
+            if error is not None:  # an agree that says yes for a failed rank: it still fails
+                raise error
             return result
         if error is not None and getattr(error, _AGREED, False):
             self._gather_failure(name, error)  # the other ranks gather too
             raise error
         failure = self._gather_failure(name, error)
+        if error is not None and not isinstance(error, Exception):
+            setattr(error, _AGREED, True)  # an outer step raises it as it is
+            raise error
         setattr(failure, _AGREED, True)
         if failure is error:
             raise failure
         raise failure from error
 
-    def _gather_failure(self, name: str, error: Exception | None) -> Exception:
+    def _gather_failure(self, name: str, error: BaseException | None) -> BaseException:
         """What this rank raises for a failed step: with ``gather``, the first failing
         rank's error on every rank (same class where it is p2pweights', same message)."""
+        another = TransferError(
+            f"{self.rank_name}: another trainer rank failed the '{name}' step of this "
+            f"update (its error names the engine)"
+        )
         if self._gather is None:
-            if error is not None:
-                return error
-            return TransferError(
-                f"{self.rank_name}: another trainer rank failed the '{name}' step of this "
-                f"update (its error names the engine)"
-            )
+            return another if error is None else error
         mine = None if error is None else (self.rank_name, type(error).__name__, str(error))
         failures = [cast(tuple[str, str, str], f) for f in self._gather(mine) if f is not None]
-        assert failures, "agree() said a rank failed, but none reported an error"
+        if not failures:  # agree() said a rank failed, but none reported an error
+            return another if error is None else error
         who, kind, message = failures[0]
         others = f" ({len(failures) - 1} other rank(s) failed too)" if len(failures) > 1 else ""
         cls = _ERRORS.get(kind, P2PWeightsError)

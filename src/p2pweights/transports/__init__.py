@@ -27,16 +27,28 @@ __all__ = [
 _BUILT_IN = ("mooncake", "nixl", "cuda_ipc")
 
 
+_EXTRAS = {"mooncake": ("mooncake", "mooncake"), "nixl": ("nixl", "nixl")}
+"""Built-in transport -> (the package it needs, the p2pweights extra that installs it);
+CUDA IPC needs no package beyond torch."""
+
+
 def _load(spec: type | str, name: str, side: str) -> Any:
     try:
         return load(spec, f"transport {name!r} ({side})")
     except ConfigError as exc:
-        if name in _BUILT_IN and isinstance(exc.__cause__, ImportError):
-            raise ConfigError(
-                f"transport {name!r} needs its package: pip install 'p2pweights[{name}]' "
-                f"({exc.__cause__})"
-            ) from exc.__cause__
-        raise
+        cause = exc.__cause__
+        if not isinstance(cause, ImportError):
+            raise
+        package, extra = _EXTRAS.get(name, (None, None))
+        missing = (getattr(cause, "name", None) or "").split(".")[0]
+        if package is None or not isinstance(cause, ModuleNotFoundError) or missing != package:
+            if name in _BUILT_IN:
+                raise cause from None  # not the transport's own package: the error as it is
+            raise
+        raise ConfigError(
+            f"transport {name!r} needs the {package!r} package: pip install "
+            f"'p2pweights[{extra}]' ({cause})"
+        ) from cause
 
 
 def create_transport(config: Any) -> Transport:
