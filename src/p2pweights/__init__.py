@@ -14,7 +14,9 @@ its heavy dependencies when it needs them.
 
 The public API is ``__all__`` here and in these modules (each pinned by a test):
 
-- ``p2pweights``: what a trainer uses: the session, its configs (``DeltaConfig`` too),
+- ``p2pweights``: what a trainer uses: the session, its configs (``DeltaConfig`` too, and
+  ``TransportConfigBase``, the base of a transport's config; a transport of your own
+  registers with ``p2pweights.transports.register_transport``),
   ``TrainerTopology`` (where a process stands among the sending ranks), the reports
   (``UpdateReport``, ``EngineReport``, ``DeltaReport``, ``AbortReport``) and the errors;
 - ``p2pweights.verify``: ``verify_engine``, the checksums it compares and ``EngineClient``
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
         NixlConfig,
         SyncConfig,
         TrainerTopology,
+        TransportConfigBase,
     )
     from p2pweights.engines.endpoint import EngineEndpoint
     from p2pweights.engines.update_session import AbortReport
@@ -84,6 +87,7 @@ __all__ = [
     "SyncConfig",
     "TransferError",
     "TrainerTopology",
+    "TransportConfigBase",
     "TransportError",
     "UnsettledWrite",
     "UpdateReport",
@@ -112,6 +116,7 @@ _WHERE = {
     "SyncConfig": "p2pweights.config",
     "TransferError": "p2pweights.errors",
     "TrainerTopology": "p2pweights.config",
+    "TransportConfigBase": "p2pweights.config",
     "TransportError": "p2pweights.errors",
     "UnsettledWrite": "p2pweights.errors",
     "UpdateReport": "p2pweights.report",

@@ -168,6 +168,7 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser(
         "plan",
         help="predict one update at cluster scale (replicas on meta; no engines, no GPUs)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     plan.add_argument(
         "--model", required=True, help="model folder or config.json (or a shipped model name)"

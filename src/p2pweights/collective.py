@@ -15,7 +15,7 @@ after the outer step's own ``agree``, instead of being wrapped again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar, cast
 
 from p2pweights import errors
@@ -55,41 +55,75 @@ class Collective:
         self._stage, self._num_stages = stage, num_stages
 
     def step(self, name: str, action: Callable[[], T]) -> T:
-        """Run ``action``; every trainer rank learns whether all of them succeeded."""
-        error: Exception | None = None
+        """Run ``action``; every trainer rank learns whether all of them succeeded.
+
+        An interrupt (``KeyboardInterrupt``, a ``SystemExit`` from a preemption handler)
+        is agreed on like any failure, then re-raised as it was: the other ranks fail the
+        step instead of waiting in the agreement for a rank that left it."""
+        error: BaseException | None = None
         try:
             result = action()
-        except Exception as exc:  # an interrupt propagates at once: no rank waits for it
+        except BaseException as exc:
             error = exc
         if self._agree(error is None):
+            if error is not None:  # an agree that says yes for a failed rank: it still fails
+                raise error
             return result
         if error is not None and getattr(error, _AGREED, False):
             self._gather_failure(name, error)  # the other ranks gather too
             raise error
         failure = self._gather_failure(name, error)
+        if error is not None and not isinstance(error, Exception):
+            setattr(error, _AGREED, True)  # an outer step raises it as it is
+            raise error
         setattr(failure, _AGREED, True)
         if failure is error:
             raise failure
         raise failure from error
 
-    def _gather_failure(self, name: str, error: Exception | None) -> Exception:
+    def _gather_failure(self, name: str, error: BaseException | None) -> BaseException:
         """What this rank raises for a failed step: with ``gather``, the first failing
         rank's error on every rank (same class where it is p2pweights', same message)."""
+        another = TransferError(
+            f"{self.rank_name}: another trainer rank failed the '{name}' step of this "
+            f"update (its error names the engine)"
+        )
         if self._gather is None:
-            if error is not None:
-                return error
-            return TransferError(
-                f"{self.rank_name}: another trainer rank failed the '{name}' step of this "
-                f"update (its error names the engine)"
-            )
+            return another if error is None else error
         mine = None if error is None else (self.rank_name, type(error).__name__, str(error))
         failures = [cast(tuple[str, str, str], f) for f in self._gather(mine) if f is not None]
-        assert failures, "agree() said a rank failed, but none reported an error"
+        if not failures:  # agree() said a rank failed, but none reported an error
+            return another if error is None else error
         who, kind, message = failures[0]
         others = f" ({len(failures) - 1} other rank(s) failed too)" if len(failures) > 1 else ""
         cls = _ERRORS.get(kind, P2PWeightsError)
         prefix = "" if cls.__name__ == kind else f"{kind}: "
         return cls(f"{who} failed the '{name}' step of this update{others}: {prefix}{message}")
+
+    def same_input_kind(self, given: object) -> None:
+        """Every sending rank was given the same kind of input: all read whole (a mapping
+        or a sequence) or all streamed (an iterator, e.g. FSDP2's gathering generator).
+        Mixed, the ranks would run their collectives in different orders (and an
+        iterator's own gathers) and hang until the process group's timeout; instead every
+        rank raises ``ConfigError`` naming what each passed (with ``gather``). Two
+        all-reduces (one with ``gather`` on a mismatch); nothing is read from ``given``."""
+        streamed = isinstance(given, Iterator)
+        all_whole = self._agree(not streamed)
+        all_streamed = self._agree(streamed)
+        if all_whole or all_streamed:
+            return
+        mine = f"{self.rank_name}: {_kind(given)}"
+        said = (
+            "; ".join(str(entry) for entry in self._gather(mine))
+            if self._gather is not None
+            else f"this rank ({mine}) and another differ"
+        )
+        raise ConfigError(
+            "the sending trainer ranks passed update() different kinds of input, some read "
+            f"whole (a mapping or a list) and some streamed (an iterator): {said}. Pass the "
+            "same on every rank (e.g. hf_named_tensors(model) everywhere: its FSDP2 gathers "
+            "run on every rank); nothing was read, paused or written"
+        )
 
     def stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
         """With pipeline stages: the inputs of every stage (one all-gather, first update
@@ -102,6 +136,15 @@ class Collective:
         if any(entry is None for entry in gathered):
             return None
         return union_of_stages(cast(list[tuple[int, Mapping[str, InputSpec]]], gathered))
+
+
+def _kind(given: object) -> str:
+    what = type(given).__name__
+    if isinstance(given, Mapping):
+        return f"a mapping ({what}), read whole"
+    if isinstance(given, Iterator):
+        return f"an iterator ({what}), streamed"
+    return f"a sequence ({what}), read whole"
 
 
 def union_of_stages(

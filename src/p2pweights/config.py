@@ -10,7 +10,7 @@ import logging
 import re
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,12 +18,13 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    SerializeAsAny,
     TypeAdapter,
     ValidationError,
     field_validator,
 )
 
-from p2pweights import environment
+from p2pweights import environment, transport_registry
 from p2pweights.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,17 @@ def _without_links(exc: ValidationError) -> str:
     return "\n".join(line for line in lines if "For further information visit" not in line)
 
 
-class MooncakeConfig(_Config):
+class TransportConfigBase(_Config):
+    """The base of every transport's config: ``kind`` is the name it is registered under
+    (``p2pweights.transports.register_transport``). A transport of your own derives its
+    config from this class, with ``kind: Literal["my_name"] = "my_name"`` and its own fields."""
+
+    model_config = _FROZEN
+
+    kind: str
+
+
+class MooncakeConfig(TransportConfigBase):
     """Write over the Mooncake transfer engine (the transport sglang publishes for)."""
 
     model_config = _FROZEN
@@ -110,7 +121,7 @@ class MooncakeConfig(_Config):
     """The address other hosts reach this trainer's transfer engine at."""
 
 
-class NixlConfig(_Config):
+class NixlConfig(TransportConfigBase):
     """Write over NIXL (engines publishing with the NIXL plugin or sglang PR #35712)."""
 
     model_config = _FROZEN
@@ -120,7 +131,7 @@ class NixlConfig(_Config):
     """The NIXL plugin; defaults to $SGLANG_REMOTE_INSTANCE_NIXL_BACKEND, else "UCX"."""
 
 
-class CudaIpcConfig(_Config):
+class CudaIpcConfig(TransportConfigBase):
     """Write into engines on the trainer's own host by device copies (CUDA IPC, NVLink).
 
     Each engine rank's GPU memory is opened once, at connect, in the trainer GPU's own
@@ -140,9 +151,30 @@ class CudaIpcConfig(_Config):
     loaders directly, with no staging copy; False stages it like any other."""
 
 
-TransportConfig = Annotated[
-    MooncakeConfig | NixlConfig | CudaIpcConfig, Field(discriminator="kind")
-]
+TransportConfig = TransportConfigBase
+"""Any registered transport's config (the built-ins: ``MooncakeConfig``, ``NixlConfig``,
+``CudaIpcConfig``)."""
+
+
+def _transport_config(value: object) -> object:
+    """A transport config from a config or a mapping with ``kind`` (default "mooncake"),
+    through the transport registry; refuses a kind nobody registered."""
+    if isinstance(value, TransportConfigBase):
+        registered = transport_registry.config_class(value.kind)
+        if not isinstance(value, registered):
+            raise ValueError(
+                f"transport {value.kind!r} is registered with {registered.__name__}, not "
+                f"{type(value).__name__}"
+            )
+        return value
+    if isinstance(value, Mapping):
+        kind = str(value.get("kind", "mooncake"))
+        cls = transport_registry.config_class(kind)
+        return cls(**{k: v for k, v in value.items() if k != "kind"}, kind=kind)
+    raise ValueError(
+        f"transport must be a transport config (MooncakeConfig(...), ...) or a mapping "
+        f"with 'kind', got {type(value).__name__}"
+    )
 
 
 class DeltaConfig(_Config):
@@ -172,6 +204,12 @@ class DeltaConfig(_Config):
     then; ``delta.policy``); ``UpdateReport.delta`` says what was decided and why.
     ``"always"``: every update after the first is a delta wherever an engine rank holds
     the previous update, whatever it costs."""
+    objective: Literal["update", "pause"] = "update"
+    """What ``mode="auto"`` minimises: ``"update"``, the seconds of ``update()``; ``"pause"``,
+    the seconds the engines stand paused (only the compare done while they are paused
+    counts: the first staging buffer's runs while they still generate). A delta at a
+    small learning rate often pauses the engines less even where the whole update takes
+    longer. ``UpdateReport.delta.decision`` names the objective."""
 
     @field_validator("max_fraction")
     @classmethod
@@ -236,9 +274,10 @@ class SyncConfig(_Config):
 
     model_config = _FROZEN
 
-    transport: TransportConfig = Field(default_factory=MooncakeConfig)
+    transport: SerializeAsAny[TransportConfigBase] = Field(default_factory=MooncakeConfig)
     """How bytes move: ``MooncakeConfig(...)``, ``NixlConfig(...)`` or, for engines on the
-    trainer's host, ``CudaIpcConfig(...)``."""
+    trainer's host, ``CudaIpcConfig(...)``; or a registered transport's config
+    (``p2pweights.transports.register_transport``)."""
     buffer_bytes: int = 512 * 2**20
     """Size of each of the two staging buffers (grown to the largest parameter group)."""
     transfer_timeout_s: float = 30.0
@@ -307,7 +346,9 @@ class SyncConfig(_Config):
     and ``verify_writes="off"`` is refused here (``SyncConfig.verification_policy``)."""
     verify_finite_inputs: bool = False
     """Refuse, before it is staged, any tensor holding NaN or Inf (reads every byte once
-    more, on the tensor's own device; off by default). (Was ``check_finite``.)"""
+    more, on the tensor's own device). Off by default: on a 2-core CPU it added 18 % to
+    an update of 383 MB (1.17 s -> 1.39 s); ``UpdateReport.inputs_checked_finite`` and the
+    summary say when inputs went unchecked. (Was ``check_finite``.)"""
     allow_sglang_mismatch: bool = False
     """Connect to engines whose sglang release differs from the trainer's (a warning
     instead of an error; the replica runs the trainer's copy of sglang's model code)."""
@@ -325,6 +366,11 @@ class SyncConfig(_Config):
     num_pipeline_stages: int = 1
     """The session's copy of ``TrainerTopology.num_pipeline_stages`` (deprecated as a
     setting)."""
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _registered_transport(cls, value: object) -> object:
+        return _transport_config(value)
 
     @field_validator("buffer_bytes", mode="before")
     @classmethod
@@ -431,7 +477,9 @@ class SyncConfig(_Config):
             return transport.protocol
         if isinstance(transport, NixlConfig):
             return transport.backend
-        return "device copy"
+        if isinstance(transport, CudaIpcConfig):
+            return "device copy"
+        return str(getattr(transport, "protocol", "") or transport.kind)
 
     @property
     def topology(self) -> TrainerTopology:

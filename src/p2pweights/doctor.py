@@ -23,14 +23,15 @@ import importlib.metadata
 import platform
 import resource
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 
 from p2pweights.engines.client import EngineClient
-from p2pweights.errors import P2PWeightsError
+from p2pweights.errors import ConfigError, P2PWeightsError
 
 __all__ = ["Finding", "engine_findings", "format_findings", "host_findings", "run_doctor"]
 
@@ -378,9 +379,22 @@ def _engine_findings(url: str, client: EngineClient, http: httpx.Client) -> list
             f"dp {info.get('dp_size', 1)}), model {info.get('model_path')}",
         )
     )
+    found.append(_model_config(check, info))
     found += [_publication(check, client, rank) for rank in range(num_ranks)]
     found.append(_update_state(check, client))
     return found
+
+
+def _model_config(check: str, info: Mapping[str, Any]) -> Finding:
+    """What ``connect`` reads first: the engine's model config, from this host, at the path
+    the engine publishes (a relative path is read from this process's directory)."""
+    from p2pweights.replica.registry import config_path
+
+    try:
+        path = config_path(info, None)
+    except ConfigError as exc:
+        return Finding(f"{check} model config", FAIL, str(exc))
+    return Finding(f"{check} model config", OK, f"{path} readable here")
 
 
 def _guarded(check: str, call: Callable[[], object]) -> Finding:

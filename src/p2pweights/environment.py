@@ -161,7 +161,11 @@ def keep_ucx_efa_module_out() -> None:
     if any(os.path.basename(os.path.realpath(d)) == "efa" for d in drivers):
         return
     os.environ["UCX_MODULES"] = "^efa"
-    logger.debug("set UCX_MODULES=^efa (no EFA devices) to avoid a crash at process exit")
+    logger.info(
+        "p2pweights set UCX_MODULES=^efa for this process (no EFA device here; UCX's EFA "
+        "module crashes at exit beside the NIXL wheel's libraries); set UCX_MODULES "
+        "yourself, even to an empty string, to keep p2pweights from setting it"
+    )
 
 
 def log_level() -> str | None:

@@ -91,7 +91,9 @@ class UnsettledWrite(TransferError):
     def __init__(self, message: str, settle: Callable[[float], bool] | None = None) -> None:
         super().__init__(message)
         self._settle = settle
-        self._settled = settle is None  # rebuilt from its message alone: nothing to wait for
+        # rebuilt from its message alone (another trainer rank's, gathered): the transfer
+        # is not this process's to watch, and may still land, so it never reads as settled
+        self._settled = False
 
     @property
     def settled(self) -> bool:
@@ -100,7 +102,8 @@ class UnsettledWrite(TransferError):
 
     def settle(self, timeout_s: float) -> bool:
         """Check at least once, and up to ``timeout_s``, whether the transfers finished or
-        failed; True once they did (the transport then released what they held)."""
+        failed; True once they did (the transport then released what they held). Always
+        False for one without a way to check (rebuilt from a message)."""
         if not self._settled and self._settle is not None:
             self._settled = self._settle(timeout_s)
         return self._settled

@@ -1,18 +1,21 @@
-"""Our log lines, and third-party noise kept out of the user's terminal.
+"""Our log lines, and, when asked, third-party noise kept out of the user's terminal.
 
 Every logger of the library sits under ``p2pweights``; ``P2PWEIGHTS_LOG=info`` (or
 ``logging.getLogger("p2pweights").setLevel(...)``) sets their level alone, not httpx's
 or sglang's. The library adds no handler: a script's ``logging.basicConfig()`` shows
-them.
+them. Constructing a session touches nothing else: no ``warnings`` filter, no filter on
+another library's logger (``apply_log_level`` is all it runs).
 
 sglang, megatron-core (which sglang imports) and torch print warnings and log lines on
 import and start that say nothing about an update (kernels a CPU host lacks, model
-classes skipped for a missing optional package). ``keep_third_party_noise_out`` drops
-those, and only those, named one by one below: a ``warnings`` filter per message and a
+classes skipped for a missing optional package). ``quiet()`` drops those, and only
+those, named one by one below: a ``warnings`` filter per message and a
 ``logging.Filter`` on the logger that emits it (other threads, other messages and the
-same loggers' other records are untouched). ``P2PWEIGHTS_THIRD_PARTY_LOGS=1`` keeps
-them all. Mooncake logs from C++ through glog; ``MC_LOG_LEVEL=ERROR`` (set before its
-engine starts, ``p2pweights.environment``) leaves the two lines it prints at ERROR.
+same loggers' other records are untouched). A user calls it, before sglang is imported,
+to have that; the command line (``p2pweights ...``: the demo, the local engine) does it
+itself. ``P2PWEIGHTS_THIRD_PARTY_LOGS=1`` makes it keep them all. Mooncake logs from
+C++ through glog; ``MC_LOG_LEVEL=ERROR`` (set before its engine starts, unless set,
+``p2pweights.environment``) leaves the two lines it prints at ERROR.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import warnings
 from p2pweights import environment
 from p2pweights.errors import ConfigError
 
-__all__ = ["configure", "keep_third_party_noise_out"]
+__all__ = ["apply_log_level", "configure", "keep_third_party_noise_out", "quiet"]
 
 _NOISY_WARNINGS = (
     # (message, module emitting it): regular expressions, as ``warnings.filterwarnings``
@@ -55,9 +58,7 @@ class _DropNoise(logging.Filter):
 
 
 def keep_third_party_noise_out() -> None:
-    """Drop the known import and start-up noise of sglang, megatron and torch (see the
-    module docstring), unless ``P2PWEIGHTS_THIRD_PARTY_LOGS=1``. Idempotent; call it
-    before they are imported."""
+    """``quiet()``'s work, under its older name."""
     if environment.third_party_logs():
         return
     for message, module in _NOISY_WARNINGS:
@@ -68,9 +69,16 @@ def keep_third_party_noise_out() -> None:
             logger.addFilter(_DropNoise(pattern))
 
 
-def configure() -> None:
-    """Apply ``P2PWEIGHTS_LOG`` to the ``p2pweights`` loggers and keep third-party noise
-    out; called when a session, a transport or the command line starts."""
+def quiet() -> None:
+    """Keep the known import and start-up noise of sglang, megatron and torch out of the
+    terminal (see the module docstring); call it before they are imported. Idempotent.
+    ``P2PWEIGHTS_THIRD_PARTY_LOGS=1`` turns it into a no-op."""
+    keep_third_party_noise_out()
+
+
+def apply_log_level() -> None:
+    """Apply ``P2PWEIGHTS_LOG`` to the ``p2pweights`` loggers (nothing when unset); the one
+    thing a session or a transport does to logging when it starts."""
     level = environment.log_level()
     if level is not None:
         if not isinstance(logging.getLevelName(level), int):
@@ -79,4 +87,10 @@ def configure() -> None:
                 f"or error"
             )
         logging.getLogger("p2pweights").setLevel(level)
-    keep_third_party_noise_out()
+
+
+def configure() -> None:
+    """``apply_log_level()`` and ``quiet()``: what the command line and the local engine
+    do when they start (they own their process; a library user's process is the user's)."""
+    apply_log_level()
+    quiet()

@@ -6,7 +6,8 @@ another runs:
 
 * ``update()`` and ``connect()`` are refused with ``SessionBusyError`` naming the call
   that runs, having done nothing (a second update, or a reconnect under a running one,
-  would tear down what the running call reads);
+  would tear down what the running call reads), also while an ``abort()`` or
+  ``close()`` waits for the running call (so a loop of updates cannot starve it);
 * ``abort()`` and ``close()`` never refuse: they cancel a running ``update()`` (it raises
   ``TransferError`` at its next check) and wait for whatever runs to return, then do
   their work;
@@ -33,49 +34,72 @@ class OneCall:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Guards who holds ``_lock`` (taking it and naming the holder are one step) and the
+        # waiters, so ``abort()`` never misses the update it must cancel.
+        self._state = threading.Lock()
         self._name: str | None = None
         self._thread: int | None = None
+        # ``abort()`` / ``close()`` calls waiting for ``_lock``: new updates are refused
+        # meanwhile, so a loop of updates cannot starve them.
+        self._waiters = 0
         # Set by ``abort()`` / ``close()`` while an update runs: it stops at its next check.
         self.cancel = threading.Event()
 
     @property
     def running(self) -> str | None:
         """The call running now (``"update"``, ...), or None."""
-        return self._name
+        with self._state:
+            return self._name
 
     @contextmanager
     def refusing(self, name: str) -> Iterator[None]:
-        """Run ``name`` alone, or raise ``SessionBusyError`` if another call runs."""
-        if not self._lock.acquire(blocking=False):
-            raise self._busy(name)
-        with self._held(name):
+        """Run ``name`` alone, or raise ``SessionBusyError`` if another call runs or an
+        ``abort()`` / ``close()`` waits to."""
+        with self._state:
+            if self._waiters or not self._lock.acquire(blocking=False):
+                raise self._busy(name)
+            self._name, self._thread = name, threading.get_ident()
+        with self._held():
             yield
 
     @contextmanager
     def waiting(self, name: str) -> Iterator[None]:
         """Run ``name`` alone, once the running call returned (a running update is
         cancelled first)."""
-        if self._name == "update":
-            self.cancel.set()
-        if self._thread == threading.get_ident():
-            raise self._busy(name)
-        with self._lock:
+        with self._state:
+            if self._name == "update":
+                self.cancel.set()
+            if self._thread == threading.get_ident():
+                raise self._busy(name)
+            self._waiters += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._state:
+                self._waiters -= 1
+        with self._state:
             self.cancel.clear()  # meant for the update just waited for
-            with self._held(name, locked=True):
-                yield
+            self._name, self._thread = name, threading.get_ident()
+        with self._held():
+            yield
 
     @contextmanager
-    def _held(self, name: str, *, locked: bool = False) -> Iterator[None]:
-        self._name, self._thread = name, threading.get_ident()
+    def _held(self) -> Iterator[None]:
         try:
             yield
         finally:
-            self._name = self._thread = None
-            self.cancel.clear()
-            if not locked:
+            with self._state:
+                self._name = self._thread = None
+                self.cancel.clear()
                 self._lock.release()
 
     def _busy(self, name: str) -> SessionBusyError:
+        """(Under ``_state``.)"""
+        if self._name is None and self._waiters:
+            return SessionBusyError(
+                f"{name}() refused: abort() or close() waits to run in another thread of "
+                f"this session; nothing was done"
+            )
         running = self._name or "another call"
         if self._thread == threading.get_ident():
             cancelled = name in ("abort", "close") and running == "update"

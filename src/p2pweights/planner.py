@@ -105,20 +105,49 @@ def _value(raw: str) -> Any:
 
 def model_folder(model: str) -> Path:
     """A folder holding ``config.json``: the folder given, the folder of a config.json, or
-    a temporary one for a shipped model name or another JSON config."""
+    a temporary one for a shipped model name or another JSON config, or for a config whose
+    model type transformers does not know (``remote_code_as_architecture``)."""
     path = Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model {model!r}: no config.json in that folder")
-        return path
+        return remote_code_as_architecture(path)
     if path.name == "config.json" and path.is_file():
-        return path.parent
+        return remote_code_as_architecture(path.parent)
     from p2pweights.source.synthetic import model_config, write_model_dir
 
     try:
         config = model_config(model)
     except ValueError as exc:
         raise ConfigError(f"--model {model!r}: {exc}") from exc
+    return remote_code_as_architecture(
+        write_model_dir(config, tempfile.mkdtemp(prefix="p2pweights-plan-"))
+    )
+
+
+def remote_code_as_architecture(folder: Path) -> Path:
+    """``folder``, or, where its config's ``model_type`` is one transformers does not know
+    (remote code: Kimi-K2's ``kimi_k2``), a temporary folder whose config reads as the
+    model type of its architecture, which sglang serves (``DeepseekV3ForCausalLM``:
+    ``deepseek_v3``). A plan builds replicas on meta and runs no remote code."""
+    import json
+
+    from p2pweights.source.config_checkpoint import architecture_model_type
+    from p2pweights.source.synthetic import write_model_dir
+
+    config = json.loads((folder / "config.json").read_text())
+    model_type = architecture_model_type(config)
+    if model_type is None:
+        return folder
+    logger.info(
+        "%s: model_type %r read as %r (its architecture %s, as sglang serves it)",
+        folder,
+        config.get("model_type"),
+        model_type,
+        ", ".join(config.get("architectures") or ()),
+    )
+    config = {k: v for k, v in config.items() if k != "auto_map"}
+    config["model_type"] = model_type
     return write_model_dir(config, tempfile.mkdtemp(prefix="p2pweights-plan-"))
 
 

@@ -8,9 +8,10 @@ long they stood paused.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from p2pweights.errors import some_of
 
@@ -134,6 +135,13 @@ class UpdateReport:
     control_call_seconds: float = 0.0
     """Wall seconds during which at least one of those calls was in flight (calls issued
     at once count once)."""
+    subset_size: int | None = None
+    """A partial update (``update(..., subset=...)``): how many HF tensors its declared
+    subset named; the engines kept every weight those do not feed. None: every tensor."""
+    inputs_checked_finite: bool = False
+    """Whether every input tensor was checked for NaN / Inf before it was staged
+    (``SyncConfig.verify_finite_inputs``; off by default: on a CPU the check costs tens
+    of percent of an update). False: they reached the engines unchecked."""
 
     @property
     def bytes_written(self) -> int:
@@ -154,12 +162,98 @@ class UpdateReport:
             if engine.paused_s is not None
         }
 
+    def metrics(self, prefix: str = "p2pweights/") -> dict[str, float | int]:
+        """The update as flat numbers for a step logger (wandb, tensorboard, verl's metrics
+        dict, miles' ``pop_metrics``), each name ``prefix`` + one of (docs/metrics.md):
+
+        ``seconds``, ``bytes``, ``gb_per_s``: the whole update, this trainer rank's bytes;
+        ``max_engine_rank_bytes``, ``max_engine_rank_gb_per_s``: the engine rank this rank
+        wrote the most, over the update's seconds (the busiest link);
+        ``num_engines``, ``num_engine_ranks``, ``engines_verified``, ``engines_unverified``;
+        ``paused_s_max`` (where this rank drives the engines);
+        ``delta_fraction``, ``delta_sent_bytes``, ``delta_params``, ``full_params``,
+        ``unchanged_params`` (with ``SyncConfig.delta``);
+        ``control_calls``, ``control_call_s``; ``inputs_checked_finite`` (1 or 0);
+        ``subset_size`` (a partial update's declared tensors); and
+        ``<stage>_s`` for each stage timed
+        (``stage_seconds``: ``load_s``, ``wait_s``, ...)."""
+        values: dict[str, float | int] = {
+            "seconds": float(self.seconds),
+            "bytes": self.bytes_written,
+            "gb_per_s": self.gb_per_s,
+            "num_engines": len(self.engines) or len({url for url, _ in self.bytes_by_target}),
+            "num_engine_ranks": len(self.bytes_by_target),
+            "engines_verified": sum(1 for e in self.engines.values() if e.verified),
+            "engines_unverified": sum(1 for e in self.engines.values() if not e.verified),
+            "control_calls": self.num_control_calls,
+            "control_call_s": float(self.control_call_seconds),
+            "inputs_checked_finite": int(self.inputs_checked_finite),
+        }
+        if self.bytes_by_target:
+            busiest = max(self.bytes_by_target.values())
+            values["max_engine_rank_bytes"] = busiest
+            values["max_engine_rank_gb_per_s"] = (
+                busiest / self.seconds / 1e9 if self.seconds > 0 else 0.0
+            )
+        if self.paused_s:
+            values["paused_s_max"] = float(max(self.paused_s.values()))
+        if self.subset_size is not None:
+            values["subset_size"] = self.subset_size
+        if self.delta is not None:
+            values["delta_fraction"] = self.delta.fraction
+            values["delta_sent_bytes"] = self.delta.sent_bytes
+            values["delta_params"] = self.delta.num_delta_params
+            values["full_params"] = self.delta.num_full_params
+            values["unchanged_params"] = self.delta.num_unchanged_params
+        for stage, seconds in self.stage_seconds.items():
+            values[f"{stage}_s"] = float(seconds)
+        return {f"{prefix}{name}": value for name, value in values.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON types (``json.dumps(report.to_dict())`` works):
+        ``bytes_by_target`` as a list of ``{"url", "engine_rank", "bytes"}``, the engines
+        and the delta report as dicts, and the derived ``bytes_written``, ``gb_per_s`` and
+        ``metrics()`` (unprefixed) beside them."""
+        return {
+            "version": self.version,
+            "seconds": self.seconds,
+            "bytes_written": self.bytes_written,
+            "gb_per_s": self.gb_per_s,
+            "bytes_by_target": [
+                {"url": url, "engine_rank": rank, "bytes": num_bytes}
+                for (url, rank), num_bytes in sorted(self.bytes_by_target.items())
+            ],
+            "stage_seconds": dict(self.stage_seconds),
+            "engines": {
+                url: {**dataclasses.asdict(engine), "verified_by": list(engine.verified_by)}
+                for url, engine in self.engines.items()
+            },
+            "delta": None
+            if self.delta is None
+            else {**dataclasses.asdict(self.delta), "fraction": self.delta.fraction},
+            "num_control_calls": self.num_control_calls,
+            "control_call_seconds": self.control_call_seconds,
+            "subset_size": self.subset_size,
+            "inputs_checked_finite": self.inputs_checked_finite,
+            "metrics": self.metrics(prefix=""),
+        }
+
     def summary(self) -> str:
         """A few lines saying what the update did, for a person to read."""
         lines = [self._headline()]
+        if self.subset_size is not None:
+            lines.append(
+                f"  partial update: the {self.subset_size} HF tensor(s) of its declared subset; "
+                f"every other weight kept"
+            )
         if self.delta is not None:
             lines.append(_delta_line(self.delta))
         lines.extend(_engine_lines(self.engines.values()))
+        if not self.inputs_checked_finite:
+            lines.append(
+                "  inputs NOT checked for NaN / Inf (SyncConfig(verify_finite_inputs=True) "
+                "checks them)"
+            )
         lines.append(self._time_line())
         return "\n".join(lines)
 

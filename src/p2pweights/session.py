@@ -44,7 +44,7 @@ update received it fails the update with ``InputChangedError`` (``source.receipt
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -112,7 +112,7 @@ class WeightSyncSession:
             ConfigError: Several sending ranks without ``agree``, or pipeline stages
                 without ``gather``.
         """
-        logs.configure()  # P2PWEIGHTS_LOG, and third-party noise kept out
+        logs.apply_log_level()  # P2PWEIGHTS_LOG; nothing process-wide besides (logs.quiet)
         config = config or SyncConfig()
         # the config as this session holds it: its topology filled in
         self.config = config if topology is None else config.with_topology(topology)
@@ -238,7 +238,13 @@ class WeightSyncSession:
         with self._one_call.refusing("connect"):
             self._connection.connect(engines)
 
-    def update(self, named_tensors: NamedTensors, *, version: str | None = None) -> UpdateReport:
+    def update(
+        self,
+        named_tensors: NamedTensors,
+        *,
+        version: str | None = None,
+        subset: Collection[str] | None = None,
+    ) -> UpdateReport:
         """Write one training step's weights into every connected engine.
 
         Engines pause only once the first staging buffer is loaded, and resume once every
@@ -259,6 +265,11 @@ class WeightSyncSession:
                 tensors it already yielded), e.g. ``adapters.hf_named_tensors(model)``.
             version: The weight version the engines report afterwards (default: the next
                 number after the session's last version).
+            subset: A partial update (not the first): exactly the HF names this update
+                sends. Only the parameters they feed are written and verified; the engines
+                keep every other weight. A name outside it, one of it missing from the
+                input, or a parameter group it covers only in part is refused before any
+                byte is written. Not with ``SyncConfig.delta`` or pipeline stages.
 
         Returns:
             What the update did: bytes, seconds by stage, how long each engine stood
@@ -279,23 +290,25 @@ class WeightSyncSession:
         """
         with self._one_call.refusing("update"):
             try:
-                return self._update(named_tensors, version)
+                return self._update(named_tensors, version, _subset(subset, self.config))
             except BaseException:
                 executor = self._connection.executor
                 if executor is not None:
                     executor.forget_deltas()  # failed after its writes too: next is full
                 raise
 
-    def _update(self, named_tensors: NamedTensors, version: str | None) -> UpdateReport:
-        attempt = self._attempt(version)
+    def _update(
+        self, named_tensors: NamedTensors, version: str | None, subset: frozenset[str] | None
+    ) -> UpdateReport:
+        attempt = self._attempt(version, subset)
         self._last_attempt = attempt
         report = attempt.run(named_tensors)
         logger.info("p2pweights update %s", report.summary())
         return report
 
-    def _attempt(self, version: str | None) -> UpdateAttempt:
+    def _attempt(self, version: str | None, subset: frozenset[str] | None = None) -> UpdateAttempt:
         return UpdateAttempt(
-            self._connection, self._collective, self._cancel, self._rank_name, version
+            self._connection, self._collective, self._cancel, self._rank_name, version, subset
         )
 
     # -- giving up and teardown ----------------------------------------------------------------
@@ -357,3 +370,19 @@ class WeightSyncSession:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _subset(subset: Collection[str] | None, config: SyncConfig) -> frozenset[str] | None:
+    """``update(subset=...)`` as a set of names, refused where partial updates cannot go."""
+    if subset is None:
+        return None
+    if isinstance(subset, str):
+        raise ConfigError("subset= takes a collection of HF names, not one string")
+    if config.delta is not None:
+        raise ConfigError(
+            "a partial update (subset=) cannot go with SyncConfig.delta: deltas compare every "
+            "staged byte with the previous update's; use delta=None for partial updates"
+        )
+    if config.num_pipeline_stages > 1:
+        raise ConfigError("a partial update (subset=) is not supported with pipeline stages")
+    return frozenset(subset)

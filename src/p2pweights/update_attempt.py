@@ -73,8 +73,10 @@ class UpdateAttempt:
         cancel: threading.Event,
         rank_name: str,
         version: str | None,
+        subset: frozenset[str] | None = None,
     ) -> None:
         self.connection = connection
+        self.subset = subset  # a partial update's declared HF names (None: every one)
         self.config = connection.config
         self.collective = collective
         self.cancel = cancel  # set by abort(): stop before the writes or at the next group
@@ -83,6 +85,7 @@ class UpdateAttempt:
         self.receipts = Receipts()  # the inputs as received (``source.receipts``)
         self.stages: dict[str, float] = {}
         self.last_run: RunResult | None = None
+        self._wrong: set[str] = set()  # engines whose write check failed (or may have)
 
     @property
     def leader(self) -> bool:
@@ -96,6 +99,8 @@ class UpdateAttempt:
             raise ConfigError("call connect(engines) before update()")
         started = time.perf_counter()
         first = connection.prepared is None
+        if self.config.num_senders > 1:  # before any is read: an iterator may gather
+            self.collective.same_input_kind(named_tensors)
         tensors, described = read_input(named_tensors, first, self.receipts)
         given = tensors if isinstance(tensors, list) else None
         whole = given is not None  # checked whole in prepare, not again as it streams
@@ -121,18 +126,20 @@ class UpdateAttempt:
             result = self.collective.step(
                 "write", lambda: self._write(tensors, whole, stream_first)
             )
-        except BaseException:
+        except BaseException as exc:
             prepared.source.forget_regions()  # a loader may have to run again: quantize whole
             if self.leader:
-                connection.fleet.writes_landed(self._landed_alone)
+                connection.fleet.writes_sent(self._landed_alone)
+                if isinstance(exc, Exception):
+                    self._settle_whole_alone()
             raise
         try:
             prepared.source.learn_regions(connection.replicas)
         except Exception:  # only an optimisation: the writes landed, the update goes on
             logger.warning("p2pweights: fp8 regions not learned; quantizing whole", exc_info=True)
             prepared.source.forget_regions()
-        if self.leader:
-            connection.fleet.writes_landed(lambda url: True)  # every rank's writes landed
+        if self.leader:  # every rank's writes landed; whole once ended and verified
+            connection.fleet.writes_sent(lambda url: True)
         self._complete(result)
         connection.next_version = _next_version_after(self.version, connection.next_version)
         return self._report(result, time.perf_counter() - started)
@@ -147,9 +154,16 @@ class UpdateAttempt:
         iterator says it will yield."""
         connection = self.connection
         if connection.prepared is not None:
+            if self.subset is not None:
+                connection.prepared.source.check_subset(self.subset)
             if tensors is not None:
-                connection.prepared.source.check_whole(tensors)
+                connection.prepared.source.check_whole(tensors, self.subset)
             return
+        if self.subset is not None:
+            raise ConfigError(
+                "the first update sends every HF tensor (it is checked against the engines' "
+                "checkpoint and fixes what later updates send); pass subset= from the second on"
+            )
         if tensors is None and described is None:
             raise ConfigError(
                 "a first update must be read whole or say what it will yield (specs()) "
@@ -215,6 +229,10 @@ class UpdateAttempt:
                 if self.leader and others_write:  # they write even if this rank's refresh fails
                     connection.fleet.mark_written()
                 replanned = connection.refresh_targets()  # the sessions are open now
+                if connection.write_check:  # a session's first update: the records' numbers
+                    connection.write_check.note_begun(
+                        pub.runner for pubs in connection.targets.values() for pub in pubs
+                    )
             if self.leader and not others_write:  # alone, a failed refresh left them whole
                 connection.fleet.mark_written()
             writing = True
@@ -224,21 +242,25 @@ class UpdateAttempt:
             if not connection.targets:  # an idle trainer rank writes nothing, but reads its input
                 before_writes()
                 inputs = prepared.source.ready(
-                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                    tensors,
+                    prepared.plan,
+                    checked=checked,
+                    receipts=self.receipts,
+                    subset=self.subset,
                 )
                 for _ in inputs:
                     pass
                 return RunResult()
-            result = self._run(tensors, checked, before_writes)
+            result = self._run(tensors, checked, before_writes, paused=not stream_first)
         except BaseException as exc:
             if isinstance(exc, ConfigError) and len(exc.args) == 1:
                 # bad input found as the input streamed: say what that left the engines in
                 # (the class kept, for callers that catch it)
                 left = _LEFT_TORN if writing else _LEFT_PAUSED if opened else _LEFT_RUNNING
                 exc.args = (f"{exc.args[0]}. {left.format(version=self.version)}",)
-            if not opened and isinstance(exc, Exception):
+            if not opened:
                 # only where no stream is drained below (stream_first rules it out), as
-                # this step raises
+                # this step raises (an interrupt too: the others wait in its agreement)
                 opened = True
                 self.collective.step("open", functools.partial(_raise, exc))
             if self.config.num_senders > 1 and isinstance(tensors, Iterator):
@@ -257,6 +279,7 @@ class UpdateAttempt:
         tensors: Iterable[tuple[str, torch.Tensor]],
         checked: bool,
         before_writes: Callable[[], BytePlan | None],
+        paused: bool = False,
     ) -> RunResult:
         connection = self.connection
         executor, prepared = connection.ready()
@@ -265,7 +288,11 @@ class UpdateAttempt:
             result = executor.run(
                 prepared.plan,
                 prepared.source.ready(
-                    tensors, prepared.plan, checked=checked, receipts=self.receipts
+                    tensors,
+                    prepared.plan,
+                    checked=checked,
+                    receipts=self.receipts,
+                    subset=self.subset,
                 ),
                 checked_loaders(connection.replicas, self.receipts),
                 RunHooks(
@@ -279,6 +306,7 @@ class UpdateAttempt:
                         if self.config.digest_as_written
                         else frozenset()
                     ),
+                    paused_before=paused,
                 ),
             )
         self.last_run = result
@@ -291,6 +319,43 @@ class UpdateAttempt:
                 f"{self.rank_name}: the update was cancelled by abort() from another thread "
                 f"(at its '{where}' step)"
             )
+
+    def _settle_whole_alone(self) -> None:
+        """After a failed write step, on a lone trainer rank: end the sessions of the
+        engines that received every byte and check their writes, so that they are whole
+        at the new version (``abort()`` resumes them) while the failed ones stay torn.
+        With several ranks no rank knows which engines got every byte: all stay torn."""
+        fleet, run = self.connection.fleet, self.last_run
+        whole = [e.url for e in fleet.engines if e.update.unverified]
+        if run is None or not whole or self._weight_check_pending:
+            return  # a first update's weight check never ran: none is verified whole
+        try:
+            fleet.close_only(whole)
+        except Exception:  # those stay torn (unverified); the write error is the one raised
+            logger.warning(
+                "p2pweights: ending the engines that got every byte failed", exc_info=True
+            )
+        wrong: set[str] = set()
+        write_check = self.connection.write_check
+        if write_check:
+            staged = {r: d for r, d in run.digests.items() if r[0] in whole}
+            try:
+                found = write_check.check(staged, updating_version(self.version))
+            except Exception:
+                logger.warning(
+                    "p2pweights: checking the engines that got every byte failed", exc_info=True
+                )
+                found = [Mismatch(Runner(url, -1, "target"), "not checked") for url in whole]
+            for mismatch in found:
+                logger.warning("p2pweights: write verification failed: %s", mismatch)
+            wrong = {m.runner[0] for m in found}
+        fleet.writes_verified(wrong)
+
+    @property
+    def _weight_check_pending(self) -> bool:
+        """This update is to be compared by the engines' own weight check (a first update
+        with ``verify_with_weight_checker``), which has not passed yet."""
+        return self.config.verify_with_weight_checker and not self.connection.checked
 
     def _landed_alone(self, url: str) -> bool:
         """After a failed write step: whether ``url`` surely got all its bytes. Only a lone
@@ -308,18 +373,35 @@ class UpdateAttempt:
                 self._verify_before_end(result)
             stages["checksum"] = result.checksum_s
         hashed = _in_background(lambda: result.digests) if connection.write_check else None
+        not_closed: Exception | None = None  # the engines that did end are still verified
         try:
             with self._timed("control_plane"):
                 self.collective.step("close", self._close)
+        except Exception as exc:
+            not_closed = exc
         except BaseException:
             if hashed is not None:
                 futures.wait([hashed])  # nothing of this update runs on after it failed
             raise
-        if hashed is not None:
-            with self._timed("verify_writes"):
-                self._verify_writes(hashed)
-            stages["digest"] = result.digest_s
-            stages["engine_digest"] = connection.write_check.engine_digest_s
+        try:
+            if hashed is not None:
+                with self._timed("verify_writes"):
+                    self._verify_writes(hashed)
+                stages["digest"] = result.digest_s
+                stages["engine_digest"] = connection.write_check.engine_digest_s
+        except Exception:
+            if self.leader and not self._weight_check_pending:  # the others passed: whole
+                connection.fleet.writes_verified(self._wrong)
+            if not_closed is None:
+                raise
+            logger.warning("p2pweights: write verification after a failed end", exc_info=True)
+        else:
+            # whole where the end answered (an engine whose end failed stays torn), unless
+            # the weight check, which runs only after every end answered, is still to come
+            if self.leader and not (not_closed is not None and self._weight_check_pending):
+                connection.fleet.writes_verified()
+        if not_closed is not None:
+            raise not_closed
         if self.config.verify_with_weight_checker and not connection.checked:
             with self._timed("verify"):
                 self.collective.step("check", self._check)
@@ -340,6 +422,7 @@ class UpdateAttempt:
         checked engine does (rank 0 cannot know which it found wrong)."""
         write_check = self.connection.write_check
         found: list[Mismatch] = []
+        self._wrong = set(write_check.engines)  # until the check says which
 
         def check() -> None:
             staged = hashed.result()  # this rank's digests (``RunResult.digests``)
@@ -352,7 +435,10 @@ class UpdateAttempt:
             if self.leader:
                 alone = self.config.num_senders == 1 and bool(found)
                 wrong = {m.runner[0] for m in found} if alone else set(write_check.engines)
+                # an engine whose end did not answer was not checked: it stays unverified
+                wrong -= set(self.connection.fleet.unended())
                 self.connection.fleet.writes_wrong(wrong)
+                self._wrong = wrong
             raise
 
     def _verify_before_end(self, result: RunResult) -> None:
@@ -374,8 +460,23 @@ class UpdateAttempt:
             if self.leader:
                 alone = self.config.num_senders == 1 and bool(found)
                 wrong = {m.runner[0] for m in found} if alone else set(write_check.checker)
-                self.connection.fleet.writes_wrong(wrong)
+                fleet = self.connection.fleet
+                fleet.writes_wrong(wrong)
+                if alone and not self._weight_check_pending:
+                    self._end_the_verified(set(write_check.checker) - wrong, wrong)
             raise
+
+    def _end_the_verified(self, passed: set[str], wrong: set[str]) -> None:
+        """After the checker found some engines wrong (one sending rank: it knows which):
+        end the sessions of those whose checksums all agreed, which makes them whole at
+        the new version, as a digest check leaves the engines it passed. The others stay
+        open and torn; an end that fails leaves its engine unverified."""
+        fleet = self.connection.fleet
+        try:
+            fleet.close_only(passed)
+        except Exception:  # each engine's outcome is in its state; the update fails anyway
+            logger.warning("p2pweights: ending the engines the checker passed", exc_info=True)
+        fleet.writes_verified(wrong | set(self.connection.write_check.engines))
 
     def _check(self) -> None:
         if self.leader:
@@ -420,6 +521,8 @@ class UpdateAttempt:
             delta=None if result.delta is None else DeltaReport.of(result.delta),
             num_control_calls=calls.num_calls,
             control_call_seconds=calls.wall_seconds,
+            subset_size=None if self.subset is None else len(self.subset),
+            inputs_checked_finite=self.config.verify_finite_inputs,
         )
 
     @contextmanager
@@ -468,7 +571,7 @@ _LEFT_TORN = (
 _LEFT_OPEN = ", their update session still open (abort() ends it)"
 
 
-def _raise(error: Exception) -> None:
+def _raise(error: BaseException) -> None:
     raise error
 
 

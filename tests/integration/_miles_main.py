@@ -30,12 +30,17 @@ import torch
 import torch.distributed as dist
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "miles-protocol" / "upstream"
+VARIANTS = {
+    "proximal-44f6bec": FIXTURES,
+    "radixark-78669cf9": FIXTURES / "radixark-78669cf9",
+}
+"""Where each variant's ``protocol.py`` lies (ORIGIN.md); both run under the same
+``updater.py`` and ``session.py``."""
 FILES = {
     "miles.backends.training_utils.weight_update.protocol": "protocol.py",
     "miles.backends.training_utils.weight_update.session": "session.py",
     "miles.backends.training_utils.weight_update.updater": "updater.py",
 }
-_DIR = FIXTURES / "miles" / "backends" / "training_utils" / "weight_update"
 
 STUBS = {
     "miles.backends.sglang_utils.sglang_api_client": "SGLangApiClient: miles' httpx client "
@@ -52,7 +57,9 @@ STUBS = {
     "miles.utils.distributed_utils": "get_gloo_group: made at Megatron's init",
     "miles.utils.lora.utils": "LORA_ADAPTER_NAME: a constant (LoRA only)",
     "miles.utils.timer": "timer: miles' global Timer (Megatron's global args)",
-    "miles.utils.function_registry": "load_function: dotted-path import, as miles' does",
+    "miles.utils.function_registry": "load_function: dotted-path import, as miles' does; "
+    "function_registry: miles' registry of named test targets (radixark 78669cf9 asks it "
+    "first), empty here",
 }
 
 
@@ -116,6 +123,9 @@ def get_gloo_group() -> Any:
     return _STATE["gloo"]
 
 
+function_registry: dict[str, Any] = {}
+
+
 def load_function(path: str) -> Any:
     module, _, attribute = path.rpartition(".")
     return getattr(importlib.import_module(module), attribute)
@@ -142,7 +152,10 @@ _MEMBERS: dict[str, dict[str, Any]] = {
     "miles.utils.distributed_utils": {"get_gloo_group": get_gloo_group},
     "miles.utils.lora.utils": {"LORA_ADAPTER_NAME": "miles_lora"},
     "miles.utils.timer": {"timer": timer},
-    "miles.utils.function_registry": {"load_function": load_function},
+    "miles.utils.function_registry": {
+        "load_function": load_function,
+        "function_registry": function_registry,
+    },
 }
 
 
@@ -159,22 +172,28 @@ def _module(path: str) -> types.ModuleType:
     return module
 
 
-def available() -> bool:
-    return all((_DIR / name).is_file() for name in FILES.values())
+def _file(path: str, variant: str) -> Path:
+    folder = VARIANTS[variant] if path.endswith(".protocol") else FIXTURES
+    return folder / "miles" / "backends" / "training_utils" / "weight_update" / FILES[path]
 
 
-def load() -> types.ModuleType:
-    """Stub what miles' files import, load them; return miles' updater module. Call
-    after ``torch.distributed`` is initialized (it makes miles' gloo group)."""
+def available(variant: str = "proximal-44f6bec") -> bool:
+    return all(_file(path, variant).is_file() for path in FILES)
+
+
+def load(variant: str = "proximal-44f6bec") -> types.ModuleType:
+    """Stub what miles' files import, load them (``variant``'s ``protocol.py``); return
+    miles' updater module. Call after ``torch.distributed`` is initialized (it makes
+    miles' gloo group)."""
     assert set(_MEMBERS) == set(STUBS)
     _STATE["gloo"] = dist.new_group(backend="gloo")
     for path, members in _MEMBERS.items():
         module = _module(path)
         for name, value in members.items():
             setattr(module, name, value)
-    for path, filename in FILES.items():
+    for path in FILES:
         _module(path)  # the parent packages
-        spec = importlib.util.spec_from_file_location(path, _DIR / filename)
+        spec = importlib.util.spec_from_file_location(path, _file(path, variant))
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[path] = module

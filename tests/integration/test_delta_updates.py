@@ -141,8 +141,8 @@ class _FullOnceMeasured(DeltaPolicy):
     """Full predicted faster as soon as a delta was measured; a probe every 2 full updates
     (real costs on this machine would make the test depend on its load)."""
 
-    def __init__(self, mode):
-        super().__init__(mode, probe_after=2)
+    def __init__(self, mode, **kwargs):
+        super().__init__(mode, probe_after=2, **kwargs)
 
     def predict(self):
         return None if super().predict() is None else (1.0, 0.5)

@@ -43,9 +43,11 @@ def _stage_of(name: str, num_stages: int) -> int:
     return 0 if name.startswith(("model.embed_tokens.", "model.layers.0.")) else 1
 
 
-def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos, counts=True) -> None:
+def _trainer(
+    rank, world, num_stages, port, engines, folder, seeds, out, gos, counts=True, variant=None
+) -> None:
     """One miles trainer rank; ``counts=False``: miles passes no engine GPU counts (every
-    rank sends, for the benchmark of that choice)."""
+    rank sends, for the benchmark of that choice); ``variant``: whose ``protocol.py``."""
     os.environ["P2PWEIGHTS_MILES_TRANSPORT"] = "mooncake-tcp"
     os.environ["P2PWEIGHTS_MILES_HOSTNAME"] = "127.0.0.1"
     dist_init = f"tcp://127.0.0.1:{port}"
@@ -54,7 +56,7 @@ def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos, co
     dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world)
     import _miles_main
 
-    updater_module = _miles_main.load()
+    updater_module = _miles_main.load(variant or "proximal-44f6bec")
     stage = rank // (world // num_stages)
     model: dict[str, torch.Tensor] = {}
     args = Namespace(
@@ -103,30 +105,40 @@ def _trainer(rank, world, num_stages, port, engines, folder, seeds, out, gos, co
         dist.destroy_process_group()
 
 
-def _run(folder, engines, *, world, num_stages, seeds, check, counts=True):
+def _run(folder, engines, *, world, num_stages, seeds, check, counts=True, variant=None):
     ctx = warm_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in seeds]
     layout = [(e.url, e.tp) for e in engines]
     args = (world, num_stages, free_port(), layout, str(folder), seeds, out, gos)
     trainers = [
-        ctx.Process(target=_trainer, args=(rank, *args), kwargs={"counts": counts})
+        ctx.Process(
+            target=_trainer, args=(rank, *args), kwargs={"counts": counts, "variant": variant}
+        )
         for rank in range(world)
     ]
     run_in_lockstep(trainers, out, gos, check)
 
 
-@pytest.fixture
-def engines(model_dir, shared_engines):
+@pytest.fixture(params=["proximal-44f6bec", "radixark-78669cf9"])
+def variant(request) -> str:
+    """Whose ``protocol.py`` miles' updater loads p2pweights through (ORIGIN.md): the
+    factory that loads ``--custom-weight-transfer-protocol-path`` before any mode, or
+    radixark's ``external`` mode through ``resolve_external_protocol_target``."""
     import _miles_main
 
-    if not _miles_main.available():
+    if not _miles_main.available(request.param):
         pytest.skip(
-            "miles' own files are not in tests/fixtures/miles-protocol/upstream "
-            "(tests/fixtures/miles-protocol/ORIGIN.md says where to get them)"
+            f"miles' own files for {request.param} are not in "
+            "tests/fixtures/miles-protocol/upstream (ORIGIN.md says where to get them)"
         )
+    return request.param
+
+
+@pytest.fixture
+def engines(model_dir, shared_engines, variant):
     folder = model_dir("qwen3-tiny")
-    return folder, shared_engines(folder, [2, 1], seed=0)
+    return folder, shared_engines(folder, [2, 1], seed=0), variant
 
 
 def _assert_updated(results, engines, folder, seed, version, senders):
@@ -145,22 +157,22 @@ def _assert_updated(results, engines, folder, seed, version, senders):
 def test_miles_updater_drives_four_ranks_one_idle_into_tp2_and_tp1_bit_exact(engines):
     """One pipeline stage of four ranks, three engine ranks: ranks 0-2 send (each writes
     its share), rank 3 joins miles' loop but converts and sends nothing. Two updates."""
-    folder, started = engines
+    folder, started, variant = engines
     seeds = [63, 64]
 
     def check(index, results):
         _assert_updated(results, started, folder, seeds[index], index + 1, senders={0, 1, 2})
 
-    _run(folder, started, world=4, num_stages=1, seeds=seeds, check=check)
+    _run(folder, started, world=4, num_stages=1, seeds=seeds, check=check, variant=variant)
 
 
 def test_miles_updater_drives_two_pipeline_stages_bit_exact(engines):
     """Two pipeline stages of one rank each (miles' gather_pp=False placement): each
     stage writes its own parameters to every engine rank. Two updates."""
-    folder, started = engines
+    folder, started, variant = engines
     seeds = [71, 72]
 
     def check(index, results):
         _assert_updated(results, started, folder, seeds[index], index + 1, senders={0, 1})
 
-    _run(folder, started, world=2, num_stages=2, seeds=seeds, check=check)
+    _run(folder, started, world=2, num_stages=2, seeds=seeds, check=check, variant=variant)

@@ -274,8 +274,9 @@ def test_the_fleet_reports_the_last_updates_paused_seconds_per_engine():
     fleet.open("abort", "1", snapshot=False)
     assert clients[0].reachable_connections == [2]  # both connections of the pair warmed
     fleet.mark_written()
-    fleet.writes_landed(lambda url: True)
+    fleet.writes_sent(lambda url: True)
     fleet.close()
+    assert fleet.writes_verified() == ["http://a"]
     fleet.finish("1")
     assert _paused_seconds(fleet) == {"http://a": 6.0}
     clients[0].fail["reachable"] = EngineUnreachable("engine http://a: no answer")
@@ -421,3 +422,49 @@ def test_caller_mode_abort_of_a_torn_engine_says_not_to_resume_it(failed_check):
     assert not report.ok and report.left_paused == [client.url]
     with pytest.raises(EngineStateError, match="must not be resumed"):
         report.raise_if_not_ok()
+
+
+def _published(agent: str, epoch: int, live: bool, address: int = 4096):
+    from p2pweights.wire.publication import RankPublication, WeightRegion
+
+    return RankPublication(
+        "http://a",
+        0,
+        "nixl",
+        {"w": WeightRegion(address, 64)},
+        agent_name=agent,
+        live=live,
+        epoch=epoch,
+    )
+
+
+@pytest.mark.parametrize(
+    ("connected", "now", "restarted"),
+    [
+        (_published("a1", 0, True), _published("a2", 2, True, 8192), False),  # moved twice
+        (_published("a1", 0, True), _published("a1", 0, True), False),
+        (_published("a1", 1, True), _published("b1", 0, True), True),  # epochs start again
+        (_published("a1", 0, True), _published("b1", 0, True), True),  # a new process
+        (_published("a1", 0, False), _published("a1", 0, False, 8192), True),
+        (_published("a1", 0, False), _published("b1", 0, False), True),
+        (_published("a1", 0, False), _published("a1", 0, False), False),
+    ],
+)
+def test_an_engine_restarted_since_connect_is_told_from_one_that_republished(
+    connected, now, restarted
+):
+    """Issue 39 item 8: asked before any engine is paused. A live publication the same
+    process republished (its weights moved) has a new peer and a later epoch."""
+
+    class Client:
+        url = "http://a"
+
+        def publication(self, rank, role="target"):
+            return now
+
+    engine = ConnectedEngine(0, EngineEndpoint("http://a"), Client(), {}, [connected])  # type: ignore[arg-type]
+    if restarted:
+        with pytest.raises(EngineError, match=r"restarted since connect\(\).*connect\(\) again"):
+            engine.check_not_restarted()
+    else:
+        engine.check_not_restarted()

@@ -14,7 +14,7 @@ from p2pweights.engine_rank.delta_apply import DeltaReceiver
 from p2pweights.plan.byte_plan import aligned, build_byte_plan
 from p2pweights.testing.loaders import FnLoader
 from p2pweights.transfer.buffers import staged_bytes
-from p2pweights.transfer.executor import TransferExecutor
+from p2pweights.transfer.executor import RunHooks, TransferExecutor
 from p2pweights.wire.delta import SCRATCH_NAME
 
 
@@ -335,4 +335,49 @@ def test_a_slow_link_keeps_deltas():
         ("delta", "predicted"),
         ("delta", "predicted"),
     ]
+    executor.close()
+
+
+def _update_one_flush(executor, source, targets):
+    """Every parameter in one staging buffer: its compare runs before the engines pause."""
+    keys = {"r": targets}
+    plan = build_byte_plan(
+        {k: [(frozenset({n}), (n,)) for n in source] for k in keys},
+        {k: {n: t.numel() * 2 for n, t in source.items()} for k in keys},
+        keys,
+        sum(aligned(t.numel() * 2) for t in source.values()) + aligned(1 << 16),
+    )
+    executor.reserve(plan.buffer_bytes)
+
+    def load(key, inputs, views):
+        for name, value in inputs:
+            views[name].copy_(value.view(torch.uint8))
+
+    ready = ((plan.group(k, i), [(n, source[n])]) for k in keys for i, n in enumerate(source))
+    hooks = RunHooks(before_writes=lambda: None)  # the engines pause here, after the compare
+    return executor.run(plan, ready, {k: FnLoader(k, load) for k in keys}, hooks)
+
+
+@pytest.mark.parametrize(("objective", "mode"), [("update", "full"), ("pause", "delta")])
+def test_the_objective_decides_whether_a_slow_compare_before_the_pause_counts(
+    slow_compare, objective, mode
+):
+    """One staging buffer, compared (0.1 s) before the engines pause, over a link that
+    writes the whole update in 20 ms: the compare makes the update slower than writing
+    every byte, but not the pause (issue 41 item 11)."""
+    source = _source(7)
+    engine = _Engine("http://a", source, 1 << 16)
+    config = DeltaConfig(objective=objective)
+    link = _Link(0.02 / _full_bytes(source, 1))
+    executor = TransferExecutor(link, torch.device("cpu"), 5.0, config)
+    executor.connect([engine.pub])
+    for step in range(3):
+        if step:
+            source = _step(source, 0.02, 40 + step)
+        result = _update_one_flush(executor, source, [engine.pub])
+        engine.end()
+        assert engine.holds(source), step
+    decision = result.delta.decision
+    assert (decision.mode, decision.reason, decision.objective) == (mode, "predicted", objective)
+    assert ("pause" in decision.describe()) == (objective == "pause")
     executor.close()

@@ -202,3 +202,42 @@ def test_always_says_in_full_where_nothing_holds_the_previous_update():
     decision = DeltaPolicy("always").decide(can_delta=False)
     assert decision.mode == "full"
     assert decision.describe().startswith("sent in full: no engine rank holds")
+
+
+# -- what to minimise: the update or the engines' pause (issue 41 item 11) ----------------------
+
+
+def _delta_paused(compare_s: float, paused_s: float, fraction: float) -> Measured:
+    sent = int(fraction * GB)
+    return Measured(
+        "delta", GB, sent_bytes=sent, compare_s=compare_s, wait_s=0.0, compare_paused_s=paused_s
+    )
+
+
+def test_the_pause_objective_counts_only_the_compare_inside_the_pause():
+    """CPU loopback at lr 1e-6: comparing costs more than writing every byte, so the update
+    is faster in full; but the engines pause only for what comes after the first staging
+    buffer's compare, and there the delta's few bytes win."""
+    for objective, mode in (("update", "full"), ("pause", "delta")):
+        policy = DeltaPolicy("auto", objective=objective)
+        assert policy.decide(can_delta=False).mode == "full"
+        policy.observe(_full(0.42))
+        assert policy.decide(can_delta=True).mode == "delta"
+        policy.observe(_delta_paused(1.0, 0.05, 0.043))
+        decision = policy.decide(can_delta=True)
+        assert (decision.mode, decision.objective) == (mode, objective)
+    assert decision.predicted_delta_s == pytest.approx(0.05 + 0.043 * 0.42, rel=1e-6)
+    assert decision.predicted_full_s == pytest.approx(0.42)
+    assert "pause" in decision.describe()
+
+
+def test_the_update_objective_says_so_too():
+    policy = DeltaPolicy("auto")
+    _warm(policy, 1.0, 0.5, 0.05)
+    decision = policy.decide(can_delta=True)
+    assert decision.objective == "update" and "update time" in decision.describe()
+
+
+def test_an_unknown_objective_is_refused():
+    with pytest.raises(ValueError, match="objective"):
+        DeltaPolicy("auto", objective="throughput")  # type: ignore[arg-type]

@@ -55,11 +55,13 @@ def _engine(
     publication: dict | None = None,
     routes: tuple[str, ...] = ("/begin_weight_update", "/end_weight_update"),
     weight_version: str = "7",
+    model_path: str = "m",
 ) -> tuple[EngineClient, httpx.Client]:
     def handle(request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path == "/server_info":
-            return httpx.Response(200, json={"version": version, "tp_size": 2, "model_path": "m"})
+            info = {"version": version, "tp_size": 2, "model_path": model_path}
+            return httpx.Response(200, json=info)
         if path == "/remote_instance_transfer_engine_info":
             info = publication or [session, {"w": [4096, 4, 2]}]
             return httpx.Response(200, json={"remote_instance_transfer_engine_info": info})
@@ -227,3 +229,30 @@ def test_doctor_checks_memory_for_the_buffers_sync_config_uses_by_default() -> N
 
     args = build_parser().parse_args(["doctor"])
     assert parse_bytes(args.buffer) == SyncConfig().buffer_bytes
+
+
+def test_doctor_reads_the_engines_model_config_as_connect_does(tmp_path, monkeypatch) -> None:
+    """An engine started from another directory with a relative --model publishes a path
+    this host cannot read: doctor says so, as connect() would (issue 41 item 10)."""
+    from p2pweights.testing import write_model_dir
+
+    url = "http://10.0.0.5:30000"
+    folder = write_model_dir("qwen3-tiny", tmp_path / "qwen3-tiny")
+    client, http = _engine(url, model_path=str(folder))
+    found = _by_check(engine_findings(url, client=client, http=http))["model config"]
+    assert found.status == OK and str(folder) in found.detail
+    monkeypatch.chdir(tmp_path.parent)  # elsewhere: the relative path names nothing
+    client, http = _engine(url, model_path="qwen3-tiny")
+    found = _by_check(engine_findings(url, client=client, http=http))["model config"]
+    assert found.status == FAIL and "EngineEndpoint(url, model_path=" in found.detail
+
+
+def test_the_local_engine_publishes_an_absolute_model_path(tmp_path, monkeypatch) -> None:
+    from p2pweights.local_engine.serve import model_folder
+    from p2pweights.testing import write_model_dir
+
+    write_model_dir("qwen3-tiny", tmp_path / "qwen3-tiny")
+    monkeypatch.chdir(tmp_path)
+    assert model_folder("qwen3-tiny") == tmp_path / "qwen3-tiny"
+    assert model_folder("qwen3-tiny").is_absolute()
+    assert model_folder("qwen3-tiny/config.json") == tmp_path / "qwen3-tiny"

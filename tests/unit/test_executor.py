@@ -453,3 +453,29 @@ def test_landed_flags_follow_staged_writes_and_direct_loads():
         assert not flags[len(names) :].any()
     unflagged = _run(transport, 3 * aligned(600), source, targets)[1]
     assert unflagged.failures == {}
+
+
+def test_direct_loads_queued_before_the_engines_open_land_where_the_new_plan_says():
+    """The first open may return a moved plan (the engine published its weights afresh):
+    every direct load, queued before it or after, goes to the new addresses, none into
+    the memory the old plan named (freed by the engine; issue 39 item 2)."""
+    source = _params(6)
+    old = {n: torch.zeros_like(t) for n, t in source.items()}
+    new = {n: torch.zeros_like(t) for n, t in source.items()}
+    both = {**{f"old.{n}": t for n, t in old.items()}, **{f"new.{n}": t for n, t in new.items()}}
+    transport = MappingTransport("http://mapped", both)
+    buffer_bytes = 2 * aligned(600)  # direct loads flush every two parameters
+    moved = build_byte_plan(
+        {"replica": [(frozenset({n}), (n,)) for n in source]},
+        {"replica": {n: _nbytes(t) for n, t in source.items()}},
+        {"replica": [_engine("http://mapped", 0, new)]},
+        buffer_bytes,
+    )
+    hooks = RunHooks(before_writes=lambda: moved)
+    _, result = _run(
+        transport, buffer_bytes, source, [_engine("http://mapped", 0, old)], hooks=hooks
+    )
+    assert not result.failures
+    assert all(not t.any() for t in old.values()), "a load landed in the old (freed) memory"
+    for name, value in source.items():
+        assert torch.equal(new[name].view(torch.uint8), value.view(torch.uint8)), name

@@ -340,3 +340,14 @@ def test_check_finite_on_fp8_and_overflowing_sums():
         check_finite("e5m2", inf)
     check_finite("huge", torch.full((8,), 6.0e4, dtype=torch.float16))  # the sum overflows
     check_finite("ints", torch.arange(10))
+
+
+def test_a_remote_code_model_type_reads_as_its_architectures():
+    from p2pweights.source.config_checkpoint import architecture_model_type
+
+    # Kimi-K2's kind: a remote-code type (sglang registers "kimi_k2" itself once imported,
+    # so a name nobody registers stands for it here)
+    kimi = {"model_type": "remote_code_only_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    assert architecture_model_type(kimi) == "deepseek_v3"
+    assert architecture_model_type({"model_type": "qwen3", "architectures": ["X"]}) is None
+    assert architecture_model_type({"model_type": "nope", "architectures": ["Nope"]}) is None

@@ -17,7 +17,7 @@ import p2pweights
 
 LAYERS = [  # bottom first
     ["errors"],
-    ["environment"],
+    ["environment", "transport_registry"],
     [
         "config",
         "report",

@@ -99,3 +99,56 @@ def test_a_bad_p2pweights_log_names_the_variable(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("P2PWEIGHTS_LOG", "loud")
     with pytest.raises(ConfigError, match="P2PWEIGHTS_LOG"):
         logs.configure()
+
+
+# -- a library configures nothing the user did not ask for (issue 41 item 5) -------------------
+
+_PROBE = """
+import logging, warnings
+import torch  # its own import adds filters of its own (and numpy's)
+before = list(warnings.filters)
+import p2pweights
+{action}
+noisy = ["sglang.srt.models.registry", "torch.utils.cpp_extension",
+         "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision"]
+print(warnings.filters == before, [bool(logging.getLogger(n).filters) for n in noisy])
+"""
+
+
+def _probe(action: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PWEIGHTS_")}
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(action=action)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_constructing_a_session_changes_no_warnings_filter_or_other_logger() -> None:
+    assert _probe("p2pweights.WeightSyncSession().close()") == "True [False, False, False]"
+
+
+def test_quiet_is_the_explicit_way_to_keep_third_party_noise_out() -> None:
+    assert _probe("import p2pweights.logs; p2pweights.logs.quiet()") == "False [True, True, True]"
+
+
+def test_the_command_line_keeps_its_output_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2pweights import cli
+
+    called = []
+    monkeypatch.setattr(logs, "quiet", lambda: called.append("quiet"))
+    parser = cli.build_parser()
+    args = parser.parse_args(["inspect", "http://127.0.0.1:1"])
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(args, "run", lambda _args: 0)
+    monkeypatch.setattr(parser, "parse_args", lambda _argv: args)
+    assert cli.main(["inspect", "http://127.0.0.1:1"]) == 0
+    assert called == ["quiet"]

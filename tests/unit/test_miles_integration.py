@@ -23,7 +23,7 @@ from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig, Tran
 from p2pweights.integrations import miles, miles_args
 from p2pweights.integrations.miles import P2PWeightsUpdater, config_from_args, update_metrics
 from p2pweights.integrations.streamed_update import StreamedUpdate
-from p2pweights.report import UpdateReport
+from p2pweights.report import EngineReport, UpdateReport
 
 
 def _pairs(*names: str) -> list[tuple[str, torch.Tensor]]:
@@ -159,14 +159,16 @@ def test_the_report_becomes_miles_metrics_once():
 
 
 def test_metrics_take_the_longest_engine_pause_where_the_report_has_them():
-    report = types.SimpleNamespace(
+    def engine(url: str, paused_s: float) -> EngineReport:
+        return EngineReport(url, "mooncake", "tcp", 1, 4, paused_s=paused_s, pause_made=True)
+
+    report = UpdateReport(
+        version="1",
+        bytes_by_target={("http://a", 0): 4},
         seconds=1.0,
-        bytes_written=4,
-        gb_per_s=0.0,
-        stage_seconds={},
-        paused_s={"http://a": 0.25, "http://b": 0.75},
+        engines={"http://a": engine("http://a", 0.25), "http://b": engine("http://b", 0.75)},
     )
-    assert update_metrics(report)["perf/update_weights_p2pweights_paused_s_max"] == 0.75  # type: ignore[arg-type]
+    assert update_metrics(report)["perf/update_weights_p2pweights_paused_s_max"] == 0.75
     plain = UpdateReport(version="1", bytes_by_target={})
     assert not any("paused" in key for key in update_metrics(plain))
 

@@ -89,6 +89,54 @@ def test_one_update_per_miles_version_streams_the_buckets():
     assert protocol.pop_metrics() == {}
 
 
+def test_begin_sync_takes_the_rollout_id_some_miles_pass():
+    """radixark 523810282c's gpu-delta test calls ``begin_sync(version, iter_buckets,
+    rollout_id)``: positionally or by name, the update runs as without it."""
+    protocol = P2PWeightsProtocol(_args())
+    protocol.session = session = FakeSession()  # type: ignore[assignment]
+    protocol.is_sender = True
+    assert protocol.begin_sync(1, lambda **_: iter(()), 17) is True
+    protocol.send_bucket(_bucket("a"))
+    protocol.finalize(1)
+    assert protocol.begin_sync(2, lambda **_: iter(()), rollout_id=18) is True
+    protocol.send_bucket(_bucket("b"))
+    protocol.finalize(2)
+    assert session.versions == ["1", "2"] and session.read == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("positional", "named"),
+    [
+        # miles after PR 2752: (engines, counts, offsets, parallel_state, placement, selector)
+        (("PS", "PLACEMENT", "all"), {}),
+        # radixark 0274e4f: engine_cell_ids before parallel_state
+        ((["cell-0"], "PS", "PLACEMENT", "all"), {}),
+        # by name, either way
+        ((), {"parallel_state": "PS", "placement": "PLACEMENT", "selector": "all"}),
+        (
+            (),
+            {
+                "engine_cell_ids": ["cell-0"],
+                "parallel_state": "PS",
+                "placement": "PLACEMENT",
+                "selector": "all",
+            },
+        ),
+    ],
+)
+def test_connect_takes_both_seams_of_miles(positional, named):
+    seam = miles_protocol.connect_arguments(positional, named)
+    assert (seam.parallel_state, seam.placement, seam.selector) == ("PS", "PLACEMENT", "all")
+    assert seam.engine_cell_ids == (["cell-0"] if "cell" in repr((positional, named)) else None)
+
+
+def test_connect_with_arguments_it_does_not_know_names_them():
+    with pytest.raises(TypeError, match=r"connect\(\) got an unexpected argument 'cells'"):
+        miles_protocol.connect_arguments(("PS", "PLACEMENT", "all"), {"cells": 1})
+    with pytest.raises(TypeError, match=r"connect\(\) is missing selector"):
+        miles_protocol.connect_arguments(("PS", "PLACEMENT"), {})
+
+
 def test_a_rank_that_does_not_send_runs_no_update():
     protocol = P2PWeightsProtocol(_args())
     protocol.is_sender = False
@@ -109,6 +157,8 @@ def test_a_draft_only_selector_is_refused_before_anything_connects():
     protocol = P2PWeightsProtocol(_args())
     with pytest.raises(ConfigError, match=r"'target'.*separate model"):
         protocol.connect([], None, None, None, None, "target")
+    with pytest.raises(ConfigError, match=r"'target'.*separate model"):
+        protocol.connect([], None, None, ["cell-0"], None, None, "target")
     assert protocol.session is None and protocol.rollout_engines is None
 
 

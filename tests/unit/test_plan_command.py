@@ -181,3 +181,89 @@ def test_delta_fraction_beside_the_full_update(plans):
     out = json.loads(done.stdout)
     assert out["delta"]["fraction"] == 0.1
     assert out["delta"]["bytes_fraction"] == pytest.approx(0.3, rel=0.01)
+
+
+# -- layouts that cannot shard, idle senders, defaults (issue 41 item 9) ------------------------
+
+
+def _config_with(tmp_path: Path, **fields: object) -> Path:
+    from p2pweights.testing import model_config
+
+    config = {**model_config("qwen3-tiny"), **fields}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_heads_that_do_not_divide_by_tp_are_one_line_and_rc_2(tmp_path):
+    path = _config_with(tmp_path, num_attention_heads=5, num_key_value_heads=5, hidden_size=160)
+    done = _plan("--model", str(path), "--engine", "tp=2", "--senders", "2")
+    assert done.returncode == 2, done.stderr
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("p2pweights plan:")]
+    assert len(refusal) == 1 and "Traceback" not in done.stderr
+    assert "num_attention_heads=5 does not divide by the attention TP size 2" in refusal[0]
+
+
+def test_any_other_dimension_sglang_asserts_on_names_the_module(tmp_path):
+    path = _config_with(tmp_path, intermediate_size=509)
+    done = _plan("--model", str(path), "--engine", "tp=2", "--senders", "2")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "model.layers.0.mlp.gate_up_proj" in done.stderr
+    assert "output_size % tp_size == 0" in done.stderr
+
+
+def test_the_summary_says_which_senders_write_nothing_and_why(plan_folder):
+    done = _plan("--model", str(plan_folder), "--engine", "tp=2", "--senders", "4")
+    assert done.returncode == 0, done.stderr
+    assert "2 of 4 sender(s) write nothing: each engine rank has one writer" in done.stdout
+
+
+def test_help_shows_the_defaults():
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pweights.cli", "plan", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "(default: 50.0)" in done.stdout and "(default: 512MiB)" in done.stdout
+
+
+def test_fp8_blocks_wider_than_a_ranks_share_name_the_parameter_and_the_way_out():
+    """Kimi-K2's 128 x 128 fp8 blocks at tp=32, ep=32 (issue 41 item 8)."""
+    done = _plan("--model", "kimi-k2-full", "--engine", "tp=32,ep=32", "--senders", "32")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    refusal = next(line for line in done.stderr.splitlines() if line.startswith("p2pweights"))
+    assert "model.layers.0.mlp.gate_up_proj" in refusal
+    assert "576 is not divisible by weight quantization block_n = 128" in refusal
+    assert "64 x 64" in refusal and "moe_dense_tp_size=1" in refusal
+
+
+def test_kimi_k2s_own_config_plans_as_the_architecture_sglang_serves(tmp_path):
+    """Kimi-K2's config says model_type "kimi_k2" (remote code) and DeepseekV3ForCausalLM
+    (issue 41 item 7): the plan reads it as deepseek_v3, as sglang serves it."""
+    from p2pweights.testing import model_config
+
+    config = {**model_config("kimi-k2-full"), "model_type": "kimi_k2"}
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = _plan("--model", str(tmp_path), "--engine", "tp=16,ep=16", "--senders", "16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "predicted p2p update" in done.stdout
+
+
+def test_a_model_type_nobody_knows_is_one_short_line(tmp_path):
+    config = {**json.loads(json.dumps(_qwen3())), "model_type": "nobody_knows"}
+    config["architectures"] = ["NobodyKnowsForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = _plan("--model", str(tmp_path), "--engine", "tp=1", "--senders", "1")
+    assert done.returncode == 2
+    refusal = next(line for line in done.stderr.splitlines() if line.startswith("p2pweights"))
+    assert "nobody_knows" in refusal and len(refusal) < 600
+
+
+def _qwen3() -> dict:
+    from p2pweights.testing import model_config
+
+    return model_config("qwen3-tiny")

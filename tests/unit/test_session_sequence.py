@@ -372,8 +372,9 @@ def test_failure_at_any_step_then_giving_up_leaves_engines_running(
         session.update(_tensors(0))
     report = session.abort() if give_up == "abort" else session.close()
     assert not engine.open and engine.violations == []
-    # torn (reset to noise, or writes that did not all land): never resumed on our own
-    torn = STEPS.index("reset_tensors") <= STEPS.index(step) <= STEPS.index("write2")
+    # torn (reset to noise, writes that did not all land, or landed but whose end never
+    # answered, so never verified): never resumed on our own
+    torn = STEPS.index("reset_tensors") <= STEPS.index(step) <= STEPS.index("end")
     torn = torn and not (step == "reset_tensors" and kind == "answered")
     # a weight check that failed or went unanswered: torn until an update's check passes
     check_failed = step == "compare"
@@ -381,6 +382,7 @@ def test_failure_at_any_step_then_giving_up_leaves_engines_running(
         assert engine.paused and engine.version == f"{UPDATING_PREFIX}1"
         if report is not None:
             why = "weight check failed" if check_failed else "did not all land"
+            why = "not verified" if step == "end" else why
             assert not report.ok and why in report.outcomes["http://e0"]
             session.abort(resume_incomplete=True)
             assert engine.running
@@ -401,7 +403,8 @@ def test_one_engine_failing_its_writes_does_not_tear_the_others(engines):
         with pytest.raises(TransferError, match="http://bad rank 0"):
             session.update(_tensors(5))
         good = engines["http://good"]
-        assert _holds(good, 5) and good.open  # every byte landed; it waits for the retry
+        # every byte landed: ended and verified within the failed update, it waits paused
+        assert _holds(good, 5) and good.paused and not good.open
         report = session.abort()
     assert good.running and good.violations == []
     assert torn.paused and torn.version.startswith(UPDATING_PREFIX)
@@ -727,7 +730,8 @@ def test_versions_continue_from_the_engine_and_never_go_back(engines):
 
 
 def test_other_rank_failure_fails_this_rank(engines):
-    votes = iter([True, True, False])  # prepare and open agreed; another rank's write failed
+    # every rank was given a list, prepare and open agreed; another rank's write failed
+    votes = iter([True, True, True, False])
     config = SyncConfig(buffer_bytes="1MiB")
     second = TrainerTopology(rank=1, num_ranks=2)
     with WeightSyncSession(config, topology=second, agree=lambda ok: ok and next(votes)) as session:
@@ -881,3 +885,20 @@ def test_bad_input_of_a_later_update_says_the_engines_were_not_touched(engines):
         with pytest.raises(ConfigError, match="No engine was paused or written"):
             session.update(bad)
         assert engine.events == before and engine.running
+
+
+def test_engines_a_first_update_s_weight_check_never_compared_are_not_resumed_as_new(engines):
+    """With ``verify_with_weight_checker`` the first update is whole only once the engines'
+    own check passed: a write failing on another engine stops the update before it, so
+    the engine that got every byte is not resumed under the new version either."""
+    _fail_once(engines, "http://bad", "write2", "failed", True)
+    config = SyncConfig(buffer_bytes="1MiB", verify_with_weight_checker=True)
+    with WeightSyncSession(config) as session:
+        session.connect(["http://bad", "http://good"])
+        with pytest.raises(TransferError, match="http://bad rank 0"):
+            session.update(_tensors(0))
+        report = session.abort()
+        assert sorted(report.left_paused) == ["http://bad", "http://good"], report
+        assert "not verified" in report.outcomes["http://good"]
+        session.update(_tensors(0))  # the retry compares and resumes both
+    assert engines["http://good"].running and engines["http://bad"].running

@@ -336,3 +336,40 @@ def test_calls_from_inside_an_update_on_its_own_thread_are_refused(session, engi
     assert "on its own thread" in str(seen["abort"])
     session.update(_tensors(5))
     assert _holds(engines[URL], 5)
+
+
+def test_a_loop_of_updates_cannot_starve_abort():
+    """A thread calling update() in a loop re-takes the session the moment each update
+    returns; abort() must still get in at once, cancelling the update it finds (or that
+    starts) and refusing the next, never waiting out a whole update (issue 39 item 9)."""
+    import time
+
+    from p2pweights.errors import SessionBusyError
+    from p2pweights.one_call import OneCall
+
+    one = OneCall()
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                with one.refusing("update"):
+                    one.cancel.wait(1.0)  # an update of 1 s, unless cancelled
+            except SessionBusyError:
+                pass  # refused while abort() waits: tries again at once
+
+    looping = threading.Thread(target=loop)
+    looping.start()
+    waits = []
+    try:
+        time.sleep(0.1)  # an update is running
+        for _ in range(50):
+            started = time.monotonic()
+            with one.waiting("abort"):
+                pass
+            waits.append(time.monotonic() - started)
+            time.sleep(0.001)  # the loop starts its next update meanwhile
+    finally:
+        stop.set()
+        looping.join(5)
+    assert max(waits) < 0.5, f"abort() waited out a whole update: {max(waits):.2f} s"

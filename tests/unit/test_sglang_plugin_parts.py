@@ -139,3 +139,56 @@ def test_the_plugin_digests_its_writes_unless_told_not_to(
     finally:
         plugin._sides.pop(id(runner), None)
         plugin._published.pop(id(runner), None)
+
+
+def test_a_record_put_inside_sglang_s_pause_is_one_short_attempt(caplog) -> None:
+    """The begin-after and end-before hooks run inside sglang's scheduler on every TP rank:
+    a bootstrap server that does not answer must not stall it (issue 39 item 4). One
+    attempt with a short timeout, the failure logged; the trainer then finds no record
+    for its update and fails it."""
+    import socket
+    import time
+
+    from p2pweights.sglang_plugin.publish import HOOK_PUT_TIMEOUT_S, LivePublication
+
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        published = LivePublication(0, "UCX", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        published.put_record({"update": 3, "digests": {}})
+        assert time.monotonic() - started < HOOK_PUT_TIMEOUT_S + 1.5
+    finally:
+        silent.close()
+    assert "could not PUT its write-digest record" in caplog.text
+    refused = LivePublication(0, "UCX", f"http://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    refused.put_record({"update": 3, "digests": {}})  # connection refused: not retried
+    assert time.monotonic() - started < 1.0
+
+
+def test_the_plugin_s_digest_record_carries_the_engine_s_weight_version(monkeypatch) -> None:
+    """So that a trainer can tell this update's record from an earlier one's by more than
+    its number (issue 39 item 9): the weight version sglang's scheduler holds at the end
+    (``p2pweights-updating:<v>`` while the trainer writes)."""
+    import torch
+
+    from p2pweights import sglang_plugin as plugin
+    from p2pweights.engine_rank.steps import RankSide
+    from p2pweights.replica.sglang import facade
+
+    model = torch.nn.Linear(2, 2)
+    runner = SimpleNamespace(model=model)
+    updater = SimpleNamespace(get_model_runner=lambda: runner)
+    put: list[dict] = []
+    published = SimpleNamespace(scratch=None, put_record=put.append)
+    side = RankSide(0, write_digests=True)
+    side.after_begin()
+    monkeypatch.setitem(plugin._sides, id(runner), side)
+    monkeypatch.setitem(plugin._published, id(runner), published)
+    serving = SimpleNamespace(weight_version="p2pweights-updating:7")
+    monkeypatch.setattr(facade, "serving_args", lambda: serving)
+    plugin.digests_before_end(updater)
+    (record,) = put
+    assert record["weight_version"] == "p2pweights-updating:7" and record["digests"]

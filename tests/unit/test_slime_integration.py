@@ -10,7 +10,7 @@ from argparse import Namespace
 import pytest
 
 from p2pweights import ConfigError, MooncakeConfig, SyncConfig
-from p2pweights.integrations import slime
+from p2pweights.integrations import FrameworkMismatchError, slime
 
 
 def _args(mode="full", transport="nccl", colocate=False) -> Namespace:
@@ -44,3 +44,14 @@ def test_the_session_leaves_pausing_to_slime():
     assert config.pause_mode == "caller" and config.buffer_bytes == 2 << 20
     with pytest.raises(ConfigError, match="slime's updater pauses and resumes"):
         slime._caller_config(SyncConfig(pause_mode="retract"), 1 << 20)
+
+
+def test_install_without_slime_says_what_is_missing():
+    import importlib.util
+
+    if importlib.util.find_spec("slime") is not None:
+        pytest.skip("slime is importable here")
+    with pytest.raises(FrameworkMismatchError, match=r"slime is not installed.*THUDM/slime"):
+        slime.install(_args())
+    with pytest.raises(FrameworkMismatchError, match=r"slime is not installed"):
+        slime.updater_class()

@@ -152,14 +152,14 @@ def test_a_failure_on_one_rank_fails_every_rank_with_the_same_error(
     original = UpdateAttempt._run
     failed = threading.Event()
 
-    def run(self, tensors, checked_inputs, before_writes):
+    def run(self, tensors, checked_inputs, before_writes, **kwargs):
         config = self.config
         if (config.pipeline_stage, config.trainer_rank) == (1, 1) and not failed.is_set():
             failed.set()
             if after_open:
                 before_writes()
             raise RuntimeError("injected write failure")
-        return original(self, tensors, checked_inputs, before_writes)
+        return original(self, tensors, checked_inputs, before_writes, **kwargs)
 
     monkeypatch.setattr(UpdateAttempt, "_run", run)
 
@@ -257,3 +257,41 @@ def test_stage_ranks_refused(stages, match):
 def test_stage_fields_are_validated(fields):
     with pytest.raises(ConfigError):
         TrainerTopology(**fields)
+
+
+# -- ranks given different kinds of input (issue 41 item 13) -----------------------------------
+
+
+def test_ranks_given_a_list_and_an_iterator_fail_at_once_naming_what_each_passed(checked):
+    """Under torchrun one rank passing a list and another FSDP2's generator used to hang
+    both until gloo's timeout: now every rank raises, before any is read, saying which
+    rank passed what; the next update with the same kind everywhere goes through."""
+    read = []
+    every = {0: ("q", "k", "v", "o")}  # one stage sends every parameter
+
+    def stream(stage):
+        for pair in _tensors(stage, 3, every):
+            read.append(pair[0])
+            yield pair
+
+    def body(session, stage, rank):
+        given = _tensors(stage, 3, every) if rank == 0 else stream(stage)
+        try:
+            session.update(given)
+        except ConfigError as exc:
+            error = exc
+        else:
+            raise AssertionError("the update should have been refused")
+        return error, session.update(_tensors(stage, 4, every))
+
+    results = _run_stages(body, num_stages=1, per_stage=2)
+    assert all(isinstance(value, tuple) for value in results.values()), results
+    for error, report in results.values():
+        message = str(error)
+        assert "different kinds of input" in message, message
+        assert "trainer rank 0: a sequence (list), read whole" in message
+        assert "trainer rank 1: an iterator (generator), streamed" in message
+        assert report.version
+    assert read == []  # refused before the iterator was read
+    for url in URLS:
+        assert checked[url].running and checked[url].violations == []

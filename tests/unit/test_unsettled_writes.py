@@ -182,3 +182,114 @@ def test_device_copies_given_up_on_settle_once_their_event_fired():
     assert not error.settle(0.0)
     event.fired = True
     assert error.settle(0.0)
+
+
+# -- a binding that raises mid-batch (issue 39 item 3) ------------------------------------------
+
+
+def test_mooncake_submit_raising_mid_batch_keeps_what_it_already_started_in_flight():
+    engine = FakeMooncakeEngine()
+    staging = torch.zeros(128, dtype=torch.uint8)
+    transport = _transport(engine)
+    transport.register(staging)
+    submit = engine.transfer_submit_write
+
+    def second_raises(session: str, src: int, dst: int, num_bytes: int) -> int:
+        if engine.status:
+            raise RuntimeError("binding error")
+        return submit(session, src, dst, num_bytes)
+
+    engine.transfer_submit_write = second_raises  # type: ignore[method-assign]
+    writes = [Write(staging.data_ptr(), 4096, 64), Write(staging.data_ptr() + 64, 4160, 64)]
+    with pytest.raises(UnsettledWrite, match=r"binding error") as caught:
+        transport.write(TARGET, writes, timeout_s=5.0)
+    assert "engine http://e:1 rank 1" in str(caught.value)
+    assert not caught.value.settled and not caught.value.settle(0.0)  # the first may land
+    transport.close()
+    assert engine.unregistered == []  # its staging memory stays registered
+    engine.end_all(_DONE)
+    assert caught.value.settle(0.0)
+
+
+def test_mooncake_status_raising_while_polling_leaves_the_write_unsettled():
+    engine = FakeMooncakeEngine()
+    staging = torch.zeros(128, dtype=torch.uint8)
+    transport = _transport(engine)
+    transport.register(staging)
+    check = engine.transfer_check_status
+    broken = {"yes": True}
+
+    def raises_once(batch_id: int) -> int:
+        if broken.pop("yes", False):
+            raise RuntimeError("status binding error")
+        return check(batch_id)
+
+    engine.transfer_check_status = raises_once  # type: ignore[method-assign]
+    with pytest.raises(UnsettledWrite, match=r"status binding error") as caught:
+        transport.write(TARGET, [Write(staging.data_ptr(), 4096, 64)], timeout_s=5.0)
+    assert not caught.value.settle(0.0)
+    engine.end_all(_DONE)
+    assert caught.value.settle(0.0)
+
+
+def test_cuda_ipc_copy_raising_mid_batch_keeps_the_copies_it_issued_in_flight(monkeypatch):
+    from p2pweights.transports import cuda_ipc
+
+    class Event:
+        fired = False
+
+        def record(self, stream) -> None:
+            pass
+
+        def query(self) -> bool:
+            return self.fired
+
+    events: list[Event] = []
+
+    def new_event() -> Event:
+        events.append(Event())
+        return events[-1]
+
+    class Runtime:
+        issued: list[int] = []
+
+        def copy_async(self, dst: int, src: int, num_bytes: int, stream: object) -> None:
+            if self.issued:
+                raise RuntimeError("cudaMemcpyAsync failed")
+            self.issued.append(dst)
+
+        def on_device(self, device: int):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "Event", new_event)
+    copies = [cuda_ipc.Write(0x1000, 0x9000, 64), cuda_ipc.Write(0x2000, 0xA000, 64)]
+    monkeypatch.setattr(cuda_ipc, "translate", lambda target, opened, sources, w: w)
+    monkeypatch.setattr(cuda_ipc, "merge_adjacent", lambda writes: list(writes))
+    transport = cuda_ipc.CudaIpcTransport.__new__(cuda_ipc.CudaIpcTransport)
+    transport._cuda = Runtime()  # type: ignore[assignment]
+    transport._device = 0
+    transport._lock = threading.Lock()
+    transport._pending = {}
+    transport._sources = cuda_ipc.RegisteredRegions()
+    transport._opened = {TARGET.peer: object()}  # type: ignore[dict-item]
+    transport._stream = lambda: Stream()  # type: ignore[method-assign]
+    with pytest.raises(UnsettledWrite, match=r"cudaMemcpyAsync failed") as caught:
+        transport.write(TARGET, copies, timeout_s=5.0)
+    assert not caught.value.settle(0.0)  # the first copy still runs
+    assert transport._pending[TARGET.peer] is events[-1]  # waited for before memory goes
+    events[-1].fired = True
+    assert caught.value.settle(0.0)
+
+
+# -- a failure reported as settled (issue 39 item 6) --------------------------------------------
+
+
+def test_an_unsettled_write_rebuilt_from_its_message_is_never_reported_settled():
+    rebuilt = UnsettledWrite("engine http://e:1 rank 1: may land later")  # as another rank's
+    assert not rebuilt.settled
+    assert not rebuilt.settle(0.0)

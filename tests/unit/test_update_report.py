@@ -323,7 +323,8 @@ def test_a_fleet_summary_groups_engines_by_what_happened_to_them():
     assert lines[2] == "  verified by write digests: 6 engine(s)"
     assert lines[3] == f"  NOT verified: http://e6, http://e7: {why}"
     assert lines[4].startswith("  paused up to 0.700 s (http://e7); http://e3 was paused already")
-    assert len(lines) == 6  # and the stages
+    assert lines[5].startswith("  inputs NOT checked for NaN / Inf")
+    assert len(lines) == 7  # and the stages
 
 
 def test_the_protocol_reported_is_the_one_the_transport_writes_over(engines, monkeypatch):
@@ -357,7 +358,119 @@ def test_a_delta_report_says_whether_the_update_went_as_deltas_and_why():
     )
     delta = DeltaReport.of(summary)
     assert delta.decision == (
-        "sent in full: faster (predicted writes and compare: delta 0.200 s, full 0.100 s)"
+        "sent in full: faster (minimising update time; predicted writes and compare: "
+        "delta 0.200 s, full 0.100 s)"
     )
     report = UpdateReport(version="1", bytes_by_target={("http://e0", 0): 100}, delta=delta)
     assert "sent in full: faster" in report.summary()
+
+
+# -- metrics for a step logger, and the report as JSON (issue 41 item 1) -----------------------
+
+
+def _full_report() -> UpdateReport:
+    return UpdateReport(
+        version="7",
+        bytes_by_target={("http://a", 0): 3_000, ("http://a", 1): 1_000, ("http://b", 0): 2_000},
+        stage_seconds={"load": 0.25, "wait": 0.5},
+        seconds=2.0,
+        engines={
+            "http://a": EngineReport(
+                "http://a", "mooncake", "tcp", 2, 4_000, ("write_digests",), None, 0.5, True
+            ),
+            "http://b": EngineReport(
+                "http://b", "mooncake", "tcp", 1, 2_000, (), "no digests served", 0.75, False
+            ),
+        },
+        delta=DeltaReport(
+            num_delta_params=3,
+            num_full_params=1,
+            num_unchanged_params=2,
+            full_bytes=8_000,
+            sent_bytes=2_000,
+            store_bytes=8_000,
+            decision="deltas: predicted faster",
+        ),
+        num_control_calls=9,
+        control_call_seconds=0.125,
+    )
+
+
+def test_metrics_are_flat_numbers_under_stable_documented_names():
+    metrics = _full_report().metrics(prefix="p2pweights/")
+    assert metrics == {
+        "p2pweights/seconds": 2.0,
+        "p2pweights/bytes": 6_000,
+        "p2pweights/gb_per_s": 6_000 / 2.0 / 1e9,
+        "p2pweights/num_engines": 2,
+        "p2pweights/num_engine_ranks": 3,
+        "p2pweights/engines_verified": 1,
+        "p2pweights/engines_unverified": 1,
+        "p2pweights/control_calls": 9,
+        "p2pweights/control_call_s": 0.125,
+        "p2pweights/inputs_checked_finite": 0,
+        "p2pweights/max_engine_rank_bytes": 3_000,
+        "p2pweights/max_engine_rank_gb_per_s": 3_000 / 2.0 / 1e9,
+        "p2pweights/paused_s_max": 0.75,
+        "p2pweights/delta_fraction": 0.25,
+        "p2pweights/delta_sent_bytes": 2_000,
+        "p2pweights/delta_params": 3,
+        "p2pweights/full_params": 1,
+        "p2pweights/unchanged_params": 2,
+        "p2pweights/load_s": 0.25,
+        "p2pweights/wait_s": 0.5,
+    }
+    assert all(type(v) in (int, float) for v in metrics.values())
+    assert set(_full_report().metrics(prefix="")) == {k.split("/")[1] for k in metrics}
+
+
+def test_metrics_of_a_plain_report_leave_out_what_it_does_not_know():
+    metrics = UpdateReport(version="1", bytes_by_target={}).metrics()
+    assert metrics["p2pweights/seconds"] == 0.0 and metrics["p2pweights/gb_per_s"] == 0.0
+    assert not any(("paused" in k) or ("delta" in k) or ("max_" in k) for k in metrics)
+
+
+def test_the_report_is_json_able_and_keeps_every_fact():
+    import json
+
+    report = _full_report()
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["version"] == "7" and data["bytes_written"] == 6_000
+    assert data["bytes_by_target"] == [
+        {"url": "http://a", "engine_rank": 0, "bytes": 3_000},
+        {"url": "http://a", "engine_rank": 1, "bytes": 1_000},
+        {"url": "http://b", "engine_rank": 0, "bytes": 2_000},
+    ]
+    assert data["engines"]["http://a"]["verified_by"] == ["write_digests"]
+    assert data["engines"]["http://b"]["unverified_reason"] == "no digests served"
+    assert data["delta"]["fraction"] == 0.25 and data["delta"]["decision"].startswith("deltas")
+    assert data["metrics"]["paused_s_max"] == 0.75
+    assert data["stage_seconds"] == {"load": 0.25, "wait": 0.5}
+
+
+def test_a_real_update_reports_metrics_and_json(engines):
+    import json
+
+    engines.setdefault("http://checked", DigestEngine("http://checked"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://checked"])
+        report = session.update(_tensors(3))
+    metrics = report.metrics(prefix="x.")
+    assert metrics["x.bytes"] == report.bytes_written > 0
+    assert metrics["x.engines_verified"] == 1 and metrics["x.engines_unverified"] == 0
+    assert "x.paused_s_max" in metrics
+    json.dumps(report.to_dict())
+
+
+def test_the_report_says_when_inputs_were_not_checked_for_nan_and_inf(engines):
+    """verify_finite_inputs stays off by default (on this 2-core CPU the check alone reads
+    383 MB of bf16 in 96 ms, 4 GB/s on one thread: tens of percent of an update), so the
+    report says the inputs went unchecked (issue 41 item 12)."""
+    engines.setdefault("http://checked", DigestEngine("http://checked"))
+    for verify, said in ((False, True), (True, False)):
+        with WeightSyncSession(SyncConfig(buffer_bytes="1MiB", verify_finite_inputs=verify)) as s:
+            s.connect(["http://checked"])
+            report = s.update(_tensors(3))
+        assert report.inputs_checked_finite is verify
+        assert ("inputs NOT checked for NaN / Inf" in report.summary()) is said
+        assert report.metrics()["p2pweights/inputs_checked_finite"] == int(verify)

@@ -121,7 +121,8 @@ def test_verified_by_default_and_the_report_says_what_it_cost(engines):
         session.connect(["http://e0"])
         report = session.update(_tensors(5))
     engine = engines["http://e0"]
-    assert engine.events.count("digests") == 1 and _holds(engine, 5) and engine.running
+    # read twice: when the session's first update opened (its number) and after the end
+    assert engine.events.count("digests") == 2 and _holds(engine, 5) and engine.running
     assert {"digest", "verify_writes", "engine_digest"} <= report.stage_seconds.keys()
 
 
@@ -144,7 +145,8 @@ def test_a_byte_changed_after_the_writes_fails_the_update_and_leaves_that_engine
 
 def test_records_carried_by_the_end_answer_are_compared_without_a_read(engines):
     """The local engine answers its end with every rank's record: the trainer that ended
-    the session reads none, and a byte changed after the writes still fails the update."""
+    the session reads none after it (only once the first update's sessions opened, to
+    learn the records' numbers), and a byte changed after the writes still fails it."""
     carry = engines.setdefault("http://carry", DigestEngine("http://carry"))
     with WeightSyncSession(CONFIG) as session:
         session.connect(["http://carry"])
@@ -155,7 +157,7 @@ def test_records_carried_by_the_end_answer_are_compared_without_a_read(engines):
             session.update(_tensors(6))
         session.abort()
         session.update(_tensors(7))
-    assert "digests" not in carry.events and carry.running and _holds(carry, 7)
+    assert carry.events.count("digests") == 1 and carry.running and _holds(carry, 7)
 
 
 def test_a_carried_record_of_an_earlier_end_is_never_compared(engines, monkeypatch):
@@ -329,7 +331,8 @@ def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines
 
     def agree(ok: bool) -> bool:
         steps.append(ok)
-        return ok and len(steps) != 5  # prepare, open, write, close, verify_writes
+        # the input kinds (whole, streamed), prepare, open, write, close, verify_writes
+        return ok and len(steps) != 7
 
     config = SyncConfig(buffer_bytes="1MiB")
     two = TrainerTopology(rank=0, num_ranks=2)
@@ -339,7 +342,7 @@ def test_another_rank_failing_the_check_leaves_every_checked_engine_torn(engines
         session.connect(["http://a", "http://b"])
         with pytest.raises(TransferError, match="another trainer rank failed the 'verify_writes'"):
             session.update(_tensors(6))
-        assert steps == [True] * 5
+        assert steps == [True, False] + [True] * 5  # the kinds: whole, not streamed
         report = session.abort()
         assert sorted(report.left_paused) == ["http://a", "http://b"]
         session.update(_tensors(7))  # every rank passes: both resumed
@@ -390,3 +393,40 @@ def test_a_direct_loads_sums_run_after_its_copies_on_a_stream_of_their_own():
     found: dict = {}
     staged.into(found)
     assert found == {("http://e0", 0, "main"): {"w": digest(source)}}
+
+
+@dataclass
+class UnrenewedEngine(DigestEngine):
+    """Records as the sglang plugin does (no weight version in them); once ``frozen``, its
+    PUTs stop reaching the bootstrap server, which keeps serving the last record."""
+
+    frozen: bool = False
+
+    def begin(self) -> None:
+        kept = self.record
+        super().begin()
+        self.record = kept if self.frozen else _without_version(self.record)
+
+    def end(self) -> None:
+        kept = self.record
+        super().end()
+        self.record = kept if self.frozen else _without_version(self.record)
+
+
+def _without_version(record: dict | None) -> dict | None:
+    return None if record is None else {k: v for k, v in record.items() if k != "weight_version"}
+
+
+def test_the_first_record_a_session_reads_is_not_taken_on_its_number_alone(engines):
+    """A new session knows no record number yet: a record an earlier session's update left
+    (same bytes, no weight version in it), still served because the engine's PUTs stopped,
+    must not pass for this update's (issue 39 item 9)."""
+    engine = engines.setdefault("http://e0", UnrenewedEngine("http://e0"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        session.update(_tensors(1))
+    engine.frozen = True
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://e0"])
+        with pytest.raises(TransferError, match=r"stale write digests"):
+            session.update(_tensors(1))

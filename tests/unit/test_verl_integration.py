@@ -317,7 +317,7 @@ def test_the_manager_works_when_awaited_from_verls_async_trainers(events):
     async def trainer_step():  # FullyAsyncTrainer-style: await checkpoint_manager.update_weights
         return await manager.update_weights(global_steps=7)
 
-    assert asyncio.run(trainer_step()) == {"p2pweights/bytes": 0.0, "p2pweights/seconds": 0.0}
+    assert asyncio.run(trainer_step()) == {}  # the fake ranks report no metrics
     assert ("actor.update_weights", 7, BACKEND) in events
 
 
@@ -340,13 +340,19 @@ def test_the_manager_merges_the_ranks_metrics(events):
         {
             "p2pweights/bytes": 3e9,
             "p2pweights/seconds": 2.0,
-            "p2pweights/paused_s": 2.5,
+            "p2pweights/gb_per_s": 1.5,
+            "p2pweights/paused_s_max": 2.5,
             "p2pweights/max_engine_rank_bytes": 2e9,
+            "p2pweights/engines_verified": 2.0,
+            "p2pweights/num_engine_ranks": 2.0,
         },
         {
             "p2pweights/bytes": 1e9,
             "p2pweights/seconds": 1.0,
+            "p2pweights/gb_per_s": 1.0,
             "p2pweights/max_engine_rank_bytes": 1e9,
+            "p2pweights/engines_verified": 1.0,
+            "p2pweights/num_engine_ranks": 1.0,
         },
     ]
     group = _ActorWorkerGroup(events, metrics=per_rank)
@@ -354,8 +360,70 @@ def test_the_manager_merges_the_ranks_metrics(events):
     assert manager.update_weights(global_steps=1) == {
         "p2pweights/bytes": 4e9,
         "p2pweights/seconds": 2.0,
-        "p2pweights/paused_s": 2.5,
-        "p2pweights/max_engine_rank_bytes": 2e9,
         "p2pweights/gb_per_s": 2.0,
+        "p2pweights/paused_s_max": 2.5,
+        "p2pweights/max_engine_rank_bytes": 2e9,
+        "p2pweights/engines_verified": 1.0,
+        "p2pweights/num_engine_ranks": 3.0,
     }
     assert merge_metrics([None, None]) == {}
+
+
+# -- verl's newer manager's arguments (issue 41 item 4) --------------------------------------
+
+
+def test_the_manager_takes_a_load_balancer_handle(events):
+    balancer = object()
+    manager = P2PWeightsCheckpointManager(
+        _config(), _ActorWorkerGroup(events), [_Replica(0, events)], load_balancer_handle=balancer
+    )
+    assert manager.load_balancer is balancer
+    manager.update_weights(global_steps=1)
+    assert ("actor.update_weights", 1, BACKEND) in events
+
+
+@pytest.mark.parametrize(
+    "fine_grained",
+    [SimpleNamespace(enabled=True), {"enabled": True}, OmegaConf.create({"enabled": True})],
+)
+def test_fine_grained_updates_are_refused_by_name_at_construction(events, fine_grained):
+    with pytest.raises(ConfigError, match=r"fine_grained_config.*P2PWeightsCheckpointManager"):
+        P2PWeightsCheckpointManager(
+            _config(),
+            _ActorWorkerGroup(events),
+            [_Replica(0, events)],
+            fine_grained_config=fine_grained,
+            load_balancer_handle=object(),
+        )
+    assert events == []
+
+
+def test_fine_grained_config_switched_off_is_accepted(events):
+    P2PWeightsCheckpointManager(
+        _config(),
+        _ActorWorkerGroup(events),
+        [_Replica(0, events)],
+        fine_grained_config=SimpleNamespace(enabled=False),
+    )
+
+
+def test_update_weights_of_some_replicas_writes_only_theirs(events):
+    replicas = [_Replica(0, events), _Replica(1, events), _Replica(2, events)]
+    manager = P2PWeightsCheckpointManager(_config(), _ActorWorkerGroup(events), replicas)
+    manager.update_weights(global_steps=5, replica_ranks=[2, 0])
+    assert events == [
+        ("execute", "connect", [["http://10.0.0.0:30000", "http://10.0.0.2:30000"]]),
+        ("actor.update_weights", 5, BACKEND),
+        ("replica0.set_global_steps", 5),
+        ("replica2.set_global_steps", 5),
+    ]
+    with pytest.raises(ConfigError, match=r"replica_ranks \[7\].*0, 1, 2"):
+        manager.update_weights(global_steps=6, replica_ranks=[0, 7])
+
+
+def test_the_backend_does_not_claim_temporary_process_groups():
+    """verl's newer manager asks a backend for prepare_temporary (fine-grained updates) and
+    refuses, at construction, one that does not override it: p2pweights does not, so that
+    refusal names it there instead of failing mid-training."""
+    base = getattr(CheckpointEngine, "prepare_temporary", None)
+    assert getattr(P2PWeightsCheckpointEngine, "prepare_temporary", None) is base

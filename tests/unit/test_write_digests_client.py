@@ -61,3 +61,23 @@ def test_an_engine_without_records_is_named():
     client, _ = _client(route)
     with pytest.raises(EngineError, match="http://engine:30000 rank 0: serves no write digests"):
         client.write_digests(0)
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_the_api_key_never_goes_to_the_bootstrap_server(scheme):
+    """The bootstrap port is plain HTTP and checks no key: the engine's API key (sent
+    over https to the engine) must not travel there in clear (issue 39 item 9)."""
+    keys: dict[int | None, str | None] = {}
+
+    def route(request):
+        keys[request.url.port] = request.headers.get("Authorization")
+        if request.url.port == 6789:
+            body = {"rank": 0, "role": DIGESTS_ROLE, "remote_instance_transfer_engine_info": RECORD}
+            return httpx.Response(200, json=body)
+        return httpx.Response(200, json={"rank": 0, "remote_instance_transfer_engine_info": {}})
+
+    client = EngineClient(
+        f"{scheme}://engine:30000", api_key="s3cret", transport=httpx.MockTransport(route)
+    )
+    assert client.write_digests(0, bootstrap_port=6789) == RECORD
+    assert keys[30000] == "Bearer s3cret" and keys[6789] is None

@@ -12,7 +12,9 @@ loopback on a CPU, writing every byte is faster than comparing them. Per update 
 
 ``w``: seconds an update waited for its writes per byte written, measured on updates
 written in full; ``c``: seconds comparing and packing per byte a full update writes,
-measured on delta updates; ``f``: the share of those bytes the last delta sent. What
+measured on delta updates (with ``objective="pause"``: only the compare done while the
+engines stood paused, every staging buffer's after the first, which is compared before
+they pause); ``f``: the share of those bytes the last delta sent. What
 both share (loading, the control plane, digests) cancels. Rates are medians of the
 last few updates (a noisy neighbour does not flip the choice); the fraction is the
 latest (it moves as the learning rate does). A delta is chosen only where it is
@@ -38,10 +40,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Decision", "DeltaPolicy", "Measured", "Mode", "Reason"]
+__all__ = ["Decision", "DeltaPolicy", "Measured", "Mode", "Objective", "Reason"]
 
 Mode = Literal["auto", "always"]
 """``DeltaConfig.mode``."""
+
+Objective = Literal["update", "pause"]
+"""``DeltaConfig.objective``: what ``"auto"`` minimises, the update's seconds or the
+seconds the engines stand paused."""
 
 Reason = Literal["always", "no_base", "probe", "predicted"]
 """Why a decision was made: ``"always"`` (``DeltaConfig(mode="always")``), ``"no_base"`` (no
@@ -65,14 +71,20 @@ class Decision:
     """Seconds the delta's compare and writes were predicted to take (None: no prediction)."""
     predicted_full_s: float | None = None
     """Seconds a full update's writes were predicted to take."""
+    objective: Objective = "update"
+    """What the prediction minimised (``DeltaConfig.objective``)."""
 
     def describe(self) -> str:
         """One line saying what was decided and why."""
+        counted = (
+            "writes and compare" if self.objective == "update" else "writes and paused compare"
+        )
+        minimised = "update time" if self.objective == "update" else "the engines' pause"
         predicted = (
             ""
             if self.predicted_delta_s is None or self.predicted_full_s is None
-            else f" (predicted writes and compare: delta {self.predicted_delta_s:.3f} s, full "
-            f"{self.predicted_full_s:.3f} s)"
+            else f" (minimising {minimised}; predicted {counted}: delta "
+            f"{self.predicted_delta_s:.3f} s, full {self.predicted_full_s:.3f} s)"
         )
         what = {
             "always": (
@@ -101,6 +113,8 @@ class Measured:
     """Seconds comparing with the stored copy and packing entries (a delta's)."""
     wait_s: float
     """Seconds the update waited for its writes."""
+    compare_paused_s: float | None = None
+    """Of ``compare_s``, the seconds spent while the engines stood paused (None: all)."""
 
 
 class DeltaPolicy:
@@ -110,6 +124,7 @@ class DeltaPolicy:
         self,
         mode: Mode = "auto",
         *,
+        objective: Objective = "update",
         margin: float = 0.1,
         probe_after: int = 4,
         max_probe_after: int = 64,
@@ -117,6 +132,9 @@ class DeltaPolicy:
     ) -> None:
         if mode not in ("auto", "always"):
             raise ValueError(f'mode must be "auto" or "always", got {mode!r}')
+        if objective not in ("update", "pause"):
+            raise ValueError(f'objective must be "update" or "pause", got {objective!r}')
+        self.objective: Objective = objective
         if probe_after < 1 or max_probe_after < probe_after or window < 1:
             raise ValueError(
                 f"probe_after ({probe_after}) must be at least 1 and at most max_probe_after "
@@ -155,21 +173,24 @@ class DeltaPolicy:
                 return Decision("delta", True, "probe")
             return Decision("full", True, "no_base")
         delta_s, full_s = predicted
+        aim = self.objective
         if delta_s < full_s * (1 - self.margin):
             if can_delta and self._num_delta >= self._full_wait:
                 self._full_probe = True
-                return Decision("full", True, "probe", delta_s, full_s)
+                return Decision("full", True, "probe", delta_s, full_s, aim)
             mode: Literal["delta", "full"] = "delta" if can_delta else "full"
-            return Decision(mode, True, "predicted" if can_delta else "no_base", delta_s, full_s)
+            reason: Reason = "predicted" if can_delta else "no_base"
+            return Decision(mode, True, reason, delta_s, full_s, aim)
         if can_delta and self._num_full >= self._wait:
             self._reprobe = True
-            return Decision("delta", True, "probe", delta_s, full_s)
+            return Decision("delta", True, "probe", delta_s, full_s, aim)
         keep = self._num_full + 1 >= self._wait  # the next update probes
-        return Decision("full", keep, "predicted", delta_s, full_s)
+        return Decision("full", keep, "predicted", delta_s, full_s, aim)
 
     def predict(self) -> tuple[float, float] | None:
         """(delta seconds, full seconds) for the bytes of the last update, or None where a
-        rate is not measured yet."""
+        rate is not measured yet (seconds of the engines' pause with ``objective="pause"``:
+        only the compare done while paused is counted)."""
         if not self._write_s_per_byte or not self._compare_s_per_byte or self._fraction is None:
             return None
         write = statistics.median(self._write_s_per_byte)
@@ -203,7 +224,10 @@ class DeltaPolicy:
             return
         self._num_full = 0
         self._num_delta += 1
-        self._compare_s_per_byte.append(measured.compare_s / measured.full_bytes)
+        compare_s = measured.compare_s
+        if self.objective == "pause" and measured.compare_paused_s is not None:
+            compare_s = measured.compare_paused_s
+        self._compare_s_per_byte.append(compare_s / measured.full_bytes)
         self._fraction = measured.sent_bytes / measured.full_bytes
         predicted = self.predict()
         if predicted is not None and predicted[0] < predicted[1] * (1 - self.margin):

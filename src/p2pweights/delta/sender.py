@@ -86,7 +86,7 @@ class DeltaSender:
     def __init__(self, config: DeltaConfig) -> None:
         self.config = config
         self.store = PreviousBytes(torch.device("cpu") if config.store == "host" else None)
-        self.policy = DeltaPolicy(config.mode)
+        self.policy = DeltaPolicy(config.mode, objective=config.objective)
 
     def begin(self, connected: Mapping[Runner, RankPublication]) -> DeltaRun:
         """A run, as a delta or in full as the policy decides (a delta only where some
@@ -101,6 +101,7 @@ class DeltaSender:
         *,
         compare_s: float = 0.0,
         wait_s: float = 0.0,
+        compare_paused_s: float | None = None,
     ) -> None:
         """The run ended: ranks that failed get full writes next time; with any failure
         the update failed, and everything is forgotten. What it measured (``compare_s``
@@ -120,6 +121,9 @@ class DeltaSender:
                 sent_bytes=run.summary.sent_bytes,
                 compare_s=compare_s + run.pack_s,
                 wait_s=wait_s,
+                compare_paused_s=None
+                if compare_paused_s is None
+                else compare_paused_s + run.pack_s,  # entries are packed once the engines pause
             )
         )
 

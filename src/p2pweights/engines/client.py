@@ -175,7 +175,8 @@ class EngineClient:
             host = httpx.URL(self.url).host
             host = f"[{host}]" if ":" in host else host
             url = f"http://{host}:{bootstrap_port}/get_transfer_engine_info"
-            body = self._json("GET", url, params=params)
+            # plain HTTP, and it checks no key: the engine's API key never goes there
+            body = self._json("GET", url, params=params, without_key=True)
         record = body.get("remote_instance_transfer_engine_info")
         if body.get("role") != DIGESTS_ROLE or not isinstance(record, dict):
             raise EngineError(
@@ -249,10 +250,12 @@ class EngineClient:
         control: bool = False,
         end: bool = False,
         stream: bool = False,
+        without_key: bool = False,
         **kwargs: Any,
     ) -> httpx.Response:
         """One request; ``stream``: return once the headers came, the body unread and the
-        connection held until the caller closes the response. Bounded by
+        connection held until the caller closes the response; ``without_key``: without
+        the API key (a server other than the engine's). Bounded by
         ``control_timeout_s`` (``control``), ``end_update_timeout_s`` (``end``) or
         ``timeout_s``."""
         if end:
@@ -272,6 +275,8 @@ class EngineClient:
             request = self._http.build_request(
                 method, route, timeout=timeout, extensions={"trace": trace}, **kwargs
             )
+            if without_key:
+                request.headers.pop("Authorization", None)
             return self._http.send(request, stream=stream)
         except httpx.TimeoutException as exc:
             raise EngineUnreachable(

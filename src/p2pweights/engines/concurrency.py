@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
-from p2pweights.errors import EngineError, EngineUnreachable
+from p2pweights.errors import EngineError, P2PWeightsError, UnsettledWrite
 
 T = TypeVar("T")
 
@@ -34,16 +34,27 @@ def concurrently(call: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     everything = [first, *futures]
-    errors = [f.exception() for f in everything if f.exception() is not None]
+    errors = [e for e in (f.exception() for f in everything) if e is not None]
     if len(errors) == 1:
-        raise errors[0]  # type: ignore[misc]
+        raise errors[0]
     if errors:
-        kind = EngineUnreachable if all(isinstance(e, EngineUnreachable) for e in errors) else None
         message = "; ".join(dict.fromkeys(str(e) for e in errors))  # each failure once
-        raise (kind or EngineError)(message) from errors[0]
+        raise _shared_class(errors)(message) from errors[0]
     return [f.result() for f in everything]
 
 
 def at_once(*actions: Callable[[], object]) -> None:
     """Run independent calls at once (see ``concurrently``)."""
     concurrently(lambda action: action(), actions)
+
+
+def _shared_class(errors: Sequence[BaseException]) -> type[P2PWeightsError]:
+    """The most specific p2pweights error class every one of ``errors`` is (so a caller
+    catching ``EngineStateError`` or ``EngineUnreachable`` still can), else
+    ``EngineError``. Never ``UnsettledWrite``: one error cannot settle several writes."""
+    for cls in type(errors[0]).__mro__:
+        if cls is P2PWeightsError or not issubclass(cls, P2PWeightsError):
+            break
+        if cls is not UnsettledWrite and all(isinstance(e, cls) for e in errors):
+            return cls
+    return EngineError

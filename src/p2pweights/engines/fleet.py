@@ -13,10 +13,16 @@ from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate
+from p2pweights.engines.update_session import (
+    UPDATING_PREFIX,
+    AbortReport,
+    EngineUpdate,
+    Phase,
+)
 from p2pweights.errors import EngineError, EngineUnreachable
 from p2pweights.replica.speculative import has_model_draft
 from p2pweights.report import EngineReport, Verification
+from p2pweights.transport_registry import publication_backend
 from p2pweights.wire.publication import RankPublication, require_backend
 
 logger = logging.getLogger(__name__)
@@ -55,6 +61,37 @@ class ConnectedEngine:
     @property
     def num_ranks(self) -> int:
         return len(self.publications)
+
+    def check_not_restarted(self) -> None:
+        """Refuse the engine if another process answers at its URL than at ``connect``
+        (restarted without a new ``connect``): its rank 0 now publishes through another
+        transport peer or at other addresses; for a live publication (which the same
+        process republishes through a new peer, with a later epoch, when its weights
+        move), an epoch below the one connected, or the same epoch through another peer.
+        Asked before any engine is paused: writes to the old registration could only
+        fail, after the pause."""
+        if not self.publications:
+            return
+        before = self.publications[0]
+        now = self.client.publication(0)
+        why = None
+        if before.live:  # republished in place: a new peer too, but with a later epoch
+            if now.epoch < before.epoch:
+                why = f"its publication went back to epoch {now.epoch} (connected: {before.epoch})"
+            elif now.epoch == before.epoch and now.reached_through != before.reached_through:
+                why = (
+                    f"it now publishes epoch {now.epoch} through {now.peer} "
+                    f"(connected: {before.peer})"
+                )
+        elif now.reached_through != before.reached_through:
+            why = f"it now publishes through {now.peer} (connected: {before.peer})"
+        elif now.regions != before.regions:
+            why = "its rank 0 now publishes other weight addresses"
+        if why is not None:
+            raise EngineError(
+                f"engine {self.url} was restarted since connect() ({why}): call connect() "
+                f"again with it before update(); no engine was paused or written"
+            )
 
     def published_bytes(self, rank: int) -> int:
         """Bytes engine rank ``rank`` published for writing (its draft runner's included)."""
@@ -147,6 +184,7 @@ def connect_engine(
     index: int, endpoint: EngineEndpoint, options: ConnectOptions
 ) -> ConnectedEngine:
     transport_kind = options.transport_kind
+    backend = publication_backend(transport_kind)  # what the engines must publish for it
     client = EngineClient(
         endpoint.url,
         timeout_s=options.timeout_s,
@@ -157,7 +195,7 @@ def connect_engine(
     try:
         server_info = client.server_info()
         check_sglang_version(endpoint.url, server_info, options.allow_sglang_mismatch)
-        check_mooncake_writable(endpoint.url, server_info, transport_kind)
+        check_mooncake_writable(endpoint.url, server_info, backend)
         ranks = range(num_engine_ranks(endpoint.url, server_info))
         publications = [client.publication(rank) for rank in ranks]
         drafts = (
@@ -170,12 +208,11 @@ def connect_engine(
         raise
     try:
         for pub in publications + drafts:
-            require_backend(pub, transport_kind)
+            require_backend(pub, backend)
     except EngineError as exc:
         client.close()
-        raise EngineError(
-            f"{exc}. To publish for {transport_kind}: {_PUBLISH_FLAGS[transport_kind]}."
-        ) from None
+        how = _PUBLISH_FLAGS.get(backend, f"start the engine with the {backend} publisher")
+        raise EngineError(f"{exc}. To publish for {backend}: {how}.") from None
     engine = ConnectedEngine(index, endpoint, client, server_info, publications, drafts)
     try:
         engine.update.adopt()
@@ -239,6 +276,7 @@ class Fleet:
                 f"{exc} (before the update: no engine was paused or written; restart or drop "
                 f"it and connect() again)"
             ) from exc
+        self.each(lambda e: e.check_not_restarted())  # before any engine changes
         if pause_mode == "caller":  # refuse a generating engine before any engine changes
             self.each(lambda e: e.update.check_paused_by_caller())
         self.each(lambda e: e.update.open(pause_mode, version, snapshot=snapshot))
@@ -247,11 +285,36 @@ class Fleet:
         for engine in self.engines:
             engine.update.mark_written()
 
-    def writes_landed(self, complete: Callable[[str], bool]) -> None:
-        """``complete(url)``: whether every write of this update into the engine landed."""
+    def writes_sent(self, complete: Callable[[str], bool]) -> None:
+        """``complete(url)``: whether every write of this update into the engine landed
+        (still unverified: ``writes_verified``)."""
         for engine in self.engines:
             if complete(engine.url):
-                engine.update.writes_landed()
+                engine.update.writes_sent()
+
+    def writes_verified(self, wrong: Collection[str] = ()) -> list[str]:
+        """The engines whose writes all landed and whose end answered in this update
+        (closed), except ``wrong`` (their write check failed or could not run): whole
+        at the new version. Returns their URLs; the others stay torn."""
+        whole = []
+        for engine in self.engines:
+            update = engine.update
+            if update.unverified and update.phase is Phase.CLOSED and engine.url not in wrong:
+                update.writes_landed()
+                whole.append(engine.url)
+        return whole
+
+    def unended(self) -> list[str]:
+        """The engines written in this update whose end has not answered (not closed)."""
+        return [
+            e.url
+            for e in self.engines
+            if e.update.unverified and e.update.phase is not Phase.CLOSED
+        ]
+
+    def close_only(self, urls: Collection[str]) -> None:
+        """End the update sessions of these engines (each one's error kept in its state)."""
+        concurrently(lambda e: e.update.close(), [e for e in self.engines if e.url in urls])
 
     def close(self) -> None:
         """End every open update session."""

@@ -95,6 +95,10 @@ class EngineUpdate:
     """Its weight version says ``p2pweights-updating:`` (set by this session or found)."""
     check_failed: bool = False
     """Its last weight check failed or went unanswered (``incomplete`` is set with it)."""
+    unverified: bool = False
+    """Every write of the update landed, but its ``end_weight_update`` did not answer or
+    its write check has not passed yet: the new bytes are unchecked (``incomplete`` is
+    set with it), so it is not resumed on its own (``writes_sent``)."""
     paused_since: float | None = None
     """``clock()`` when its pause answered, or when this session found it paused
     (adopted, or left paused by an earlier failed update); None while running."""
@@ -204,11 +208,19 @@ class EngineUpdate:
     def mark_written(self) -> None:
         """Writes are about to go into the engine: its weights are torn until they all land."""
         self.incomplete = True
+        self.unverified = False
+
+    def writes_sent(self) -> None:
+        """Every write of this update landed; the weights stay torn until the engine's end
+        answered and its writes passed the write check (``writes_landed``)."""
+        if self.incomplete:
+            self.unverified = True
 
     def writes_landed(self) -> None:
-        """Every write of this update landed: the weights are whole again (until a
-        weight check says otherwise)."""
-        self.incomplete = self.check_failed = False
+        """This update's writes landed, its end answered and its write check (where the
+        engine is checked) passed: the weights are whole again (until a weight check
+        says otherwise)."""
+        self.incomplete = self.check_failed = self.unverified = False
         self.holds = self._version
 
     def close(self) -> None:
@@ -233,6 +245,7 @@ class EngineUpdate:
         """The engine's digests of this update's writes disagreed with what was staged
         (or could not be read): torn, and not resumed on its own until an update passes."""
         self.incomplete = self.check_failed = True
+        self.unverified = False
 
     def finish(self, version: str) -> None:
         """Show the new version and resume generation (the weights are whole).
@@ -338,7 +351,14 @@ class EngineUpdate:
 
     def _why_torn(self) -> str:
         if self.check_failed:
-            return "its weight check failed or went unanswered (weights may be wrong)"
+            return (
+                "its write check or weight check failed or went unanswered (weights may be wrong)"
+            )
+        if self.unverified:
+            return (
+                "its end_weight_update did not answer or its write check did not complete, "
+                "so its new bytes were not verified (weights may be wrong)"
+            )
         return "its writes did not all land (weights may be torn)"
 
     def check_paused_by_caller(self) -> None:

@@ -58,7 +58,9 @@ class WeightTransferProtocol:
         self.group_name = "miles"
         self.update_weight_metrics: dict[str, float] = {}
 
-    def begin_sync(self, weight_version: int, iter_buckets: Callable[..., Any]) -> bool:
+    def begin_sync(
+        self, weight_version: int, iter_buckets: Callable[..., Any], rollout_id: int | None = None
+    ) -> bool:
         return True
 
     def after_base_weights(self) -> None:

@@ -4,7 +4,6 @@ to miles' step log: shared by the updater before miles' ``WeightTransferProtocol
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from p2pweights import environment
@@ -42,20 +41,12 @@ def missing_module(exc: ModuleNotFoundError, module: str) -> bool:
 
 
 def update_metrics(report: UpdateReport) -> dict[str, float]:
-    """An update's report as miles step-log metrics (``perf/update_weights_p2pweights_*``):
-    seconds, this trainer rank's bytes and GB/s, each stage's seconds, and the longest
-    engine pause where the report has one."""
-    metrics = {
-        f"{METRIC_PREFIX}_seconds": report.seconds,
-        f"{METRIC_PREFIX}_bytes": float(report.bytes_written),
-        f"{METRIC_PREFIX}_gb_per_s": report.gb_per_s,
+    """An update's report as miles step-log metrics: ``report.metrics()`` under
+    ``perf/update_weights_p2pweights_`` (``..._seconds``, ``..._bytes``, ``..._gb_per_s``,
+    ``..._paused_s_max``, each stage's ``..._<stage>_s``, ...; docs/metrics.md), as floats."""
+    return {
+        name: float(value) for name, value in report.metrics(prefix=f"{METRIC_PREFIX}_").items()
     }
-    for stage, seconds in report.stage_seconds.items():
-        metrics[f"{METRIC_PREFIX}_{stage}_s"] = seconds
-    paused = getattr(report, "paused_s", None)  # per engine, in newer reports
-    if isinstance(paused, Mapping) and paused:
-        metrics[f"{METRIC_PREFIX}_paused_s_max"] = float(max(paused.values()))
-    return metrics
 
 
 def config_from_args(

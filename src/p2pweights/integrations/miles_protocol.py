@@ -16,6 +16,12 @@ sending ranks of a pipeline stage are one p2pweights sender group: the first
 ``sum(engine_gpu_counts)`` ranks of the stage (miles' own p2p rule,
 ``gathered_dp_rank < rollout_num_gpus``); the others do not convert or send.
 
+miles' seam moves: some variants pass ``engine_cell_ids`` to ``connect`` before the
+parallel state (radixark ``0274e4f``) or a ``rollout_id`` to ``begin_sync`` (radixark
+``523810282c``); both are taken. radixark ``78669cf9`` loads the factory through
+``resolve_external_protocol_target`` (``--update-weight-transfer-mode external``), which
+calls it as ``build_protocol(args)`` like the others.
+
 miles loads it by path: ``build_protocol`` is the factory for
 ``--custom-weight-transfer-protocol-path`` (with ``--update-weight-transfer-mode
 external`` where miles has that mode). ``protocol_factory(config)`` makes a factory with
@@ -26,7 +32,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -40,8 +47,10 @@ from p2pweights.session import WeightSyncSession
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ConnectArguments",
     "P2PWeightsProtocol",
     "build_protocol",
+    "connect_arguments",
     "engine_urls",
     "install_protocol",
     "protocol_factory",
@@ -110,20 +119,27 @@ class P2PWeightsProtocol(_Base):
         self._all_ranks: Any = None
         self._senders: list[int] | None = None
         self._stream: StreamedUpdate | None = None
+        self.engine_cell_ids: Sequence[str] | None = None
+        """What miles passed as ``engine_cell_ids`` (radixark ``0274e4f``), kept, unused."""
 
     # -- connect --------------------------------------------------------------------------------
 
     def connect(
         self,
         rollout_engines: Sequence[Any],
-        engine_gpu_counts: Sequence[int] | None,
-        engine_gpu_offsets: Sequence[int] | None,
-        parallel_state: Any,
-        placement: Any,
-        selector: str,
+        engine_gpu_counts: Sequence[int] | None = None,
+        engine_gpu_offsets: Sequence[int] | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
         """Every trainer rank: choose the senders, connect their sessions to the engines'
-        servers (``SGLangApiClient.server_url``). Refuses a selector other than "all"."""
+        servers (``SGLangApiClient.server_url``). Refuses a selector other than "all".
+
+        Then ``parallel_state, placement, selector`` (miles after PR 2752), or
+        ``engine_cell_ids, parallel_state, placement, selector`` (radixark ``0274e4f``),
+        positionally or by name (``connect_arguments``)."""
+        seam = connect_arguments(args, kwargs)
+        parallel_state, placement, selector = seam.parallel_state, seam.placement, seam.selector
         if selector != "all":
             raise ConfigError(
                 f"miles asks to update only the {selector!r} weights of the engines "
@@ -147,6 +163,7 @@ class P2PWeightsProtocol(_Base):
         if senders != self._senders:
             self._regroup(senders, stage, num_stages)
         self.rollout_engines = rollout_engines
+        self.engine_cell_ids = seam.engine_cell_ids
         self.is_sender = dist.get_rank() in senders
         if self.session is not None:
             self.session.connect(engine_urls(rollout_engines))
@@ -172,10 +189,15 @@ class P2PWeightsProtocol(_Base):
     # -- one update -----------------------------------------------------------------------------
 
     def begin_sync(
-        self, weight_version: int, iter_buckets: Callable[..., Iterator[Bucket]]
+        self,
+        weight_version: int,
+        iter_buckets: Callable[..., Iterator[Bucket]],
+        rollout_id: int | None = None,
     ) -> bool:
         """Start the update on sending ranks (p2pweights pauses the engines once it has
-        what it needs to write). An update miles left unfinished is cancelled first."""
+        what it needs to write). An update miles left unfinished is cancelled first.
+        ``rollout_id`` (passed by some miles, e.g. radixark ``523810282c``) is not used:
+        the engines show ``weight_version``."""
         self._cancel_unfinished()
         if self.session is not None:
             self._stream = StreamedUpdate(
@@ -213,6 +235,41 @@ class P2PWeightsProtocol(_Base):
             config = self.session.config
             reason = ConfigError("miles began a new update before finishing the last one")
             stream.cancel(reason, wait_s=config.control_timeout_s + config.transfer_timeout_s)
+
+
+@dataclass(frozen=True)
+class ConnectArguments:
+    """What miles' ``connect`` passes after the engines and their GPU counts and offsets."""
+
+    parallel_state: Any
+    placement: Any
+    selector: str
+    engine_cell_ids: Sequence[str] | None = None
+
+
+_CONNECT_NAMES = ("parallel_state", "placement", "selector")
+_CONNECT_WITH_CELLS = ("engine_cell_ids", *_CONNECT_NAMES)
+
+
+def connect_arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> ConnectArguments:
+    """``connect``'s arguments after the engine offsets, for either of miles' seams: four
+    positional ones start with ``engine_cell_ids`` (radixark ``0274e4f``), three do not;
+    any of them may come by name. Raises ``TypeError`` naming an argument it does not
+    know or one that is missing, as Python would."""
+    names = _CONNECT_WITH_CELLS if len(args) == len(_CONNECT_WITH_CELLS) else _CONNECT_NAMES
+    if len(args) > len(names):
+        raise TypeError(f"connect() takes at most 7 arguments after self, got {3 + len(args)}")
+    given = dict(zip(names, args, strict=False))
+    for name, value in kwargs.items():
+        if name not in _CONNECT_WITH_CELLS:
+            raise TypeError(f"connect() got an unexpected argument {name!r}")
+        if name in given:
+            raise TypeError(f"connect() got multiple values for argument {name!r}")
+        given[name] = value
+    missing = [name for name in _CONNECT_NAMES if name not in given]
+    if missing:
+        raise TypeError(f"connect() is missing {', '.join(missing)}")
+    return ConnectArguments(**given)
 
 
 def engine_urls(rollout_engines: Sequence[Any]) -> list[str]:

@@ -35,6 +35,8 @@ from typing import Any, ClassVar
 
 from p2pweights.config import SyncConfig
 from p2pweights.errors import ConfigError
+from p2pweights.integrations import FrameworkMismatchError
+from p2pweights.integrations.miles_args import missing_module, update_metrics
 from p2pweights.integrations.streamed_update import StreamedUpdate
 from p2pweights.session import WeightSyncSession
 
@@ -64,7 +66,7 @@ def install(args: Any = None, *, config: SyncConfig | None = None) -> type:
                 + (" with --colocate" if getattr(args, "colocate", False) else "")
             )
     cls = updater_class(config)
-    actor: Any = importlib.import_module(_ACTOR)
+    actor: Any = _import(_ACTOR)
     actor.UpdateWeightFromDistributed = cls
     logger.info("slime's full-weight updater now writes with p2pweights (%s)", cls.__qualname__)
     return cls
@@ -74,7 +76,7 @@ def updater_class(config: SyncConfig | None = None) -> type:
     """``P2PWeightsSlimeUpdater``: a subclass of the installed slime's
     ``UpdateWeightFromDistributed`` (made when asked, so importing this module needs no
     slime)."""
-    base: Any = importlib.import_module(_DISTRIBUTED).UpdateWeightFromDistributed
+    base: Any = _import(_DISTRIBUTED).UpdateWeightFromDistributed
 
     class P2PWeightsSlimeUpdater(base):
         """slime's updater, its transport replaced by one p2pweights update per sync."""
@@ -138,11 +140,7 @@ def updater_class(config: SyncConfig | None = None) -> type:
                 raise
             stream, self._stream = self._stream, None
             if stream is not None:
-                report = stream.finish()
-                self.update_weight_metrics = {
-                    "perf/update_weights_p2pweights_bytes": float(report.bytes_written),
-                    "perf/update_weights_p2pweights_seconds": report.seconds,
-                }
+                self.update_weight_metrics = update_metrics(stream.finish())
 
         def _update_bucket_weights_from_distributed(
             self, converted_named_tensors: Any, pbar: Any = None, load_format: Any = None
@@ -154,6 +152,27 @@ def updater_class(config: SyncConfig | None = None) -> type:
                 pbar.update(1)
 
     return P2PWeightsSlimeUpdater
+
+
+def _import(module: str) -> Any:
+    """One of slime's modules; ``FrameworkMismatchError`` saying what is missing where slime
+    (or the module) is not there. A module that is there but fails on an import of its own
+    raises that error."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if not missing_module(exc, module):
+            raise
+        what = (
+            "slime is not installed"
+            if missing_module(exc, "slime")
+            else f"the installed slime has no {exc.name}"
+        )
+        raise FrameworkMismatchError(
+            f"{what} (p2pweights.integrations.slime needs {module}, as in THUDM/slime "
+            f"{SLIME_COMMIT[:9]}); install slime in this environment (pip install -e "
+            "<slime checkout>), or use p2pweights.integrations.miles for miles"
+        ) from exc
 
 
 def args_buffer(args: Any) -> int:

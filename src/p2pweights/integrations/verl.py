@@ -246,14 +246,34 @@ class P2PWeightsCheckpointManager(CheckpointEngineManager):
     restores it after its transfer), so generation never resumes without it.
     """
 
-    def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
-        super().__init__(config, actor_wg, replicas)
+    def __init__(
+        self,
+        config: Any,
+        actor_wg: Any,
+        replicas: list[Any],
+        fine_grained_config: Any = None,
+        load_balancer_handle: Any = None,
+    ) -> None:
+        if _enabled(fine_grained_config):
+            raise ConfigError(
+                "fine_grained_config is enabled, but P2PWeightsCheckpointManager does not run "
+                "verl's fine-grained (per-replica, Router-driven) updates: p2pweights pauses, "
+                "writes, verifies and resumes every engine itself. Disable fine_grained_config, "
+                "or pass replica_ranks to update_weights to write some replicas only"
+            )
+        extra: dict[str, Any] = {}
+        if _takes(super().__init__, "fine_grained_config"):  # verl's newer manager
+            extra = {"fine_grained_config": fine_grained_config}
+            extra["load_balancer_handle"] = load_balancer_handle
+        super().__init__(config, actor_wg, replicas, **extra)
         if not issubclass(self.backend_cls, P2PWeightsCheckpointEngine):
             raise ConfigError(
                 f"{type(self).__name__} drives the p2pweights backend only, but "
                 f"checkpoint_engine.backend is {config.backend!r}; set it to {BACKEND!r} "
                 f"(and custom_backend_module to {__name__!r})"
             )
+        self.load_balancer = load_balancer_handle
+        """verl's Router (kept as the newer manager keeps it; p2pweights does not use it)."""
         self._connected: list[str] | None = None
         self._kv_released = False
 
@@ -268,8 +288,13 @@ class P2PWeightsCheckpointManager(CheckpointEngineManager):
         self._kv_released = False
 
     @auto_await
-    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
-        urls = engine_urls(self.replicas)
+    async def update_weights(
+        self, global_steps: int | None = None, replica_ranks: list[int] | None = None
+    ) -> dict[str, float]:
+        """Write every replica, or those of ``replica_ranks`` (the others keep their
+        weights), and tag their outputs with ``global_steps``; returns the merged metrics."""
+        replicas = _selected(self.replicas, replica_ranks)
+        urls = engine_urls(replicas)
         if self._kv_released:
             # a standalone replica's sleep released only its KV cache (if free_cache_engine);
             # it must be back before p2pweights resumes generation
@@ -284,9 +309,41 @@ class P2PWeightsCheckpointManager(CheckpointEngineManager):
         results = ray.get(actors.update_weights(global_steps=global_steps, mode=self.backend))
         if global_steps is not None:
             await asyncio.gather(
-                *(r.server_handle.set_global_steps.remote(global_steps) for r in self.replicas)
+                *(r.server_handle.set_global_steps.remote(global_steps) for r in replicas)
             )
         return merge_metrics(results)
+
+
+def _enabled(fine_grained_config: Any) -> bool:
+    """Whether verl's ``FineGrainedWeightUpdateConfig`` (a dataclass, a dict or a DictConfig)
+    turns fine-grained updates on."""
+    if fine_grained_config is None:
+        return False
+    if isinstance(fine_grained_config, Mapping):
+        return bool(fine_grained_config.get("enabled", False))
+    return bool(getattr(fine_grained_config, "enabled", False))
+
+
+def _takes(function: Any, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(function).parameters
+
+
+def _selected(replicas: Sequence[Any], replica_ranks: Sequence[int] | None) -> list[Any]:
+    """``replicas`` whose ``replica_rank`` is in ``replica_ranks`` (all of them for None), in
+    replica order; ``ConfigError`` naming ranks that are not there."""
+    if replica_ranks is None:
+        return list(replicas)
+    known = {replica.replica_rank for replica in replicas}
+    unknown = sorted(set(replica_ranks) - known)
+    if unknown:
+        raise ConfigError(
+            f"update_weights(replica_ranks=...) names replica_ranks {unknown}, but the "
+            f"manager's replicas are {', '.join(str(rank) for rank in sorted(known))}"
+        )
+    wanted = set(replica_ranks)
+    return [replica for replica in replicas if replica.replica_rank in wanted]
 
 
 def discover_engine_urls() -> list[str]:
@@ -328,47 +385,39 @@ def engine_urls(replicas: Sequence[Any]) -> list[str]:
     return [f"http://{replica.server_address}" for replica in replicas]
 
 
-_BUSIEST = "p2pweights/max_engine_rank_bytes"
+_PREFIX = "p2pweights/"
+_SUMMED = ("bytes", "delta_sent_bytes", "num_engine_ranks")
+"""Metrics each actor rank counts for its own engine ranks: the update's are their sum."""
+_LEAST = ("engines_verified",)
+"""An engine counts as verified only where every rank's writes into it were."""
 
 
 def merge_metrics(per_rank: Iterable[object]) -> dict[str, float]:
-    """The actor ranks' ``send_weights`` metrics as one: bytes summed over the ranks,
-    seconds (and engine pause time) the slowest rank's, and the bytes of the engine rank
-    that took the most (``p2pweights/max_engine_rank_bytes``: what bounds the update's
-    time on the receiving side)."""
+    """The actor ranks' ``send_weights`` metrics (``UpdateReport.metrics``, docs/metrics.md)
+    as one: bytes summed over the ranks, ``engines_verified`` the least any rank counted,
+    every other value (seconds, pause, the busiest engine rank's bytes) the largest, and
+    ``gb_per_s`` the summed bytes over the slowest rank's seconds."""
     ranks = [m for m in per_rank if isinstance(m, Mapping)]
     if not ranks:
         return {}
-    merged = {
-        "p2pweights/bytes": float(sum(m.get("p2pweights/bytes", 0.0) for m in ranks)),
-        "p2pweights/seconds": max(m.get("p2pweights/seconds", 0.0) for m in ranks),
-    }
-    busiest = [m[_BUSIEST] for m in ranks if _BUSIEST in m]
-    if busiest:  # each engine rank is written by one actor rank
-        merged[_BUSIEST] = max(busiest)
-    paused = [m["p2pweights/paused_s"] for m in ranks if "p2pweights/paused_s" in m]
-    if paused:
-        merged["p2pweights/paused_s"] = max(paused)
-    if merged["p2pweights/seconds"] > 0:
-        merged["p2pweights/gb_per_s"] = (
-            merged["p2pweights/bytes"] / merged["p2pweights/seconds"] / 1e9
-        )
+    merged: dict[str, float] = {}
+    for name in dict.fromkeys(key for m in ranks for key in m):
+        values = [float(m[name]) for m in ranks if name in m]
+        short = name.removeprefix(_PREFIX)
+        if short in _SUMMED:
+            merged[name] = sum(values)
+        elif short in _LEAST:
+            merged[name] = min(values)
+        else:
+            merged[name] = max(values)
+    seconds = merged.get(f"{_PREFIX}seconds", 0.0)
+    if seconds > 0 and f"{_PREFIX}bytes" in merged:
+        merged[f"{_PREFIX}gb_per_s"] = merged[f"{_PREFIX}bytes"] / seconds / 1e9
     return merged
 
 
 def _rank_metrics(report: UpdateReport) -> dict[str, float]:
-    metrics = {
-        "p2pweights/bytes": float(report.bytes_written),
-        "p2pweights/seconds": report.seconds,
-    }
-    if report.bytes_by_target:
-        metrics[_BUSIEST] = float(max(report.bytes_by_target.values()))
-    paused = getattr(report, "paused_s", None)  # per engine, where the session records it
-    if isinstance(paused, Mapping) and paused:
-        metrics["p2pweights/paused_s"] = max(float(s) for s in paused.values())
-    elif isinstance(paused, int | float):
-        metrics["p2pweights/paused_s"] = float(paused)
-    return metrics
+    return {name: float(value) for name, value in report.metrics(prefix=_PREFIX).items()}
 
 
 def _caller_pauses(config: SyncConfig) -> SyncConfig:

@@ -262,6 +262,20 @@ class WriteCheck:
         ]
         return problems
 
+    def note_begun(self, runners: Iterable[Runner]) -> None:
+        """Once the update sessions opened, on a session's first update: the record each
+        checked runner serves now, for those whose number this session has not read, so
+        that the end's record is never taken on its number alone. A record its begin
+        renewed (no digests) is this update's number; one with digests was left by an
+        earlier end (the engine's begin did not renew it), so the end's must be newer.
+        One that cannot be read leaves the number alone to decide."""
+        fresh = [r for r in runners if r[0] in self.engines and r not in self.last_update]
+        for runner, record in zip(fresh, concurrently(self._read, fresh), strict=True):
+            number = record.get("update")
+            if isinstance(number, int) and not isinstance(number, bool):
+                renewed = record.get("digests") is None and not record.get("error")
+                self.last_update[runner] = number - 1 if renewed else number
+
     @staticmethod
     def raise_if_wrong(problems: Sequence[Mismatch], left: str = "") -> None:
         if not problems:

@@ -22,13 +22,15 @@ logger = logging.getLogger(__name__)
 
 
 def model_folder(model: str) -> Path:
-    """A folder holding ``config.json`` for ``model`` (a folder, a config.json, or any .json)."""
-    path = Path(model)
+    """The absolute folder holding ``config.json`` for ``model`` (a folder, a config.json, or
+    any .json): the engine publishes it as ``model_path``, which trainers started in other
+    directories read."""
+    path = Path(model).resolve()
     if path.is_dir():
         return path
     if path.name == "config.json":
         return path.parent
-    return write_model_dir(path, tempfile.mkdtemp(prefix="p2pweights-model-"))
+    return write_model_dir(path, tempfile.mkdtemp(prefix="p2pweights-model-")).resolve()
 
 
 def read_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:

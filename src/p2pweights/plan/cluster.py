@@ -268,6 +268,14 @@ class ClusterPlan:
                 f"  sender {s.rank:3d}{stage}: writes {_gb(s.load.write_bytes)} to "
                 f"{len(s.targets)} rank(s), loads {_gb(s.load.load_bytes)}"
             )
+        idle = [s for s in self.senders if not s.targets]
+        if idle:
+            num_ranks = sum(len(engine.ranks) for engine in self.engines)
+            lines.append(
+                f"  {len(idle)} of {len(self.senders)} sender(s) write nothing: each engine "
+                f"rank has one writer per pipeline stage, and there are {num_ranks} engine "
+                f"rank(s) for {len(self.senders) // self.num_stages} sender(s) per stage"
+            )
         ratio = self.broadcast_bytes / self.p2p_bytes if self.p2p_bytes else float("nan")
         prediction = self.prediction
         lines += [

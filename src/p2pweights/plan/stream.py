@@ -7,6 +7,12 @@ byte moves; an iterator is checked tensor by tensor as it streams (the first bad
 tensor then stops the update after some bytes were written; the engines stay paused
 and show the update as incomplete until a later update completes).
 
+A partial update declares the HF names it sends (``subset``): only the parameter groups
+those feed are written, the rest of every engine keeps its bytes. The subset is said,
+never guessed: a name outside it, a name of it missing from the update, or a parameter
+group it covers only in part (q_proj without k_proj and v_proj of a fused qkv) is
+refused before any byte moves, naming the tensors.
+
 Every input must stay unchanged from the moment it is received (the call, for a
 sequence or mapping; its yield, for an iterator) until its bytes were read: each
 tensor's version counter and data pointer are recorded on receipt and checked right
@@ -136,22 +142,66 @@ class UpdateSource:
                 self._formats[key] = with_regions
             self.regions += len(regions)
 
-    def check_whole(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Every tensor matches the contract and none of it is missing (before any write)."""
+    def check_subset(self, subset: frozenset[str]) -> None:
+        """A partial update's declared names: each one the first update sent, and every
+        parameter group they feed fed whole by them."""
+        unknown = sorted(subset - self.known.keys())
+        if unknown:
+            raise ConfigError(
+                f"the update's subset names {len(unknown)} HF tensor(s) the first update did "
+                f"not send: {', '.join(unknown[:8])}"
+            )
+        for key_groups in self._groups.values():
+            for names in key_groups:
+                needed = set(names) & self.known.keys()
+                given = needed & subset
+                if given and given != needed:
+                    raise ConfigError(
+                        f"the update's subset feeds a parameter group only in part: it has "
+                        f"{', '.join(sorted(given))} but not {', '.join(sorted(needed - given))}, "
+                        f"which the engine loads together; add them to the subset"
+                    )
+
+    def check_whole(
+        self, tensors: Sequence[tuple[str, torch.Tensor]], subset: frozenset[str] | None = None
+    ) -> None:
+        """Every tensor matches the contract and none of it (of ``subset``, for a partial
+        update) is missing (before any write)."""
         seen = set()
         for name, tensor in tensors:
-            check_input(name, tensor, self.known)
+            self._check(name, tensor, subset)
             if name in seen:
                 raise ConfigError(f"HF tensor {name!r} was given twice in one update")
             seen.add(name)
-            if self._finite:
-                check_finite(name, tensor)
-        missing = sorted(set(self.known) - seen)
+        wanted = set(self.known) if subset is None else set(subset)
+        missing = sorted(wanted - seen)
         if missing:
+            said = "the first update sent" if subset is None else "its declared subset names"
             raise ConfigError(
-                f"this update lacks {len(missing)} HF tensor(s) the first update sent: "
-                f"{', '.join(missing[:8])}"
+                f"this update lacks {len(missing)} HF tensor(s) {said}: {', '.join(missing[:8])}"
             )
+
+    def _check(self, name: str, tensor: torch.Tensor, subset: frozenset[str] | None) -> None:
+        check_input(name, tensor, self.known)
+        if subset is not None and name not in subset:
+            raise ConfigError(
+                f"HF tensor {name!r} is not in this update's declared subset; add it to the "
+                f"subset, or leave it out of the update"
+            )
+        if self._finite:
+            check_finite(name, tensor)
+
+    def _groups_of(
+        self, subset: frozenset[str] | None
+    ) -> Mapping[Hashable, Sequence[Iterable[str]]]:
+        """The groups to collect: all, or those ``subset`` feeds (the others emptied, so
+        every group keeps its index in the plan and none waits for an input)."""
+        if subset is None:
+            return self._groups
+        return {
+            key: [names if set(names) & subset else () for names in key_groups]
+            for key, key_groups in self._groups.items()
+        }
 
     def ready(
         self,
@@ -160,8 +210,10 @@ class UpdateSource:
         *,
         checked: bool,
         receipts: Receipts | None = None,
+        subset: frozenset[str] | None = None,
     ) -> Iterator[ReadyGroup]:
-        """The planned groups with their inputs, as the tensors complete them.
+        """The planned groups with their inputs, as the tensors complete them (those
+        ``subset`` feeds, for a partial update; ``check_subset`` first).
 
         ``checked``: the tensors went through ``check_whole`` already.
         ``receipts``: where each tensor is recorded as it arrives from an iterator (a
@@ -176,16 +228,14 @@ class UpdateSource:
         if not isinstance(tensors, Sequence):
             tensors = receipts.recording(tensors)
         collector = ConvertingCollector(
-            self._groups,
+            self._groups_of(subset),
             self._formats,  # type: ignore[arg-type]
             before_read=receipts.check,
         )
         try:
             for name, tensor in tensors:
                 if not checked:
-                    check_input(name, tensor, self.known)
-                    if self._finite:
-                        check_finite(name, tensor)
+                    self._check(name, tensor, subset)
                 for key, index, inputs in collector.add(name, tensor):
                     yield plan.group(key, index), inputs
             for key, index, inputs in collector.flush():

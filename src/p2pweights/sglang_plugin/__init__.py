@@ -197,7 +197,23 @@ def digests_before_end(updater: Any, *_args: Any, **_kwargs: Any) -> None:
         from p2pweights.wire.delta import SCRATCH_NAME
 
         params[SCRATCH_NAME] = published.scratch
-    published.put_record(side.before_end(params))
+    record = side.before_end(params)
+    version = _weight_version()
+    if version is not None:  # this update's marker: an earlier update's record never has it
+        record["weight_version"] = version
+    published.put_record(record)
+
+
+def _weight_version() -> str | None:
+    """The weight version sglang's scheduler holds in this process (the trainer's
+    ``p2pweights-updating:<v>`` while it writes), None where it cannot be read."""
+    from p2pweights.replica.sglang import facade
+
+    try:
+        version = facade.serving_args().weight_version
+    except Exception:  # another sglang release: the record's number alone then decides
+        return None
+    return version if isinstance(version, str) else None
 
 
 def republish_after_begin(_result: Any, updater: Any, *_args: Any, **_kwargs: Any) -> None:

@@ -26,7 +26,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from p2pweights.errors import ConfigError, P2PWeightsError, TransportError
-from p2pweights.sglang_plugin.publish import LivePublication, put_publication
+from p2pweights.sglang_plugin.publish import (
+    HOOK_PUT_TIMEOUT_S,
+    LivePublication,
+    put_publication,
+)
 from p2pweights.transports.base import Publisher
 
 if TYPE_CHECKING:
@@ -90,6 +94,7 @@ class IpcLivePublication(LivePublication):
                 f"its weights moved to new storage and could not be published afresh (see "
                 f"the engine's log, {PLUGIN}); restart the engine",
                 epoch=self.epoch + 1,
+                in_hook=True,  # inside sglang's update hooks: one short attempt
             )
 
 
@@ -139,12 +144,18 @@ def publish_ipc(
     return published
 
 
-def withdraw(engine_rank: int, bootstrap_url: str, reason: str, *, epoch: int) -> None:
+def withdraw(
+    engine_rank: int, bootstrap_url: str, reason: str, *, epoch: int, in_hook: bool = False
+) -> None:
     """Publish, in place of the rank's weights, why it has none (``wire.publication``'s
-    ``"error"``); logged where even that cannot be put. Never raises an ``Exception``."""
+    ``"error"``); logged where even that cannot be put. Never raises an ``Exception``.
+    ``in_hook``: inside sglang's update hooks, one attempt of ``HOOK_PUT_TIMEOUT_S``."""
     info = {"backend": BACKEND, "error": reason, "live": True, "epoch": epoch}
     try:
-        put_publication(bootstrap_url, engine_rank, info)
+        if in_hook:
+            put_publication(bootstrap_url, engine_rank, info, HOOK_PUT_TIMEOUT_S, retry=False)
+        else:
+            put_publication(bootstrap_url, engine_rank, info)
     except Exception:
         logger.exception(
             "%s: tp rank %d could not publish why it has no publication either; trainers "

@@ -165,7 +165,12 @@ class LivePublication:
         if moved is not None:
             info["moved"] = moved
         try:
-            put_publication(self.bootstrap_url, self.engine_rank, info)
+            if moved is None:  # at start-up: the head node's server may come up later
+                put_publication(self.bootstrap_url, self.engine_rank, info)
+            else:  # inside sglang's update hooks: one short attempt
+                put_publication(
+                    self.bootstrap_url, self.engine_rank, info, HOOK_PUT_TIMEOUT_S, retry=False
+                )
         except BaseException:
             publisher.close()
             raise
@@ -238,7 +243,14 @@ class LivePublication:
         Not raised: an exception here would take the engine's scheduler down; a writer
         that finds no record for its update fails that update instead."""
         try:
-            put_publication(self.bootstrap_url, self.engine_rank, record, role=DIGESTS_ROLE)
+            put_publication(
+                self.bootstrap_url,
+                self.engine_rank,
+                record,
+                HOOK_PUT_TIMEOUT_S,
+                role=DIGESTS_ROLE,
+                retry=False,
+            )
         except Exception:
             logger.exception(
                 "p2pweights_nixl: tp rank %d could not PUT its write-digest record",
@@ -251,6 +263,13 @@ class LivePublication:
             self._publisher = None
 
 
+HOOK_PUT_TIMEOUT_S = 2.0
+"""Bound on a PUT made inside sglang's update hooks (``begin_weight_update``'s AFTER,
+``end_weight_update``'s BEFORE and AFTER, on every TP rank, inside the trainer's pause):
+one attempt, never retried, so a bootstrap server that does not answer stalls sglang's
+scheduler for at most this long. The failure is logged; the trainer then finds no
+record (or a refused publication) for its update and fails it."""
+
 _PLUGINS = {"nixl": ("NIXL", "p2pweights_nixl"), "cuda_ipc": ("CUDA IPC", "p2pweights_cuda_ipc")}
 """Published backend -> (its name in messages, the plugin that publishes it)."""
 
@@ -261,12 +280,14 @@ def put_publication(
     info: dict[str, Any],
     timeout_s: float = 60.0,
     role: str | None = None,
+    retry: bool = True,
 ) -> None:
     """PUT one rank's info to the bootstrap server, retrying until it answers.
 
     The server starts before the ranks on the head node, but ranks on other nodes
     may finish loading first; so connection failures are retried for ``timeout_s``.
-    A refusal (4xx / 5xx) is not retried.
+    A refusal (4xx / 5xx) is not retried. ``retry=False``: one attempt bounded by
+    ``timeout_s`` (inside sglang's update hooks, which must not stall its scheduler).
     """
     url = f"{bootstrap_url}/register_transfer_engine_info"
     payload: dict[str, Any] = {"tp_rank": engine_rank, "transfer_engine_info": info}
@@ -276,7 +297,7 @@ def put_publication(
 
     def answered() -> bool:
         try:
-            response = httpx.put(url, json=payload, timeout=10.0)
+            response = httpx.put(url, json=payload, timeout=min(10.0, timeout_s))
         except httpx.TransportError as exc:
             failed[:] = [exc]
             return False
@@ -290,6 +311,14 @@ def put_publication(
             )
         return True
 
+    if not retry:
+        if answered():
+            return
+        raise EngineError(
+            f"tp rank {engine_rank}: the engine info bootstrap server at {bootstrap_url} "
+            f"did not answer within {timeout_s:g} s ({failed[0]!r}); not retried inside "
+            f"sglang's update hooks"
+        ) from failed[0]
     if not poll_until(answered, time.monotonic() + timeout_s, sleep_s=0.5):
         raise EngineError(
             f"tp rank {engine_rank}: the engine info bootstrap server at {bootstrap_url} "

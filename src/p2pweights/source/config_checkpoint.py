@@ -109,10 +109,35 @@ def config_checkpoint(values: Mapping[str, Any]) -> ConfigCheckpoint:
     return ConfigCheckpoint(type(model).__name__, tensors, aliases)
 
 
+def architecture_model_type(values: Mapping[str, Any]) -> str | None:
+    """The model type transformers knows for ``values``' architecture, where its own
+    ``model_type`` is one transformers does not know (a remote-code type such as Kimi-K2's
+    ``kimi_k2``, whose ``DeepseekV3ForCausalLM`` is what sglang serves); None where
+    transformers knows the model type, or knows none of the architectures."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if values.get("model_type") in CONFIG_MAPPING:
+        return None
+    for architecture in values.get("architectures") or ():
+        cls = getattr(transformers, architecture, None)
+        config_class = getattr(cls, "config_class", None)
+        model_type = getattr(config_class, "model_type", None)
+        if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+            return model_type
+    return None
+
+
 def _meta_model(values: Mapping[str, Any], dtype: torch.dtype) -> Any:
-    """The config's architecture (else the causal-LM class of its model type) on meta."""
+    """The config's architecture (else the causal-LM class of its model type) on meta; a
+    model type transformers does not know is read as its architecture's
+    (``architecture_model_type``)."""
     import transformers
 
+    model_type = architecture_model_type(values)
+    if model_type is not None:
+        values = {k: v for k, v in values.items() if k != "auto_map"}
+        values["model_type"] = model_type
     hf_config = transformers.AutoConfig.for_model(**values)
     with torch.device("meta"):
         for architecture in values.get("architectures") or ():

@@ -219,7 +219,8 @@ def _from_config(values: dict[str, Any], config_file: Path, note: str) -> Expect
         derived = config_checkpoint(values)
     except Exception as exc:  # transformers cannot build it: unknown type, remote code, ...
         logger.debug("no checkpoint derivable from %s", config_file, exc_info=True)
-        reason = f"transformers cannot describe the model of {config_file} ({exc}){note}"
+        said = str(exc).split(". Should contain one of")[0]  # not transformers' 10 kB list
+        reason = f"transformers cannot describe the model of {config_file} ({said}){note}"
         return ExpectedCheckpoint({}, str(config_file), model_dtype, unchecked=reason)
     skipped = _not_converted(quantization)
     tensors: dict[str, ExpectedTensor] = {}

@@ -8,17 +8,30 @@ per engine rank, and the writes of a failed update that may still be running.
 the current buffer for every engine rank that needs it. When the buffer is full it
 is flushed: the loaders (the replicas: sglang's own loaders, one call per replica and
 buffer) fill the staged groups' bytes, the writes are built from the plan and go to
-the writers, and filling continues in the other buffer, reused only once every write
-reading it has returned. A failed or late write fails its engine rank, not the
-others: later batches to it are skipped while the other ranks get all their bytes,
-and ``RunResult`` says which engines received everything.
+the writers, and filling continues in the other buffer, reused once every write reading
+it has returned or was given up on. A failed or late write fails its engine rank, not
+the others: later batches to it are skipped while the other ranks get all their bytes
+(a stuck rank holds no buffer: ``_Run._flush``), and ``RunResult`` says which engines
+received everything.
 
 Nothing reaches an engine before ``RunHooks.before_writes`` returned: the run calls it
 once, after the first buffer was loaded and before its first write (or load into
 engine memory), so a caller can open the engines' update sessions only then, with
 the inputs read, checked, converted and the first buffer staged. It may return a new
-plan (an engine published its weights afresh): writes are built from the plan
-current at each flush.
+plan (an engine published its weights afresh).
+
+Each flush runs in phases, each against the plan it is given (``_Run._flush``):
+
+1. stage or load: groups are reserved in the buffer (slot offsets: no address of any
+   plan) or queued for a direct load (with the views of the plan current then); the
+   loaders fill the staged bytes; deltas are compared. No engine is touched.
+2. open: the first flush calls ``before_writes``; the plan it returns (or the current
+   one) is the plan of every later phase of this flush and of the run.
+3. place: delta entries are packed.
+4. write: each runner's batch goes to its rank's writer, to the addresses of the
+   phase-2 plan; direct loads go into the memory the same plan maps (views taken from
+   an earlier plan are taken again), so a moved plan is never half applied.
+5. settle: the other buffer comes back once its writes returned or were given up on.
 
 Where the transport maps an engine rank's memory for plain device copies
 (``Transport.direct_view``: CUDA IPC into the trainer's own GPU, colocated), that
@@ -90,6 +103,9 @@ class RunHooks:
     """Once set, the run raises ``TransferError`` at its next group or flush."""
     digest_staged: bool = False
     """Digest every staged slot (``RunResult.digests``) for the engines' write check."""
+    paused_before: bool = False
+    """The engines were paused before the run began (``stage_before_pause`` off): all of
+    its delta compare counts as paused (``RunResult.delta_paused_s``)."""
     flag_landed: frozenset[str] = frozenset()
     """Engine URLs whose ranks are told, after each flush's writes into them landed,
     which parameters did (``wire.landed``; ``SyncConfig.digest_as_written``)."""
@@ -117,6 +133,9 @@ class RunResult:
     checksum_s: float = 0.0
     delta_s: float = 0.0
     """With ``SyncConfig.delta``: comparing staged slots with the previous update's."""
+    delta_paused_s: float = 0.0
+    """Of ``delta_s``, the seconds compared while the engines stood paused (every staging
+    buffer after the first, or all with ``RunHooks.paused_before``)."""
     delta: DeltaSummary | None = None
     """With ``SyncConfig.delta``: the bytes a full update would have written, those
     written instead, the memory the previous update's copy takes, and whether the update
@@ -329,7 +348,11 @@ class TransferExecutor:
             self._late.extend(update.late)  # they may still read the buffers
         if self._delta is not None and delta is not None:
             self._delta.finish(
-                delta, result.failures, compare_s=result.delta_s, wait_s=result.wait_s
+                delta,
+                result.failures,
+                compare_s=result.delta_s,
+                wait_s=result.wait_s,
+                compare_paused_s=result.delta_paused_s,
             )
             result.delta = summary = delta.summary
             logger.info(
@@ -387,12 +410,13 @@ class TransferExecutor:
 
 @dataclass
 class _DirectLoad:
-    """Groups of one replica an engine rank receives straight into its memory."""
+    """Groups of one replica an engine rank receives straight into its memory, each with
+    the views of its slots and the plan they were taken from (the load phase takes them
+    again from its own plan where that moved since)."""
 
-    target: TargetWrites
-    groups: list[GroupPlan] = field(default_factory=list)
+    runner: Runner
+    groups: list[tuple[GroupPlan, BytePlan, dict[str, torch.Tensor]]] = field(default_factory=list)
     inputs: list[HfInput] = field(default_factory=list)
-    views: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _LandedFlags:
@@ -504,9 +528,12 @@ class _Run:
         self.late = LateWrites()
 
     def stage(self, group: GroupPlan, inputs: Sequence[HfInput]) -> None:
-        group = self._plan.group(group.key, group.index)  # the plan may have been replaced
+        """Phase 1, per group: reserve its block in the current buffer for the ranks written
+        through staging, or queue it for the ranks loaded directly (both may flush)."""
         self._raise_if_cancelled()
         self._stop_if_every_rank_failed()
+        plan = self._plan  # the plan may have been replaced by the first open
+        group = plan.group(group.key, group.index)
         staged = []
         for tw in group.targets:
             key = tw.target.runner
@@ -519,18 +546,29 @@ class _Run:
                 continue
             if views is None:
                 staged.append(key)
-                continue
-            if self._direct_bytes[key] + group.block_bytes > self._buffers.current.capacity_bytes:
-                self._flush()  # bounds a load's size (and its replay check's scratch)
-            direct = self._direct.setdefault((group.key, key), _DirectLoad(tw))
-            direct.groups.append(group)
-            direct.inputs.extend(inputs)
-            direct.views.update(views)
-            self._direct_bytes[key] += group.block_bytes
+            else:
+                self._queue_direct(plan, group, key, inputs, views)
         if staged:
             self._stage(group, inputs, frozenset(staged))
         if self._hooks.progress is not None:
             self._hooks.progress(group.block_bytes * len(group.targets))
+
+    def _queue_direct(
+        self,
+        plan: BytePlan,
+        group: GroupPlan,
+        runner: Runner,
+        inputs: Sequence[HfInput],
+        views: dict[str, torch.Tensor],
+    ) -> None:
+        """Queue a direct load, with the views ``plan`` gave it; a flush first where the
+        queue would pass a buffer's size (it bounds a load's replay-check scratch)."""
+        if self._direct_bytes[runner] + group.block_bytes > self._buffers.current.capacity_bytes:
+            self._flush()  # may open the engines: the load phase re-maps against its plan
+        direct = self._direct.setdefault((group.key, runner), _DirectLoad(runner))
+        direct.groups.append((group, plan, views))
+        direct.inputs.extend(inputs)
+        self._direct_bytes[runner] += group.block_bytes
 
     def _raise_if_cancelled(self) -> None:
         if self._hooks.cancel is not None and self._hooks.cancel.is_set():
@@ -577,45 +615,24 @@ class _Run:
             views[slot.param] = buffer.view(base + slot.offset, slot.num_bytes)
         self._placed.append(_Placed(group, base, targets))
 
-    def _flush(self, refill: bool = True) -> StagingBuffer:
-        """Load and send the current buffer; return the other one once its writes returned
-        (and, to be ``refill``ed, once no write given up on may still read it)."""
+    def _flush(self) -> StagingBuffer:
+        """Load and send the current buffer; return the other one once its writes returned.
+
+        A write given up on (late, or unsettled in the transport) may still read the
+        buffer returned: it is refilled all the same, so that one stuck engine rank does
+        not hold the others' writes. That write's rank failed in this run: it takes no
+        other write, stays torn (never resumed, never verified) and is settled before any
+        later update writes anything (``TransferExecutor.settle``), so the refill changes
+        only which stale bytes may still land in that torn rank; the buffer stays
+        registered until the write settled (``LateWrites``)."""
         self._raise_if_cancelled()
-        started = time.perf_counter()
         buffer = self._buffers.current
-        with contextlib.ExitStack() as scope:
-            if not buffer.tensor.is_cuda:
-                scope.enter_context(one_intra_op_thread())
-            for key, (inputs, views) in self._staged.items():
-                self._loaders[key].load_into(inputs, views)
-        self._staged = {}
-        if buffer.tensor.is_cuda:
-            # Loaders copy asynchronously on the GPU; writers must read finished bytes.
-            torch.cuda.current_stream(buffer.tensor.device).synchronize()
-        self.result.load_s += time.perf_counter() - started
-        placed = self._placed
-        digested = False
-        if self._delta is not None:  # compared while the engines still generate
-            if self._hooks.digest_staged and self._delta.decision.mode == "delta":
-                self._digest(buffer, placed)  # of the slots' bytes, before entries replace them
-                digested = True
-            self._compare_deltas(buffer)
-        self._open()  # the first write, or load into an engine's memory, comes next
-        if self._delta is not None:  # decided against the publications current now
-            with contextlib.ExitStack() as scope:
-                if not buffer.tensor.is_cuda:
-                    scope.enter_context(one_intra_op_thread())
-                self._delta.place(buffer.view)
-            if buffer.tensor.is_cuda:  # entries are packed by device copies; writers (own
-                # streams, or the network) must read them finished
-                torch.cuda.current_stream(buffer.tensor.device).synchronize()
-        index = self._buffers.current_index
-        for batch in self._batches(buffer):
-            if self._failed.get(batch.key) is not None:
-                continue  # this rank already failed; the others carry on
-            future = self._writers[batch.key].submit(batch, self._failed)
-            self._pending[index].append((future, batch))
-            self.result.bytes_by_target[batch.key] += batch.num_bytes
+        placed, self._placed = self._placed, []
+        self._load_staged(buffer)  # phase 1: no engine touched yet
+        digested = self._compare_before_open(buffer, placed)  # while the engines generate
+        plan = self._open()  # phase 2: every later phase of this flush runs against ``plan``
+        self._place(buffer)  # phase 3
+        self._write(buffer, placed, plan)  # phase 4
         if self._hooks.digest_staged and not digested:  # while the writers send the same bytes
             self._digest(buffer, placed)
         if self._hooks.checksums:  # likewise; before the buffer is refilled
@@ -627,14 +644,67 @@ class _Run:
                     for slot in p.group.slots
                 ),
             )
-        self._load_direct()  # while the writers send the staged bytes
+        self._load_direct(plan)  # while the writers send the staged bytes
         self.result.num_flushes += 1
+        return self._settle_other()  # phase 5
+
+    def _load_staged(self, buffer: StagingBuffer) -> None:
+        """The loaders fill the staged groups' bytes in ``buffer`` (plan-free: slot offsets)."""
+        started = time.perf_counter()
+        with contextlib.ExitStack() as scope:
+            if not buffer.tensor.is_cuda:
+                scope.enter_context(one_intra_op_thread())
+            for key, (inputs, views) in self._staged.items():
+                self._loaders[key].load_into(inputs, views)
+        self._staged = {}
+        if buffer.tensor.is_cuda:
+            # Loaders copy asynchronously on the GPU; writers must read finished bytes.
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
+        self.result.load_s += time.perf_counter() - started
+
+    def _compare_before_open(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> bool:
+        """With deltas: compare the slots just loaded with the previous update's (and digest
+        them first where entries will replace them). Whether they were digested."""
+        if self._delta is None:
+            return False
+        digested = False
+        if self._hooks.digest_staged and self._delta.decision.mode == "delta":
+            self._digest(buffer, placed)  # of the slots' bytes, before entries replace them
+            digested = True
+        self._compare_deltas(buffer, placed)
+        return digested
+
+    def _place(self, buffer: StagingBuffer) -> None:
+        """With deltas: pack the entries, decided against the publications current now."""
+        if self._delta is None:
+            return
+        with contextlib.ExitStack() as scope:
+            if not buffer.tensor.is_cuda:
+                scope.enter_context(one_intra_op_thread())
+            self._delta.place(buffer.view)
+        if buffer.tensor.is_cuda:  # entries are packed by device copies; writers (own
+            # streams, or the network) must read them finished
+            torch.cuda.current_stream(buffer.tensor.device).synchronize()
+
+    def _write(self, buffer: StagingBuffer, placed: Sequence[_Placed], plan: BytePlan) -> None:
+        """Hand each runner's batch of ``buffer`` to its rank's writer, to where ``plan``
+        says."""
+        index = self._buffers.current_index
+        for batch in self._batches(buffer, placed, plan):
+            if self._failed.get(batch.key) is not None:
+                continue  # this rank already failed; the others carry on
+            future = self._writers[batch.key].submit(batch, self._failed)
+            self._pending[index].append((future, batch))
+            self.result.bytes_by_target[batch.key] += batch.num_bytes
+
+    def _settle_other(self) -> StagingBuffer:
+        """Swap buffers; the other one is returned once the writes reading it returned or
+        were given up on (their ranks failed)."""
+        index = self._buffers.current_index
         buffer = self._buffers.swap()
         landed = self._wait(1 - index)
         if self._flags is not None:  # queued behind this flush's writes to each rank
             self._flag(landed, index)
-        if refill:
-            self._settle(buffer)  # never refilled while a write given up on may still read it
         buffer.used_bytes = 0
         return buffer
 
@@ -654,19 +724,22 @@ class _Run:
             )
         self.result.digest_s += time.perf_counter() - started
 
-    def _compare_deltas(self, buffer: StagingBuffer) -> None:
+    def _compare_deltas(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> None:
         """Delta entries of the slots just loaded (``DeltaRun.place`` packs them)."""
         assert self._delta is not None
         started = time.perf_counter()
         with contextlib.ExitStack() as scope:
             if not buffer.tensor.is_cuda:  # beside the writer threads: see intra_op
                 scope.enter_context(one_intra_op_thread())
-            self._compare(buffer)
+            self._compare(buffer, placed)
         if buffer.tensor.is_cuda:
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
-        self.result.delta_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.result.delta_s += seconds
+        if self._opened or self._hooks.paused_before:
+            self.result.delta_paused_s += seconds
 
-    def _compare(self, buffer: StagingBuffer) -> None:
+    def _compare(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> None:
         assert self._delta is not None
         self._delta.compare(
             (
@@ -676,7 +749,7 @@ class _Run:
                     [(s.param, p.base + s.offset, s.num_bytes) for s in p.group.slots],
                     p.targets,
                 )
-                for p in self._placed
+                for p in placed
             ),
             buffer.view,
             self._elem_size,
@@ -688,42 +761,26 @@ class _Run:
         layout = None if layouts is None else layouts.get(param)
         return 1 if layout is None else int(layout.dtype.itemsize)
 
-    def _settle(self, buffer: StagingBuffer) -> None:
-        """Every write given up on that reads ``buffer`` must settle within
-        ``transfer_timeout_s`` before it is refilled, or the update fails (``buffer`` is
-        then left as it is, and the next run settles first)."""
-        unsettled = self.late.settle(self._timeout_s, buffer)
-        if unsettled:
-            raise still_in_flight(unsettled, self._timeout_s, "refilling their staging buffer")
+    def _open(self) -> BytePlan:
+        """Phase 2, once per run before anything reaches an engine: ``before_writes``. A
+        new plan it returns (new addresses for the same groups) is the plan every later
+        phase runs against; returns the plan current now."""
+        if not self._opened:
+            self._opened = True
+            assert self._hooks.before_writes is not None
+            plan = self._hooks.before_writes()
+            if plan is not None:
+                self._plan = plan
+        return self._plan
 
-    def _open(self) -> None:
-        """Once per run, before anything reaches an engine: ``before_writes``. A new
-        plan it returns holds new addresses for the same groups."""
-        if self._opened:
-            return
-        self._opened = True
-        assert self._hooks.before_writes is not None
-        plan = self._hooks.before_writes()
-        if plan is None or plan is self._plan:
-            return
-        self._plan = plan
-        for direct in self._direct.values():
-            direct.views = {}
-            for old in direct.groups:
-                group = plan.group(old.key, old.index)
-                runner = direct.target.target.runner
-                tw = next(t for t in group.targets if t.target.runner == runner)
-                views = self._direct_views(group, tw)
-                if views is None:
-                    raise TransferError(f"{tw.target.where}: its memory is no longer mapped")
-                direct.views.update(views)
-
-    def _batches(self, buffer: StagingBuffer) -> list[WriteBatch]:
-        """The writes of the groups placed in ``buffer``, one batch per runner, to where the
-        current plan says (a runner's draft is reached through its own handle)."""
+    def _batches(
+        self, buffer: StagingBuffer, placed_groups: Sequence[_Placed], plan: BytePlan
+    ) -> list[WriteBatch]:
+        """The writes of the groups placed in ``buffer``, one batch per runner, to where
+        ``plan`` says (a runner's draft is reached through its own handle)."""
         batches: dict[Runner, WriteBatch] = {}
-        for placed in self._placed:
-            group = self._plan.group(placed.group.key, placed.group.index)
+        for placed in placed_groups:
+            group = plan.group(placed.group.key, placed.group.index)
             start = buffer.address + placed.base
             for tw in group.targets:
                 key = tw.target.runner
@@ -745,7 +802,6 @@ class _Run:
                         Write(start + slot.offset, w.dst_address, slot.num_bytes, w.dst_device),
                         slot.param,
                     )
-        self._placed = []
         if self._header_at is not None:
             self._add_headers(buffer, batches)
         return [batch for batch in batches.values() if batch.writes]
@@ -767,32 +823,47 @@ class _Run:
             )
         self._header_at = None
 
-    def _load_direct(self) -> None:
-        """Load the direct groups into the engines' memory, and wait for the copies: an
-        engine reads its memory once ``end_weight_update`` returns."""
+    def _direct_views_in(self, plan: BytePlan, direct: _DirectLoad) -> dict[str, torch.Tensor]:
+        """The memory a direct load writes, as ``plan`` maps it: views taken from another
+        plan (queued before the first open moved it) are taken again."""
+        views: dict[str, torch.Tensor] = {}
+        for old, taken_from, taken in direct.groups:
+            if taken_from is plan:
+                views.update(taken)
+                continue
+            group = plan.group(old.key, old.index)
+            tw = next(t for t in group.targets if t.target.runner == direct.runner)
+            again = self._direct_views(group, tw)
+            if again is None:
+                raise TransferError(f"{tw.target.where}: its memory is no longer mapped")
+            views.update(again)
+        return views
+
+    def _load_direct(self, plan: BytePlan) -> None:
+        """Load the direct groups into the engines' memory where ``plan`` says, and wait for
+        the copies: an engine reads its memory once ``end_weight_update`` returns."""
         started = time.perf_counter()
+        loaded: list[tuple[RankPublication, list[str]]] = []
         for (key, target), direct in self._direct.items():
             if self._failed.get(target[:2]) is not None:
                 continue
-            self._direct_devices.update(v.device for v in direct.views.values() if v.is_cuda)
-            self._loaders[key].load_into(direct.inputs, direct.views)
-            num_bytes = sum(v.numel() for v in direct.views.values())
+            try:
+                views = self._direct_views_in(plan, direct)
+            except TransferError as exc:  # this rank alone fails, as for a failed write
+                self._failed.record(target[:2], exc)
+                continue
+            self._direct_devices.update(v.device for v in views.values() if v.is_cuda)
+            self._loaders[key].load_into(direct.inputs, views)
+            num_bytes = sum(v.numel() for v in views.values())
             self.result.bytes_by_target[target[:2]] += num_bytes
             if self._hooks.digest_staged:  # in the copies' stream order: nothing waits here
                 digest_started = time.perf_counter()
-                self._staged_digests.add(
-                    (param, view, (target,)) for param, view in direct.views.items()
-                )
+                self._staged_digests.add((param, view, (target,)) for param, view in views.items())
                 self.result.digest_s += time.perf_counter() - digest_started
             if self._hooks.checksums:  # the copies are done first (the GPU hash waits)
-                self._hooks.checksums.add(
-                    (param, view, (target,)) for param, view in direct.views.items()
-                )
-        loaded = [
-            (direct.target.target, list(direct.views))
-            for (_, target), direct in self._direct.items()
-            if self._failed.get(target[:2]) is None
-        ]
+                self._hooks.checksums.add((param, view, (target,)) for param, view in views.items())
+            if self._flags is not None:
+                loaded.append((self._publication(plan, direct), list(views)))
         self._direct = {}
         self._direct_bytes.clear()
         self._sync_direct()
@@ -800,6 +871,13 @@ class _Run:
             for pub, params in loaded:
                 self._flags.set_directly(pub, params, self._transport)
         self.result.load_s += time.perf_counter() - started
+
+    @staticmethod
+    def _publication(plan: BytePlan, direct: _DirectLoad) -> RankPublication:
+        """The publication ``plan`` writes ``direct``'s runner through."""
+        old = direct.groups[0][0]
+        group = plan.group(old.key, old.index)
+        return next(t.target for t in group.targets if t.target.runner == direct.runner)
 
     def _sync_direct(self) -> None:
         for device in self._direct_devices:
@@ -816,7 +894,7 @@ class _Run:
                 buffer = self._flush()
             self._header_at = buffer.reserve(need)
         if self._placed or self._staged or self._direct or self._header_at is not None:
-            self._flush(refill=False)  # the last: its writes are waited for below
+            self._flush()  # the last: its writes are waited for below
         self._open()  # a run that wrote nothing still opens, once
         for index in (0, 1):
             self._wait(index)

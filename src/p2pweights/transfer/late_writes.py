@@ -4,8 +4,10 @@ A write batch is late when the executor gave up waiting for its writer
 (``transfer_timeout_s``) or when the transport gave up on it while its transfers were
 still in flight (``UnsettledWrite``). Either way it may still read its staging buffer
 and land in its engine rank. It counts as settled once its writer returned and the
-transport saw every transfer finish or fail; until then its buffer is not refilled,
-deregistered or freed, and its engine rank not written again.
+transport saw every transfer finish or fail; until then its buffer is not deregistered
+or freed, and its engine rank not written again. The run that gave up on it may refill
+the buffer for the other ranks (that rank failed: whatever stale bytes still land there
+land in a torn rank, which a later update rewrites only once the write settled).
 """
 
 from __future__ import annotations

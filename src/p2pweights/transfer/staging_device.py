@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from p2pweights.config import CudaIpcConfig, MooncakeConfig, NixlConfig
+from p2pweights.config import CudaIpcConfig, TransportConfigBase
 
 logger = logging.getLogger(__name__)
 
@@ -14,7 +14,7 @@ __all__ = ["staging_device_for"]
 
 
 def staging_device_for(
-    transport: MooncakeConfig | NixlConfig | CudaIpcConfig, given: torch.device | str | None
+    transport: TransportConfigBase, given: torch.device | str | None
 ) -> torch.device:
     """As given, else on the GPU a CUDA IPC transport copies from (device copies over
     NVLink), else in pinned host memory."""

@@ -257,16 +257,34 @@ class CudaIpcTransport(Transport):
             sources = self._sources.index
         copies = merge_adjacent([translate(target, opened, sources, w) for w in writes])
         stream = self._stream()
+        issued = 0
+        failed: Exception | None = None
         # the runtime's current device is per thread
         with self._cuda.on_device(self._device):
-            for copy in copies:
-                self._cuda.copy_async(
-                    copy.dst_address, copy.src_address, copy.num_bytes, stream.cuda_stream
-                )
+            try:
+                for copy in copies:
+                    self._cuda.copy_async(
+                        copy.dst_address, copy.src_address, copy.num_bytes, stream.cuda_stream
+                    )
+                    issued += 1
+            except Exception as exc:  # the copies issued before it still run
+                failed = exc
             done = torch.cuda.Event()
-            done.record(stream)
+            done.record(stream)  # after every copy issued: waited for before memory goes
         with self._lock:
             self._pending[target.peer] = done
+        if failed is not None:
+            running = PendingCopies(done, [(c.src_address, c.num_bytes) for c in copies[:issued]])
+            message = (
+                f"copy {issued + 1} of {len(copies)} to {target.where} failed to start: {failed!r}"
+            )
+            if not issued:
+                raise TransferError(message) from failed
+            raise UnsettledWrite(
+                f"{message}; the {issued} copies issued before it cannot be cancelled, so "
+                f"this engine rank stays torn until they finished",
+                running.settle,
+            ) from failed
         deadline = time.monotonic() + timeout_s
         if not poll_until(done.query, deadline, sleep_s=_POLL_S):
             # A device copy cannot be cancelled: the stream drains on its own, and

@@ -162,7 +162,7 @@ def _transfer_engine_class() -> Any:
 def _new_engine(hostname: str, protocol: str, device_name: str) -> Any:
     """A Mooncake ``TransferEngine`` (``protocol`` is passed on, as sglang does; Mooncake
     picks what ``installed_protocol`` says)."""
-    logs.configure()
+    logs.apply_log_level()
     environment.quiet_mooncake_logs()
     engine = _transfer_engine_class()()
     ret = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
@@ -260,15 +260,21 @@ class MooncakeTransport(Transport):
         session = target.peer
         pending: dict[int, int] = {}  # batch id -> index into writes
         failures: list[str] = []
-        for i, w in enumerate(writes):
-            batch_id = self._engine.transfer_submit_write(
-                session, w.src_address, w.dst_address, w.num_bytes
-            )
-            if batch_id in _SUBMIT_FAILED:
-                failures.append(_describe(i, w, "Mooncake refused to submit it"))
-                break  # the peer is unreachable; the rest would fail the same way
-            pending[batch_id] = i
         slow: set[int] = set()  # writes Mooncake reported timed out: still in flight
+        try:
+            for i, w in enumerate(writes):
+                batch_id = self._engine.transfer_submit_write(
+                    session, w.src_address, w.dst_address, w.num_bytes
+                )
+                if batch_id in _SUBMIT_FAILED:
+                    failures.append(_describe(i, w, "Mooncake refused to submit it"))
+                    break  # the peer is unreachable; the rest would fail the same way
+                pending[batch_id] = i
+        except Exception as exc:  # the binding raised: what it started may still land
+            failures.append(f"submitting write #{len(pending)} raised {exc!r}")
+            if pending:
+                raise self._unsettled(target, writes, failures, pending, slow, timeout_s) from exc
+            raise TransferError(self._message(target, writes, failures)) from exc
 
         def all_ended() -> bool:
             for batch_id, i in list(pending.items()):
@@ -283,7 +289,13 @@ class MooncakeTransport(Transport):
                     failures.append(_describe(i, writes[i], "failed"))
             return not pending
 
-        poll_transfers(all_ended, deadline)
+        try:
+            poll_transfers(all_ended, deadline)
+        except Exception as exc:  # the binding raised: the batches not seen ended may land
+            failures.append(f"asking Mooncake for a write's status raised {exc!r}")
+            if pending:
+                raise self._unsettled(target, writes, failures, pending, slow, timeout_s) from exc
+            raise TransferError(self._message(target, writes, failures)) from exc
         if pending:
             raise self._unsettled(target, writes, failures, pending, slow, timeout_s)
         if failures:
@@ -353,11 +365,15 @@ class _PendingBatches(InFlight):
 
     def _poll(self) -> bool:
         # a batch that ended is freed by transfer_check_status: never asked again
-        self._batch_ids = [
-            batch_id
-            for batch_id in self._batch_ids
-            if self._engine.transfer_check_status(batch_id) in (_PENDING, _TIMED_OUT)
-        ]
+        kept = []
+        for batch_id in self._batch_ids:
+            try:
+                status = self._engine.transfer_check_status(batch_id)
+            except Exception:  # no verdict from the binding: it may still land
+                status = _PENDING
+            if status in (_PENDING, _TIMED_OUT):
+                kept.append(batch_id)
+        self._batch_ids = kept
         return not self._batch_ids
 
 

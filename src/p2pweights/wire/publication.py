@@ -35,10 +35,12 @@ records, before every ``end_weight_update``, a digest of each published paramete
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from p2pweights.errors import EngineError
+from p2pweights.transport_registry import publication_backends as registered_backends
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME
 
 DIGESTS_ROLE = "p2pweights-digests"
@@ -126,7 +128,7 @@ class RankPublication:
 
     engine_url: str
     engine_rank: int
-    backend: str  # "mooncake", "nixl" or "cuda_ipc"
+    backend: str  # "mooncake", "nixl", "cuda_ipc", or a registered transport's
     regions: dict[str, WeightRegion] = field(repr=False)
     session_id: str | None = None  # mooncake: "host:rpc_port"
     agent_name: str | None = None  # nixl; cuda_ipc: the publisher's unique name
@@ -145,6 +147,9 @@ class RankPublication:
     digest_scheme: str | None = None
     """How it digests (``wire.digest.SCHEME`` of its p2pweights); None where it does
     not say (a release before the scheme was published)."""
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """For a registered transport's own backend (``transport_registry``): everything its
+    publisher published for the rank, for its ``Transport`` to read."""
 
     @property
     def where(self) -> str:
@@ -156,7 +161,8 @@ class RankPublication:
     def peer(self) -> str:
         """The transport-level name of this rank (Mooncake session id or NIXL agent name)."""
         peer = self.session_id if self.backend == "mooncake" else self.agent_name
-        assert peer is not None
+        if peer is None:  # a registered transport's backend that names no agent
+            return f"{self.engine_url}#{self.engine_rank}/{self.role}"
         return peer
 
     @property
@@ -280,6 +286,17 @@ def _parse(engine_url: str, engine_rank: int, info: Any) -> RankPublication:
             agent_name=_text(info["agent_name"], "agent_name"),
             host_id=_text(info["host_id"], "host_id"),
             segments=tuple(_segment(s) for s in segments),
+            **common,
+        )
+    if isinstance(backend, str) and backend in registered_backends():
+        agent = info.get("agent_name")
+        return RankPublication(
+            engine_url,
+            engine_rank,
+            backend,
+            _regions(table),
+            agent_name=None if agent is None else _text(agent, "agent_name"),
+            extra=dict(info),
             **common,
         )
     raise ValueError(f"unknown published backend {backend!r:.40}")

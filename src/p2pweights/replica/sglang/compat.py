@@ -24,7 +24,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2pweights import logs
 from p2pweights.errors import ConfigError
 from p2pweights.replica.sglang.hook_targets import HOOK_TARGETS
 from p2pweights.wire.sglang_texts import TEXTS, SglangText
@@ -218,7 +217,6 @@ def check_sglang(
 
     A release outside ``TESTED_SGLANG`` that has them all is logged, not refused.
     """
-    logs.keep_third_party_noise_out()  # before sglang and megatron are imported
     missing = [
         f"{symbol} (used by {symbol.used_by}; {why})" for symbol, why in missing_symbols(symbols)
     ] + [

@@ -469,9 +469,83 @@ def build_model(
         except ValueError as exc:
             raise ConfigError(f"sglang cannot build architectures {architectures}: {exc}") from exc
         default_dtype = model_config.dtype if dtype is None else dtype
-        with set_default_torch_dtype(default_dtype), torch.device(device):
-            model = _initialize_model(model_config, load_config, quant_config)
+        _check_heads_divide(model_config.hf_config, spec)
+        try:
+            with set_default_torch_dtype(default_dtype), torch.device(device):
+                model = _initialize_model(model_config, load_config, quant_config)
+        except (AssertionError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(_cannot_build(architectures, spec, exc)) from exc
     return model.eval()
+
+
+def _layout(spec: RankSpec) -> str:
+    parts = [f"tp={spec.tp_size}"]
+    if spec.attn_tp_size != spec.tp_size:
+        parts.append(f"attention TP {spec.attn_tp_size}")
+    if spec.moe_ep_size > 1:
+        parts.append(f"ep={spec.moe_ep_size} (MoE TP {spec.moe_tp_size})")
+    return ", ".join(parts)
+
+
+def _check_heads_divide(hf_config: Any, spec: RankSpec) -> None:
+    """Attention heads that cannot be split over the attention TP ranks, said in one line
+    (sglang asserts it deep inside the model's constructor)."""
+    width = spec.attn_tp_size
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    heads = getattr(text_config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % width:
+        raise ConfigError(
+            f"num_attention_heads={heads} does not divide by the attention TP size {width} "
+            f"({_layout(spec)}): each attention TP rank holds heads / {width} heads; serve it "
+            f"at a TP size that divides {heads}"
+        )
+    kv_heads = getattr(text_config, "num_key_value_heads", None)
+    if (
+        isinstance(kv_heads, int)
+        and kv_heads
+        and (kv_heads % width if kv_heads >= width else width % kv_heads)
+    ):
+        raise ConfigError(
+            f"num_key_value_heads={kv_heads} and the attention TP size {width} "
+            f"({_layout(spec)}) do not divide one into the other: sglang splits the KV heads "
+            f"over the ranks, or replicates them when there are fewer"
+        )
+
+
+def _cannot_build(architectures: list[str], spec: RankSpec, exc: BaseException) -> str:
+    """One line for an assertion or ValueError raised while sglang built the model: the
+    module being built (the innermost ``prefix`` sglang passes down), what failed, and
+    the known way out for fp8 blocks that do not divide."""
+    import traceback
+
+    module = ""
+    frames = traceback.walk_tb(exc.__traceback__)
+    for frame, _ in reversed(list(frames)):
+        prefix = frame.f_locals.get("prefix")
+        if isinstance(prefix, str) and prefix:
+            module = prefix
+            break
+    if isinstance(exc, AssertionError) and not str(exc):
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        where = last.filename.split("site-packages/")[-1]
+        what = f"`{(last.line or '').strip()}` failed ({where}:{last.lineno})"
+    else:
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    line = (
+        f"sglang cannot build {', '.join(architectures) or 'the model'} at {_layout(spec)}: "
+        f"{module + ': ' if module else ''}{what}: a dimension does not divide by this "
+        f"layout's parallel size"
+    )
+    if "block_n" in what or "block_k" in what:
+        line += (
+            "; the checkpoint's fp8 blocks (weight_block_size) are wider than this rank's "
+            "share: re-quantize to smaller blocks (the design seed re-quantizes Kimi-K2's "
+            "128 x 128 blocks to 64 x 64 and updates the affected scales), or, where it is a "
+            "dense layer, keep dense layers whole with --engine moe_dense_tp_size=1"
+        )
+    return line
 
 
 def server_args_for(
