@@ -15,7 +15,7 @@ CITING = [
     ROOT / "docs" / "plan-vs-field.md",
     ROOT / "src" / "p2pweights" / "plan" / "cost.py",
 ]
-NAME = re.compile(r"[A-Za-z0-9_*-]+\.json")
+NAME = re.compile(r"[A-Za-z0-9_*-]+\.(?:json|txt)")
 
 
 def _cited() -> set[str]:

@@ -37,6 +37,8 @@ FRAGMENTS = {
     ("docs/quickstart.md", 4): "CUDA IPC: needs GPUs and an engine on the same host "
     "(tests/integration/test_cuda_ipc_gpu.py on the GPU machine)",
     ("docs/metrics.md", 0): "a line inside a training loop (session, step, wandb)",
+    ("docs/cuda-ipc-plugin.md", 0): "needs a real sglang server on the trainer's GPU with the "
+    "CUDA IPC plugin (tests/real_sglang/test_real_server.py's tp1-cuda-ipc on a GPU)",
     ("docs/nixl-plugin.md", 0): "needs sglang servers with the NIXL plugin at those hosts",
     ("docs/integrations/README.md", 0): "Megatron-Bridge and Megatron's model chunks",
     ("docs/integrations/miles-slime.md", 0): "miles' init hook, called by miles with its args",

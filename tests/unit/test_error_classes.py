@@ -28,7 +28,7 @@ def test_a_bug_in_a_transport_module_is_not_reported_as_a_missing_extra(monkeypa
     monkeypatch.setattr(importlib, "import_module", _failing_import(broken))
     for kind in ("cuda_ipc", "mooncake", "nixl"):
         with pytest.raises(ImportError, match="cannot import name 'Thing'") as caught:
-            _load({kind: f"p2pweights.transports.{kind}:X"}, kind)
+            _load(f"p2pweights.transports.{kind}:X", kind, "trainer side")
         assert not isinstance(caught.value, ConfigError)
 
 
@@ -43,13 +43,13 @@ def test_a_missing_transport_package_names_an_extra_that_exists(monkeypatch):
         missing = ModuleNotFoundError(f"No module named '{package}'", name=package)
         monkeypatch.setattr(importlib, "import_module", _failing_import(missing))
         with pytest.raises(ConfigError, match=r"p2pweights\[(\w[\w-]*)\]") as caught:
-            _load({kind: f"p2pweights.transports.{kind}:X"}, kind)
+            _load(f"p2pweights.transports.{kind}:X", kind, "trainer side")
         named = caught.value.args[0].split("p2pweights[")[1].split("]")[0]
         assert named in extras, named
     missing = ModuleNotFoundError("No module named 'pycuda'", name="pycuda")
     monkeypatch.setattr(importlib, "import_module", _failing_import(missing))
     with pytest.raises(ModuleNotFoundError):  # cuda_ipc has no extra: shown as it is
-        _load({"cuda_ipc": "p2pweights.transports.cuda_ipc:X"}, "cuda_ipc")
+        _load("p2pweights.transports.cuda_ipc:X", "cuda_ipc", "trainer side")
 
 
 def test_engine_calls_failing_together_keep_their_common_error_class():
