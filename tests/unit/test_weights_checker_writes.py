@@ -113,11 +113,14 @@ def test_a_byte_changed_after_the_writes_fails_the_update_naming_engine_rank_and
         session.connect(["http://bad", "http://good"])
         with pytest.raises(TransferError, match=r"engine http://bad rank 0: 1 of 2 .*'o'"):
             session.update(_tensors(3))
-        # paused and torn, as a digest mismatch leaves it; nothing was ended or resumed
+        # paused and torn, its session still open; the engine the checker passed was
+        # ended (whole, as a digest check leaves those it passed), nothing resumed
         assert bad.paused and bad.open and bad.version == f"{UPDATING_PREFIX}1"
-        assert good.paused and good.version == f"{UPDATING_PREFIX}1"
+        assert good.paused and not good.open and good.version == f"{UPDATING_PREFIX}1"
+        assert _holds(good, 3)
         report = session.abort()
         assert report.left_paused == ["http://bad"]
+        assert good.running and good.version == "1"
         assert bad.paused and not bad.open and bad.version == f"{UPDATING_PREFIX}1"
         session.update(_tensors(5))  # the retry rewrites it whole, verifies and resumes it
     assert bad.running and _holds(bad, 5) and bad.version == "1"  # a failed version is reused
