@@ -20,6 +20,7 @@ from typing import TypeVar, cast
 
 from p2pweights import errors
 from p2pweights.errors import ConfigError, P2PWeightsError, TransferError
+from p2pweights.plan.owners import Claim, Ownership, ownership_of
 from p2pweights.source.inputs import InputSpec
 
 __all__ = ["Collective"]
@@ -124,6 +125,32 @@ class Collective:
             "same on every rank (e.g. hf_named_tensors(model) everywhere: its FSDP2 gathers "
             "run on every rank); nothing was read, paused or written"
         )
+
+    def claims(self, claim: Claim | None) -> tuple[dict[str, InputSpec], Ownership] | None:
+        """Every rank's inputs as one and who owns what (``plan.owners``): one all-gather of
+        every rank's claim where ranks can gather (first update only); None if a rank
+        (``claim`` None here) failed before it. Without ``gather``: ``stage_inputs``, and
+        owned inputs are refused (owner sends need every rank's claim)."""
+        if self._gather is None:
+            if claim is not None and claim.owned:
+                raise ConfigError(
+                    f"{self.rank_name} sends owned HF tensors ({sorted(claim.owned)[:2]}), "
+                    f"which needs every trainer rank's claim: pass gather= to the session "
+                    f"(e.g. p2pweights.torch_gather())"
+                )
+            specs = self.stage_inputs(None if claim is None else dict(claim.specs))
+            return None if specs is None else (specs, Ownership({}))
+        gathered = self._gather(claim)
+        if any(entry is None for entry in gathered):
+            return None
+        claims = cast(list[Claim], gathered)
+        if not any(c.owned for c in claims):  # no owners: the stages' rules, as before
+            return union_of_stages([(c.owner[0], c.specs) for c in claims]), Ownership({})
+        return ownership_of(claims)
+
+    def sum_lanes(self, own: object) -> list[object]:
+        """Every rank's partial digests (owner sends), gathered; ``[own]`` alone."""
+        return [own] if self._gather is None else self._gather(own)
 
     def stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:
         """With pipeline stages: the inputs of every stage (one all-gather, first update

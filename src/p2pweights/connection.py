@@ -25,12 +25,11 @@ from p2pweights.integrity.check import WriteCheck
 from p2pweights.plan.byte_plan import BytePlan
 from p2pweights.plan.prepare import (
     Prepared,
-    build_plan,
     check_one_model,
     engine_checkpoints,
     staging_bytes,
 )
-from p2pweights.plan.targets import Targets, assign, moved
+from p2pweights.plan.targets import Targets, assign, every, moved
 from p2pweights.replica.registry import ReplicaHandle, replica_for
 from p2pweights.source.expected import ExpectedCheckpoint
 from p2pweights.transfer.executor import TransferExecutor
@@ -56,6 +55,9 @@ class Connection:
         self.unverified_warned: set[str] = set()
         self.replicas: dict[Hashable, ReplicaHandle] = {}
         self.targets: Targets = {}
+        # the engine ranks assign() gave this rank (``targets`` holds every engine rank
+        # once owner sends write owned tensors to all of them: ``write_to_every``)
+        self.assigned: Targets = {}
         self.expected: list[tuple[ExpectedCheckpoint, torch.dtype | None]] = []
         # the first update's contract, groups and byte plan (None until it was prepared)
         self.prepared: Prepared | None = None
@@ -114,6 +116,7 @@ class Connection:
                 engine.update.take_over(before)
                 before.client.close()
         self.fleet, self.targets, self.write_check = fleet, targets, write_check
+        self.assigned = targets
         self.expected = engine_checkpoints(fleet.engines)
         self.next_version = max(self.next_version, fleet.next_numeric_version())
         logger.info(
@@ -147,6 +150,16 @@ class Connection:
         handle = replica_for(engine.server_info, rank, engine.endpoint.model_path, role)
         return self.replicas.setdefault(handle.key, handle)
 
+    def write_to_every(self) -> None:
+        """Owner sends: connect every engine rank (owned tensors go to all of them) and
+        reserve staging for every layout; ``assigned`` keeps this rank's own share."""
+        assert self.executor is not None
+        targets = every(self.fleet.engines, self.replica)
+        self.executor.connect([pub for pubs in targets.values() for pub in pubs])
+        replicas = [self.replicas[key] for key in targets]
+        self.executor.reserve(staging_bytes(replicas, self.config.buffer_bytes))
+        self.targets = targets
+
     def ready(self) -> tuple[TransferExecutor, Prepared]:
         """The executor and the prepared update an update's steps work with."""
         if self.executor is None or self.prepared is None:  # only a bug gets here now
@@ -163,7 +176,7 @@ class Connection:
         if targets is None:
             return None
         executor.connect([pub for pubs in targets.values() for pub in pubs])
-        plan = build_plan(prepared.groups, self.replicas, targets, self.config.buffer_bytes)
+        plan = prepared.replan(self.replicas, targets, self.config.buffer_bytes)
         self.targets, prepared.plan = targets, plan
         return plan
 
@@ -193,6 +206,7 @@ class Connection:
         next ``connect`` replaces them (or ``close`` drops them), its connections."""
         self.fleet.close_clients()
         self.targets, self.prepared, self.write_check = {}, None, WriteCheck()
+        self.assigned = {}
 
     def close(self) -> None:
         """``disconnect``, then release writer threads, buffers and the transport."""

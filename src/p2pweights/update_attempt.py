@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
+from p2pweights.adapters.owned import owned_names
 from p2pweights.collective import Collective
 from p2pweights.connection import Connection, not_connected
 from p2pweights.engines.calls import ControlCalls
@@ -38,12 +39,14 @@ from p2pweights.errors import ConfigError, TransferError
 from p2pweights.integrity.check import Mismatch, WriteCheck
 from p2pweights.integrity.checksums import StagedChecksums
 from p2pweights.plan.byte_plan import BytePlan
-from p2pweights.plan.prepare import check_against_checkpoints, prepare
+from p2pweights.plan.owners import Claim, Ownership
+from p2pweights.plan.prepare import check_against_checkpoints, prepare, prepare_owned
 from p2pweights.progress import progress
 from p2pweights.report import DeltaReport, UpdateReport, Verification
 from p2pweights.source.inputs import InputSpec, describe_inputs, described_inputs
 from p2pweights.source.receipts import Receipts, checked_loaders
 from p2pweights.transfer.executor import RunHooks, RunResult
+from p2pweights.wire.digest import lanes_hex
 from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,8 @@ class UpdateAttempt:
         first = connection.prepared is None
         if self.config.num_senders > 1:  # before any is read: an iterator may gather
             self.collective.same_input_kind(named_tensors)
+        # alone, a rank owns everything it sends: nothing to plan by owner
+        owned = owned_names(named_tensors) if self.config.num_senders > 1 else frozenset()
         tensors, described = read_input(named_tensors, first, self.receipts)
         given = tensors if isinstance(tensors, list) else None
         whole = given is not None  # checked whole in prepare, not again as it streams
@@ -108,7 +113,7 @@ class UpdateAttempt:
         # run the same collectives whatever each one was given
         with self._timed("probe" if first else "check_inputs"):
             try:
-                self.collective.step("prepare", lambda: self._prepare(given, described))
+                self.collective.step("prepare", lambda: self._prepare(given, described, owned))
             except BaseException as exc:
                 if first:  # every rank probes again next time: they must gather alike
                     connection.prepared = None
@@ -148,14 +153,24 @@ class UpdateAttempt:
         self,
         tensors: list[tuple[str, torch.Tensor]] | None,
         described: dict[str, InputSpec] | None = None,
+        owned: frozenset[str] = frozenset(),
     ) -> None:
         """Check the whole input (None: an iterator, checked as it streams); on the first
         update also probe the loaders and plan, from the input or from what a described
-        iterator says it will yield."""
+        iterator says it will yield (and owns: ``plan.owners``)."""
         connection = self.connection
         if connection.prepared is not None:
             if self.subset is not None:
                 connection.prepared.source.check_subset(self.subset)
+            was = connection.prepared.owned_inputs
+            if self.subset is not None:  # a partial update owns what it sends of them
+                was = was & self.subset
+            if owned != was:
+                raise ConfigError(
+                    f"{self.rank_name} owns other HF tensors than at the first update "
+                    f"({sorted(owned ^ was)[:3]} changed); the owners are planned once: "
+                    f"connect() again to plan new ones"
+                )
             if tensors is not None:
                 connection.prepared.source.check_whole(tensors, self.subset)
             return
@@ -176,11 +191,16 @@ class UpdateAttempt:
             check_against_checkpoints(own, connection.expected)
         except Exception as exc:  # raised after the gather: every rank must take part
             error = exc
-        specs = self.collective.stage_inputs(None if error else own)
+        me = (self.config.pipeline_stage, self.config.trainer_rank)
+        claimed = self.collective.claims(None if error or own is None else Claim(me, own, owned))
         if error is not None:
             raise error
-        if own is None or specs is None:
+        if own is None or claimed is None:
             return  # another rank failed before the gather; agree() fails the step
+        specs, ownership = claimed
+        if ownership:
+            self._prepare_owned(own, specs, ownership, tensors)
+            return
         prepared = prepare(
             own,
             specs,
@@ -196,6 +216,49 @@ class UpdateAttempt:
             raise not_connected()
         if connection.targets:
             connection.executor.reserve(prepared.plan.buffer_bytes)
+        connection.prepared = prepared
+
+    def _prepare_owned(
+        self,
+        own: dict[str, InputSpec],
+        specs: dict[str, InputSpec],
+        ownership: Ownership,
+        tensors: list[tuple[str, torch.Tensor]] | None,
+    ) -> None:
+        """The first update's plan under owner sends (``plan.owners``)."""
+        connection = self.connection
+        if self.config.delta is not None:
+            raise ConfigError(
+                "owner sends write each engine rank from several trainer ranks, but a delta "
+                "update writes one payload per engine rank; use delta=None with owned tensors"
+            )
+        connection.write_to_every()
+        prepared = prepare_owned(
+            own,
+            specs,
+            ownership,
+            (self.config.pipeline_stage, self.config.trainer_rank),
+            {key: connection.replicas[key] for key in connection.targets},
+            connection.targets,
+            connection.assigned,
+            [expected for expected, _ in connection.expected if expected is not None],
+            buffer_bytes=self.config.buffer_bytes,
+            finite=self.config.verify_finite_inputs,
+        )
+        checked = sorted(connection.write_check.checker)
+        if checked and any(group.partial for group in prepared.plan.groups.values()):
+            raise ConfigError(
+                f"engines {', '.join(checked[:3])} are verified through sglang's "
+                f"/weights_checker, whose hash of a parameter cannot be made from the shares "
+                f"several owners write of it; start them with the p2pweights plugin and write "
+                f"digests (docs/real-sglang.md), or send these tensors whole; nothing was sent"
+            )
+        me = (self.config.pipeline_stage, self.config.trainer_rank)
+        prepared.owned_inputs = frozenset(n for n, o in ownership.owners.items() if o == me)
+        if tensors is not None:
+            prepared.source.check_whole(tensors)
+        assert connection.executor is not None
+        connection.executor.reserve(prepared.plan.buffer_bytes)
         connection.prepared = prepared
 
     def _open(self) -> None:
@@ -425,7 +488,7 @@ class UpdateAttempt:
         self._wrong = set(write_check.engines)  # until the check says which
 
         def check() -> None:
-            staged = hashed.result()  # this rank's digests (``RunResult.digests``)
+            staged = self._with_shares(hashed)  # this rank's digests (``RunResult.digests``)
             found.extend(write_check.check(staged, updating_version(self.version)))
             WriteCheck.raise_if_wrong(found)
 
@@ -477,6 +540,23 @@ class UpdateAttempt:
         except Exception:  # each engine's outcome is in its state; the update fails anyway
             logger.warning("p2pweights: ending the engines the checker passed", exc_info=True)
         fleet.writes_verified(wrong | set(self.connection.write_check.engines))
+
+    def _with_shares(
+        self, hashed: futures.Future[dict[Runner, dict[str, str]]]
+    ) -> dict[Runner, dict[str, str]]:
+        """This rank's digests; under owner sends with the digests of the parameters
+        several owners write, from every rank's shares summed (one gather, every rank)."""
+        prepared = self.connection.prepared
+        if prepared is None or prepared.owned is None:
+            return hashed.result()
+        shares: dict[Runner, dict[str, tuple[list[int], int]]] | None = None
+        try:
+            staged = hashed.result()
+            assert self.last_run is not None
+            shares = self.last_run.partial_digests
+        finally:  # every rank gathers, also one whose digests failed
+            gathered = self.collective.sum_lanes(shares)
+        return {**staged, **summed_shares(staged, gathered)}
 
     def _check(self) -> None:
         if self.leader:
@@ -532,6 +612,35 @@ class UpdateAttempt:
             yield
         finally:
             self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - started
+
+
+def summed_shares(
+    staged: Mapping[Runner, Mapping[str, str]], gathered: Iterable[object]
+) -> dict[Runner, dict[str, str]]:
+    """``staged`` with, for each of its runners, the digest of every parameter owners
+    wrote in shares: their lane sums added (mod 2**64: each share is zero outside its
+    owner's bytes, so the sum is the whole parameter's)."""
+    totals: dict[Runner, dict[str, tuple[list[int], int]]] = {}
+    for shares in gathered:
+        if shares is None:
+            raise TransferError("another trainer rank failed to digest its writes")
+        for runner, params in cast(
+            Mapping[Runner, Mapping[str, tuple[list[int], int]]], shares
+        ).items():
+            for param, (lanes, num_bytes) in params.items():
+                have = totals.setdefault(runner, {}).get(param)
+                if have is not None:
+                    lanes = [
+                        (a + b + (1 << 63)) % (1 << 64) - (1 << 63)
+                        for a, b in zip(have[0], lanes, strict=True)
+                    ]
+                totals[runner][param] = (lanes, num_bytes)
+    out = {runner: dict(digests) for runner, digests in staged.items()}
+    for runner, params in totals.items():
+        mine = out.setdefault(runner, {})
+        for param, (lanes, num_bytes) in params.items():
+            mine[param] = lanes_hex(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+    return out
 
 
 def read_input(

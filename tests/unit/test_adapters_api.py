@@ -9,7 +9,12 @@ import p2pweights.adapters
 
 
 def test_exported_members():
-    assert set(p2pweights.adapters.__all__) == {"hf_named_tensors", "torch_agree", "torch_gather"}
+    assert set(p2pweights.adapters.__all__) == {
+        "hf_named_tensors",
+        "owned_tensors",
+        "torch_agree",
+        "torch_gather",
+    }
 
 
 def test_import_loads_no_framework():

@@ -54,6 +54,9 @@ class StagedDigests:
     def __init__(self) -> None:
         self._sums: dict[str, Lanes] = {}
         self._filed: list[tuple[str, str, Iterable[Runner]]] = []
+        self._partial: set[str] = set()  # keys of owners' shares (``add_spans(partial=)``)
+        # runner -> parameter -> (lane sums, length) of each owner's share ``into`` took
+        self.shares: dict[Runner, dict[str, tuple[list[int], int]]] = {}
         # Per GPU batch, an event recorded in its stream after its sums, and the stream: ``into``
         # may run on another thread, whose own streams would not wait for them.
         self._done: list[tuple[torch.cuda.Event, torch.cuda.Stream]] = []
@@ -71,12 +74,21 @@ class StagedDigests:
             self._keep(lane_sums(regions))
 
     def add_spans(
-        self, buffer: torch.Tensor, slots: Iterable[tuple[str, int, int, Iterable[Runner]]]
+        self,
+        buffer: torch.Tensor,
+        slots: Iterable[tuple[str, int, int, Iterable[Runner]]],
+        *,
+        partial: bool = False,
     ) -> None:
         """``slots``: (parameter name, byte offset in ``buffer``, byte length, the runners
-        it goes to): a staging buffer's slots, read where they lie."""
+        it goes to): a staging buffer's slots, read where they lie. ``partial``: each is an
+        owner's share of its parameter (``into`` gives its lane sums, not a digest)."""
         listed = list(slots)
+        if not listed:
+            return
         keys = self._file((param, runners) for param, _, _, runners in listed)
+        if partial:
+            self._partial.update(keys)
         spans = {key: (at, size) for key, (_, at, size, _) in zip(keys, listed, strict=True)}
         self._keep(span_sums(buffer, spans))
 
@@ -106,7 +118,7 @@ class StagedDigests:
 
     def into(self, out: MutableMapping[Runner, dict[str, str]]) -> None:
         """Every digest so far, under each runner its slot went to (waits for the device;
-        from any thread)."""
+        from any thread); an owner's shares' lane sums and lengths into ``shares``."""
         with contextlib.ExitStack() as scope:
             # each device's copy to the host on the stream the sums were taken on (not a
             # default stream another thread's work may hold up), with that device current
@@ -115,8 +127,15 @@ class StagedDigests:
                 scope.enter_context(torch.cuda.stream(stream))
             for done, _ in self._done:
                 done.synchronize()
-            found = hex_digests(self._sums)
+            found = hex_digests({k: v for k, v in self._sums.items() if k not in self._partial})
+            shares = {
+                key: (self._sums[key].rows[self._sums[key].row].tolist(), self._sums[key].num_bytes)
+                for key in self._partial
+            }
         for key, param, runners in self._filed:
             for runner in runners:
-                out.setdefault(runner, {})[param] = found[key]
-        self._sums, self._filed, self._done = {}, [], []
+                if key in shares:
+                    self.shares.setdefault(runner, {})[param] = shares[key]
+                else:
+                    out.setdefault(runner, {})[param] = found[key]
+        self._sums, self._filed, self._done, self._partial = {}, [], [], set()

@@ -32,6 +32,7 @@ __all__ = [
     "GroupPlan",
     "BytePlan",
     "build_byte_plan",
+    "target_writes",
 ]
 
 ALIGNMENT_BYTES = 256
@@ -60,6 +61,20 @@ class PlannedWrite:
     dst_address: int
     dst_device: int | None = None
     """The GPU the region lives on, where the engine published one (NIXL)."""
+    src_offset: int = 0
+    """Where in the slot the write starts (``dst_address`` is that byte's destination)."""
+    num_bytes: int | None = None
+    """How many bytes of the slot it writes; None: the slot's bytes from ``src_offset`` on.
+    An owner sharing a parameter with other owners writes only its ranges of it
+    (``plan.owners``)."""
+
+    def length(self, slot: Slot) -> int:
+        return slot.num_bytes - self.src_offset if self.num_bytes is None else self.num_bytes
+
+    @property
+    def whole(self) -> bool:
+        """It writes its whole slot."""
+        return self.src_offset == 0 and self.num_bytes is None
 
 
 @dataclass(frozen=True)
@@ -83,10 +98,39 @@ class GroupPlan:
     block_bytes: int
     """Staging bytes the block takes, alignment included."""
     targets: tuple[TargetWrites, ...]
+    partial: bool = False
+    """This rank writes only part of the slots (owner sends, ``plan.owners``): its loaders
+    run on its own HF tensors alone, each slot is zeroed before, and the digests of its
+    slots are summed with the other owners' before they are compared."""
 
     @property
     def params(self) -> tuple[str, ...]:
         return tuple(slot.param for slot in self.slots)
+
+    def unwritten(self) -> list[tuple[int, int]]:
+        """Of a ``partial`` group: the ``[start, end)`` ranges of its slots (from the block's
+        start) no write of this rank covers; empty for a whole one."""
+        if not self.partial or not self.targets:
+            return []
+        written = sorted(
+            (
+                self.slots[w.slot].offset + w.src_offset,
+                self.slots[w.slot].offset + w.src_offset + w.length(self.slots[w.slot]),
+            )
+            for w in self.targets[0].writes
+        )
+        out, at = [], 0
+        for slot in self.slots:
+            at = slot.offset
+            for start, end in written:
+                if end <= slot.offset or start >= slot.offset + slot.num_bytes:
+                    continue
+                if start > at:
+                    out.append((at, start))
+                at = max(at, end)
+            if at < slot.offset + slot.num_bytes:
+                out.append((at, slot.offset + slot.num_bytes))
+        return out
 
 
 @dataclass(frozen=True)
@@ -108,7 +152,7 @@ class BytePlan:
             for tw in group.targets:
                 key = (tw.target.engine_url, tw.target.engine_rank)
                 totals[key] = totals.get(key, 0) + sum(
-                    group.slots[w.slot].num_bytes for w in tw.writes
+                    w.length(group.slots[w.slot]) for w in tw.writes
                 )
         return totals
 
@@ -136,7 +180,7 @@ def build_byte_plan(
             for param in params:
                 slots.append(Slot(param, offset, sizes[param]))
                 offset += aligned(sizes[param])
-            writes = tuple(_target_writes(pub, slots, hf_names) for pub in targets.get(key, ()))
+            writes = tuple(target_writes(pub, slots, hf_names) for pub in targets.get(key, ()))
             plans[(key, index)] = GroupPlan(
                 key, index, frozenset(hf_names), tuple(slots), offset, writes
             )
@@ -144,7 +188,7 @@ def build_byte_plan(
     return BytePlan(max(buffer_bytes, largest), plans)
 
 
-def _target_writes(
+def target_writes(
     pub: RankPublication, slots: Sequence[Slot], hf_names: frozenset[str]
 ) -> TargetWrites:
     writes = []

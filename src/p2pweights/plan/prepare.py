@@ -21,6 +21,7 @@ import torch
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import ConfigError
 from p2pweights.plan.byte_plan import BytePlan, aligned, build_byte_plan
+from p2pweights.plan.owners import OwnedPlan, Owner, Ownership, plan_owned
 from p2pweights.plan.stream import UpdateSource
 from p2pweights.progress import progress
 from p2pweights.replica.registry import ReplicaHandle, config_path
@@ -42,6 +43,7 @@ __all__ = [
     "check_against_checkpoints",
     "engine_checkpoints",
     "prepare",
+    "prepare_owned",
     "staging_bytes",
 ]
 
@@ -57,6 +59,21 @@ class Prepared:
     """The inputs' contract, their conversion and grouping."""
     groups: Groups
     plan: BytePlan
+    owned: OwnedPlan | None = None
+    """Owner sends (``plan.owners``): which groups go to every engine rank, in which ranges."""
+    owned_inputs: frozenset[str] = frozenset()
+    """The HF tensors this rank owns; later updates must own the same."""
+
+    def replan(
+        self,
+        replicas: Mapping[Hashable, ReplicaHandle],
+        targets: Mapping[Hashable, Sequence[RankPublication]],
+        buffer_bytes: int,
+    ) -> BytePlan:
+        """The same groups planned into ``targets`` (publications that moved)."""
+        if self.owned is not None:
+            return self.owned.build(replicas, targets, buffer_bytes)
+        return build_plan(self.groups, replicas, targets, buffer_bytes)
 
 
 def engine_checkpoints(
@@ -188,6 +205,59 @@ def prepare(
         finite=finite,
     )
     return Prepared(source, groups, build_plan(groups, replicas, targets, buffer_bytes))
+
+
+def prepare_owned(
+    own: Mapping[str, InputSpec],
+    specs: Mapping[str, InputSpec],
+    ownership: Ownership,
+    me: Owner,
+    replicas: Mapping[Hashable, ReplicaHandle],
+    targets: Mapping[Hashable, Sequence[RankPublication]],
+    assigned: Mapping[Hashable, Sequence[RankPublication]],
+    expected: Sequence[ExpectedCheckpoint],
+    *,
+    buffer_bytes: int,
+    finite: bool,
+) -> Prepared:
+    """``prepare`` under owner sends (``plan.owners``): ``targets`` holds every engine
+    rank (owned groups go to all), ``assigned`` this rank's (replicated groups go there)."""
+    keys = sorted(replicas, key=str)
+    check_whole_parameters(specs, expected, (replicas[key].trainer_feeds for key in keys))
+    with progress("p2pweights: probing sglang's loaders", total=2 * len(keys)) as advance:
+        formats = {}
+        for key in keys:
+            formats[key] = replicas[key].checkpoint_format(specs)
+            advance(1)
+        formats = unify(formats)
+        probed: Groups = {}
+        engine_specs = {}
+        for key in keys:
+            engine_specs[key] = formats[key].engine_specs(specs)
+            probed[key] = [
+                (g.hf_names, g.param_names) for g in replicas[key].groups(engine_specs[key])
+            ]
+            advance(1)
+    owned = plan_owned(
+        probed,
+        engine_specs,
+        ownership,
+        me,
+        replicas,
+        (pub.runner for pubs in assigned.values() for pub in pubs),
+        assigned.keys(),
+    )
+    groups: Groups = {
+        key: [(g.hf_names, g.params) for g in key_groups]
+        for key, key_groups in owned.groups.items()
+    }
+    source = UpdateSource(
+        own,
+        {key: [names for names, _ in key_groups] for key, key_groups in groups.items()},
+        formats,
+        finite=finite,
+    )
+    return Prepared(source, groups, owned.build(replicas, targets, buffer_bytes), owned)
 
 
 def build_plan(

@@ -22,7 +22,7 @@ from p2pweights.wire.publication import RankPublication
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Targets", "assign", "moved"]
+__all__ = ["Targets", "assign", "every", "moved"]
 
 Targets = dict[Hashable, list[RankPublication]]
 """Replica key -> the engine ranks (publications) whose bytes that replica makes."""
@@ -62,6 +62,22 @@ def assign(
             handle = replica_of(engine, target.engine_rank, pub.role)
             handle.check_published(pub)
             targets.setdefault(handle.key, []).append(pub)
+    return targets
+
+
+def every(engines: Sequence[ConnectedEngine], replica_of: ReplicaOf) -> Targets:
+    """Every engine rank (and its draft) by replica, each checked against its replica: what
+    an owner writes its owned tensors to (``plan.owners``)."""
+    targets: Targets = {}
+    for engine in engines:
+        for rank in range(engine.num_ranks):
+            pubs = [engine.publications[rank]]
+            if engine.draft_publications:
+                pubs.append(engine.draft_publications[rank])
+            for pub in pubs:
+                handle = replica_of(engine, rank, pub.role)
+                handle.check_published(pub)
+                targets.setdefault(handle.key, []).append(pub)
     return targets
 
 

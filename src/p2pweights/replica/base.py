@@ -78,6 +78,13 @@ class Replica(Protocol):
         """
         ...
 
+    def written_spans(
+        self, inputs: Mapping[str, InputSpec]
+    ) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Per parameter, the ``[start, end)`` byte ranges loading ``inputs`` alone
+        writes (sorted, merged): what an owner of only these inputs writes."""
+        ...
+
     def load_into(
         self, inputs: Sequence[tuple[str, torch.Tensor]], views: Mapping[str, torch.Tensor]
     ) -> None:

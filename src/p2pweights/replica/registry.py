@@ -174,6 +174,12 @@ class ReplicaHandle:
         """
         return self.replica.groups(inputs)
 
+    def written_spans(
+        self, inputs: Mapping[str, InputSpec]
+    ) -> dict[str, tuple[tuple[int, int], ...]]:
+        """Per parameter, the byte ranges loading ``inputs`` alone writes (``Replica``)."""
+        return self.replica.written_spans(inputs)
+
     def load_into(
         self, inputs: Sequence[tuple[str, torch.Tensor]], views: Mapping[str, torch.Tensor]
     ) -> None:

@@ -126,6 +126,9 @@ class RunResult:
     staged_digests: StagedDigests | None = field(default=None, repr=False)
     """With ``RunHooks.digest_staged``: the sums taken, not yet hashed (``digests``)."""
     _digests: dict[Runner, dict[str, str]] = field(default_factory=dict, repr=False)
+    _partial: dict[Runner, dict[str, tuple[list[int], int]]] = field(
+        default_factory=dict, repr=False
+    )
     digest_s: float = 0.0
     checksums: dict[Runner, dict[str, str]] = field(default_factory=dict, repr=False)
     """With ``RunHooks.checksums``: runner -> parameter -> sglang's weight-checker hash of
@@ -154,8 +157,17 @@ class RunResult:
         if pending is not None:
             started = time.perf_counter()
             pending.into(self._digests)
+            self._partial = pending.shares
             self.digest_s += time.perf_counter() - started
         return self._digests
+
+    @property
+    def partial_digests(self) -> dict[Runner, dict[str, tuple[list[int], int]]]:
+        """Owner sends: runner -> parameter -> (lane sums, length) of this rank's share of
+        a parameter other owners write too (``digests`` first); summed with theirs, they
+        give the parameter's digest."""
+        self.digests  # noqa: B018 (hashed, and the shares taken out, once)
+        return self._partial
 
     @property
     def bytes_written(self) -> int:
@@ -590,8 +602,8 @@ class _Run:
     def _direct_views(self, group: GroupPlan, tw: TargetWrites) -> dict[str, torch.Tensor] | None:
         """The engine rank's memory for every slot of ``group``, if the transport maps it
         for plain copies (a load writes every slot of its group: all or none)."""
-        if {w.slot for w in tw.writes} != set(range(len(group.slots))):
-            return None
+        if group.partial or {w.slot for w in tw.writes} != set(range(len(group.slots))):
+            return None  # an owner's share of a group is staged (zeroed first), not loaded there
         views = {}
         for w in tw.writes:
             slot = group.slots[w.slot]
@@ -628,7 +640,7 @@ class _Run:
         self._raise_if_cancelled()
         buffer = self._buffers.current
         placed, self._placed = self._placed, []
-        self._load_staged(buffer)  # phase 1: no engine touched yet
+        self._load_staged(buffer, placed)  # phase 1: no engine touched yet
         digested = self._compare_before_open(buffer, placed)  # while the engines generate
         plan = self._open()  # phase 2: every later phase of this flush runs against ``plan``
         self._place(buffer)  # phase 3
@@ -648,8 +660,10 @@ class _Run:
         self.result.num_flushes += 1
         return self._settle_other()  # phase 5
 
-    def _load_staged(self, buffer: StagingBuffer) -> None:
-        """The loaders fill the staged groups' bytes in ``buffer`` (plan-free: slot offsets)."""
+    def _load_staged(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> None:
+        """The loaders fill the staged groups' bytes in ``buffer`` (plan-free: slot offsets);
+        an owner's share of a group (``GroupPlan.partial``) has the other owners' bytes
+        zeroed, so the shares' digests add up."""
         started = time.perf_counter()
         with contextlib.ExitStack() as scope:
             if not buffer.tensor.is_cuda:
@@ -657,6 +671,9 @@ class _Run:
             for key, (inputs, views) in self._staged.items():
                 self._loaders[key].load_into(inputs, views)
         self._staged = {}
+        for share in placed:
+            for start, end in share.group.unwritten():
+                buffer.view(share.base + start, end - start).zero_()
         if buffer.tensor.is_cuda:
             # Loaders copy asynchronously on the GPU; writers must read finished bytes.
             torch.cuda.current_stream(buffer.tensor.device).synchronize()
@@ -714,14 +731,17 @@ class _Run:
         with contextlib.ExitStack() as scope:
             if not buffer.tensor.is_cuda:  # beside the writer threads: see intra_op
                 scope.enter_context(one_intra_op_thread())
-            self._staged_digests.add_spans(
-                buffer.tensor,
-                (
-                    (slot.param, p.base + slot.offset, slot.num_bytes, p.targets)
-                    for p in placed
-                    for slot in p.group.slots
-                ),
-            )
+            for partial in (False, True):  # an owner's share of a group: summed with the others'
+                self._staged_digests.add_spans(
+                    buffer.tensor,
+                    (
+                        (slot.param, p.base + slot.offset, slot.num_bytes, p.targets)
+                        for p in placed
+                        if p.group.partial == partial
+                        for slot in p.group.slots
+                    ),
+                    partial=partial,
+                )
         self.result.digest_s += time.perf_counter() - started
 
     def _compare_deltas(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> None:
@@ -798,10 +818,8 @@ class _Run:
                             write = Write(start + slot.offset, address, instead.num_bytes, gpu_id)
                             batch.add(write, f"{slot.param} (delta)")
                         continue
-                    batch.add(
-                        Write(start + slot.offset, w.dst_address, slot.num_bytes, w.dst_device),
-                        slot.param,
-                    )
+                    at = start + slot.offset + w.src_offset
+                    batch.add(Write(at, w.dst_address, w.length(slot), w.dst_device), slot.param)
         if self._header_at is not None:
             self._add_headers(buffer, batches)
         return [batch for batch in batches.values() if batch.writes]

@@ -45,6 +45,7 @@ from p2pweights.replica.sglang.replay import (
     mark,
     replay_key,
 )
+from p2pweights.replica.sglang.spans import Spans, written_spans
 from p2pweights.source.checkpoint_format import AS_GIVEN, CheckpointFormat, QuantizeToBlockFp8
 from p2pweights.source.fp8_block import FP8, BlockFp8Format, complete, partial
 from p2pweights.source.fp8_regions import Read
@@ -291,6 +292,11 @@ class ModelReplica:
                 found = probe_loader(self, inputs)
             self._loader_maps[key] = found
         return found
+
+    def written_spans(self, inputs: Mapping[str, InputSpec]) -> Spans:
+        """Per parameter, the byte ranges loading ``inputs`` alone writes (on meta)."""
+        with self._in_context():
+            return written_spans(self, inputs)
 
     def input_reads(self) -> dict[str, list[Read] | None]:
         """Per loader input this rank has loaded: the views its checked recordings read

@@ -1,0 +1,336 @@
+"""Owner sends: each trainer rank writes the HF tensors it owns, to every engine rank.
+
+A trainer rank under expert parallelism holds its own experts only; gathering them to
+every rank before sending moves each expert to ranks that do not write it. With owner
+sends a rank hands ``update()`` the tensors it holds: those it owns alone (declared by
+the input's ``owned()``, see ``source.owned``) and the replicated ones every rank of its
+pipeline stage holds whole. The first update gathers every rank's claim once
+(``ownership_of``: two ranks claiming one tensor, or a tensor some ranks of a stage send
+whole and others neither send nor own, are refused naming it); later updates must send
+the same names.
+
+The plan (``plan_owned``), per replica (one per engine layout) and parameter group:
+
+* replicated inputs only: as without owners, to the engine ranks this rank is assigned;
+* owned inputs of this rank only: staged whole, to every engine rank of the layout;
+* owned inputs of several ranks (the fused experts of a layer on a TP engine rank): each
+  owner runs the loaders of its own inputs alone into a zeroed copy of the group and
+  writes only the byte ranges they write (``Replica.written_spans``, found on meta);
+  bytes no owner's inputs write go with the first owner's (zeros, as sglang's loader
+  leaves them); ranges of two owners that overlap are refused, naming the parameter;
+* owned and replicated inputs in one group: refused.
+
+Pure but for the replicas' probes; no transport, no I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from p2pweights.errors import ConfigError
+from p2pweights.plan.byte_plan import (
+    BytePlan,
+    GroupPlan,
+    Slot,
+    TargetWrites,
+    aligned,
+    target_writes,
+)
+from p2pweights.replica.registry import ReplicaHandle
+from p2pweights.source.fp8_block import SCALE_SUFFIX
+from p2pweights.source.inputs import InputSpec
+from p2pweights.wire.publication import RankPublication, Runner
+
+__all__ = [
+    "Claim",
+    "OwnedGroup",
+    "OwnedPlan",
+    "Owner",
+    "Ownership",
+    "build_owned_plan",
+    "ownership_of",
+    "plan_owned",
+]
+
+Owner = tuple[int, int]
+"""(pipeline stage, trainer rank): one sending trainer rank."""
+
+Spans = tuple[tuple[int, int], ...]
+"""Sorted, disjoint ``[start, end)`` byte ranges of one parameter."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one trainer rank said at the first update: its inputs, and those it owns."""
+
+    owner: Owner
+    specs: Mapping[str, InputSpec]
+    owned: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Who owns which HF tensor; the others are replicated (whole on every rank of a stage)."""
+
+    owners: Mapping[str, Owner]
+
+    def owner_of(self, engine_name: str) -> Owner | None:
+        """The owner of a loader input (an fp8 weight's scale belongs to its weight's owner)."""
+        found = self.owners.get(engine_name)
+        if found is None and engine_name.endswith(SCALE_SUFFIX):
+            found = self.owners.get(engine_name.removesuffix(SCALE_SUFFIX))
+        return found
+
+    def __bool__(self) -> bool:
+        return bool(self.owners)
+
+
+def ownership_of(claims: Sequence[Claim]) -> tuple[dict[str, InputSpec], Ownership]:
+    """Every rank's inputs as one, and who owns what.
+
+    Raises ``ConfigError`` naming the HF tensor if two ranks own it, one owns it and
+    another sends it whole, ranks send it with different shapes or dtypes, or some ranks
+    of a pipeline stage send it whole and others of that stage do not (and nobody owns it).
+    """
+    owners: dict[str, Owner] = {}
+    for claim in sorted(claims, key=lambda c: c.owner):
+        for name in sorted(claim.owned):
+            if name not in claim.specs:
+                raise ConfigError(
+                    f"{_rank(claim.owner)} declares HF tensor {name!r} owned but does not send it"
+                )
+            if name in owners:
+                raise ConfigError(
+                    f"HF tensor {name!r} is claimed by {_rank(owners[name])} and "
+                    f"{_rank(claim.owner)}; each owned tensor must have exactly one owner"
+                )
+            owners[name] = claim.owner
+    union: dict[str, InputSpec] = {}
+    senders: dict[str, list[Owner]] = {}
+    for claim in claims:
+        for name, spec in claim.specs.items():
+            if union.setdefault(name, spec) != spec:
+                raise ConfigError(
+                    f"HF tensor {name!r} is sent as {spec.shape} {spec.dtype} by "
+                    f"{_rank(claim.owner)} but as {union[name].shape} {union[name].dtype} "
+                    f"by another rank"
+                )
+            if name not in claim.owned:
+                senders.setdefault(name, []).append(claim.owner)
+    stages: dict[int, list[Owner]] = {}
+    for claim in claims:
+        stages.setdefault(claim.owner[0], []).append(claim.owner)
+    for name, sent_by in sorted(senders.items()):
+        if name in owners:
+            raise ConfigError(
+                f"HF tensor {name!r} is owned by {_rank(owners[name])} but also sent whole by "
+                f"{_rank(sent_by[0])}; an owned tensor comes from its owner only"
+            )
+        stage = sent_by[0][0]
+        lacking = sorted(set(stages[stage]) - set(sent_by))
+        if lacking:
+            raise ConfigError(
+                f"HF tensor {name!r} is sent whole by {_rank(sent_by[0])} but neither sent nor "
+                f"owned by {_rank(lacking[0])}, and no rank owns it: a replicated tensor must "
+                f"come from every rank of its pipeline stage, an owned one from its owner "
+                f"(declared with p2pweights.owned_tensors)"
+            )
+        other = next((o for o in sent_by if o[0] != stage), None)
+        if other is not None:
+            raise ConfigError(
+                f"HF tensor {name!r} was sent by pipeline stages {stage} and {other[0]}; each "
+                f"tensor must come from one stage (drop tied copies on all but one)"
+            )
+    return union, Ownership(owners)
+
+
+def _rank(owner: Owner) -> str:
+    stage, rank = owner
+    return f"trainer rank {rank}" if stage == 0 else f"pipeline stage {stage} trainer rank {rank}"
+
+
+@dataclass(frozen=True)
+class OwnedGroup:
+    """One group this rank stages under owner sends, and which engine ranks it writes."""
+
+    key: Hashable
+    hf_names: frozenset[str]
+    """The loader inputs this rank stages (its own, where the group is shared)."""
+    params: tuple[str, ...]
+    to_all: bool
+    """Written to every engine rank of the layout (owned), else to this rank's assigned."""
+    spans: Mapping[str, Spans] | None = None
+    """Shared with other owners: per parameter, the byte ranges this rank writes."""
+
+
+@dataclass
+class OwnedPlan:
+    """The first update's owned plan: the groups, replanned where publications moved."""
+
+    groups: dict[Hashable, list[OwnedGroup]]
+    assigned: frozenset[Runner]
+    """The engine ranks (runners) this rank writes replicated groups to."""
+    gathered_bytes: int = field(default=0)
+    """Bytes of owned tensors this rank would have received in gathers (for the report)."""
+
+    def build(
+        self,
+        replicas: Mapping[Hashable, ReplicaHandle],
+        targets: Mapping[Hashable, Sequence[RankPublication]],
+        buffer_bytes: int,
+    ) -> BytePlan:
+        return build_owned_plan(self, replicas, targets, buffer_bytes)
+
+
+def plan_owned(
+    groups: Mapping[Hashable, Sequence[tuple[frozenset[str], Sequence[str]]]],
+    engine_specs: Mapping[Hashable, Mapping[str, InputSpec]],
+    ownership: Ownership,
+    me: Owner,
+    replicas: Mapping[Hashable, ReplicaHandle],
+    assigned: Iterable[Runner],
+    assigned_keys: Iterable[Hashable],
+) -> OwnedPlan:
+    """The groups this rank stages, for every replica.
+
+    ``groups[key]``: the replica's probed groups (loader input names, parameters) of every
+    rank's inputs; ``engine_specs[key]``: those inputs as the replica's loaders take them;
+    ``assigned_keys``: the replicas of the engine ranks this rank is assigned.
+    """
+    own_keys = set(assigned_keys)
+    out: dict[Hashable, list[OwnedGroup]] = {}
+    for key in sorted(groups, key=str):
+        planned: list[OwnedGroup] = []
+        for hf_names, params in groups[key]:
+            by_owner: dict[Owner | None, set[str]] = {}
+            for name in hf_names:
+                by_owner.setdefault(ownership.owner_of(name), set()).add(name)
+            if None in by_owner and len(by_owner) > 1:
+                raise ConfigError(
+                    f"parameters {list(params)[:4]} are loaded from owned HF tensors "
+                    f"{sorted(by_owner[next(o for o in by_owner if o is not None)])[:3]} and "
+                    f"replicated ones {sorted(by_owner[None])[:3]} together; send them all "
+                    f"whole, or all owned"
+                )
+            if None in by_owner:
+                if key in own_keys:
+                    planned.append(OwnedGroup(key, hf_names, tuple(params), to_all=False))
+                continue
+            if me not in by_owner:
+                continue
+            if len(by_owner) == 1:
+                planned.append(OwnedGroup(key, hf_names, tuple(params), to_all=True))
+                continue
+            spans = _shared_spans(key, params, by_owner, engine_specs[key], replicas[key])
+            planned.append(OwnedGroup(key, frozenset(by_owner[me]), tuple(params), True, spans[me]))
+        out[key] = planned
+    return OwnedPlan(out, frozenset(assigned))
+
+
+def _shared_spans(
+    key: Hashable,
+    params: Sequence[str],
+    by_owner: Mapping[Owner | None, set[str]],
+    specs: Mapping[str, InputSpec],
+    replica: ReplicaHandle,
+) -> dict[Owner, dict[str, Spans]]:
+    """Per owner of a shared group, the byte ranges of each parameter it writes; bytes no
+    owner writes go to the first owner; overlapping ranges are refused."""
+    owners = sorted(o for o in by_owner if o is not None)
+    found = {
+        owner: replica.written_spans({n: specs[n] for n in sorted(by_owner[owner])})
+        for owner in owners
+    }
+    out: dict[Owner, dict[str, Spans]] = {owner: {} for owner in owners}
+    for param in params:
+        size = replica.param_bytes(param)
+        taken: list[tuple[int, int, Owner]] = sorted(
+            (start, end, owner) for owner in owners for start, end in found[owner].get(param, ())
+        )
+        for (_, end_a, owner_a), (start_b, _, owner_b) in itertools.pairwise(taken):
+            if start_b < end_a:
+                raise ConfigError(
+                    f"parameter {param!r} of replica {key}: bytes written by the HF tensors of "
+                    f"{_rank(owner_a)} and of {_rank(owner_b)} overlap "
+                    f"({sorted(by_owner[owner_a])[:2]}, {sorted(by_owner[owner_b])[:2]}); "
+                    f"owner sends need each byte from one owner: send these tensors whole"
+                )
+        holes, at = [], 0
+        for start, end, _ in taken:
+            if start > at:
+                holes.append((at, start))
+            at = max(at, end)
+        if at < size:
+            holes.append((at, size))
+        for owner in owners:
+            ranges = list(found[owner].get(param, ()))
+            if owner == owners[0]:
+                ranges += holes
+            out[owner][param] = _merged(ranges)
+    return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> Spans:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return tuple(out)
+
+
+def build_owned_plan(
+    owned: OwnedPlan,
+    replicas: Mapping[Hashable, ReplicaHandle],
+    targets: Mapping[Hashable, Sequence[RankPublication]],
+    buffer_bytes: int,
+) -> BytePlan:
+    """The byte plan of ``owned``'s groups: owned ones to every target of their layout
+    (``targets``: every engine rank's publication), replicated ones to the assigned ones,
+    shared ones in this rank's ranges only."""
+    plans: dict[tuple[Hashable, int], GroupPlan] = {}
+    largest = 0
+    for key, groups in owned.groups.items():
+        pubs = list(targets.get(key, ()))
+        mine = [pub for pub in pubs if pub.runner in owned.assigned]
+        for index, group in enumerate(groups):
+            slots, offset = [], 0
+            for param in group.params:
+                size = replicas[key].param_bytes(param)
+                slots.append(Slot(param, offset, size))
+                offset += aligned(size)
+            writes = tuple(
+                _ranged(target_writes(pub, slots, group.hf_names), slots, group.spans)
+                for pub in (pubs if group.to_all else mine)
+            )
+            plans[(key, index)] = GroupPlan(
+                key,
+                index,
+                group.hf_names,
+                tuple(slots),
+                offset,
+                writes,
+                partial=group.spans is not None,
+            )
+            largest = max(largest, offset)
+    return BytePlan(max(buffer_bytes, largest), plans)
+
+
+def _ranged(
+    tw: TargetWrites, slots: Sequence[Slot], spans: Mapping[str, Spans] | None
+) -> TargetWrites:
+    """Whole-slot writes cut to this owner's ranges of each parameter."""
+    if spans is None:
+        return tw
+    writes = []
+    for w in tw.writes:
+        for start, end in spans.get(slots[w.slot].param, ()):
+            writes.append(
+                replace(
+                    w, dst_address=w.dst_address + start, src_offset=start, num_bytes=end - start
+                )
+            )
+    return TargetWrites(tw.target, tuple(writes))

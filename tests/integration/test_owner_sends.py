@@ -1,0 +1,127 @@
+"""Owner sends: expert-parallel trainer ranks each write their own experts, no gather.
+
+Two trainer processes (gloo, CPU) hold a Qwen3-MoE or DeepSeek-V3-shaped tiny model as
+expert parallelism splits it: every rank the attention, norms, dense and shared-expert
+weights whole, and only its own routed experts (rank r experts r*E/n .. (r+1)*E/n - 1).
+Each hands ``update()`` what it holds, its experts declared with ``owned_tensors``. The
+engines are an EP 2 engine (each engine rank's local experts are one trainer rank's:
+whole groups) and a TP 1 engine (every layer's fused experts come from both ranks: each
+writes its own byte ranges). First two refused inputs, then two updates; after each update
+every engine rank must be bit-exact with sglang's own ``load_weights`` of the whole
+checkpoint, and the report must show each rank wrote only its share.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from _bit_exact import assert_bit_exact
+from _procs import warm_context
+
+from p2pweights.local_engine import free_port
+from p2pweights.testing import synthetic_weights
+
+pytestmark = pytest.mark.integration
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+STEPS = {"double_claim": 41, "unowned": 42, "first": 43, "second": 44}
+
+
+def _held(folder: str, seed: int, rank: int, size: int, num_experts: int):
+    """What trainer rank ``rank`` of ``size`` holds under EP, and the names it owns."""
+    per_rank = num_experts // size
+    held, owned = [], set()
+    for name, tensor in synthetic_weights(folder, seed=seed, dtype=torch.bfloat16):
+        found = _EXPERT.search(name)
+        if found is None:
+            held.append((name, tensor))
+        elif int(found.group(1)) // per_rank == rank:
+            held.append((name, tensor))
+            owned.add(name)
+    return held, owned
+
+
+def _trainer(rank, size, port, urls, folder, num_experts, gos, out) -> None:
+    import torch.distributed as dist
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    try:
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect(urls)
+            for go, (step, seed) in zip(gos, STEPS.items(), strict=True):
+                held, owned = _held(folder, seed, rank, size, num_experts)
+                if step == "double_claim" and rank == 1:  # also claims rank 0's first expert
+                    extra, _ = _held(folder, seed, 0, size, num_experts)
+                    first = next(n for n, _ in extra if ".experts.0." in n)
+                    held += [(n, t) for n, t in extra if n == first]
+                    owned.add(first)
+                if step == "unowned" and rank == 1:  # drops one of its experts: nobody has it
+                    dropped = sorted(owned)[0]
+                    held = [(n, t) for n, t in held if n != dropped]
+                    owned.discard(dropped)
+                try:
+                    report = session.update(owned_tensors(held, owned))
+                    result = dict(report.bytes_by_target)
+                except Exception as exc:
+                    result = (type(exc).__name__, str(exc))
+                out.put((step, rank, result))
+                go.wait(timeout=300)  # the test checks the engines in between
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("model", "num_experts"), [("qwen3-moe-tiny", 8), ("deepseek-v3-tiny", 8)])
+def test_expert_owners_write_their_experts(model, num_experts, model_dir, shared_engines):
+    folder = model_dir(model)
+    engines = shared_engines(folder, [(2, {"ep_size": 2}), 1], seed=0)
+    urls = [e.url for e in engines]
+    size = 2
+    ctx = warm_context()
+    out = ctx.Queue()
+    gos = [ctx.Event() for _ in STEPS]
+    port = free_port()
+    trainers = [
+        ctx.Process(
+            target=_trainer,
+            args=(rank, size, port, urls, str(folder), num_experts, gos, out),
+        )
+        for rank in range(size)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        for index, (step, seed) in enumerate(STEPS.items()):
+            results = sorted(out.get(timeout=400) for _ in trainers)
+            assert [r[0] for r in results] == [step] * size
+            outcomes = [r[2] for r in results]
+            if step == "double_claim":
+                assert len({str(o) for o in outcomes}) == 1, outcomes  # the same on every rank
+                kind, message = outcomes[0]
+                assert kind == "ConfigError", message
+                assert (
+                    ".experts.0." in message
+                    and "claimed by trainer rank 0 and trainer rank 1" in message
+                )
+            elif step == "unowned":
+                kind, message = outcomes[0]
+                assert kind == "ConfigError", message
+                assert ".experts." in message, message
+            else:
+                every = {(e.url, r) for e in engines for r in range(e.tp)}
+                assert set().union(*outcomes) == every, outcomes
+                tp1 = (engines[1].url, 0)  # both ranks write their experts' ranges there
+                assert all(o.get(tp1, 0) > 0 for o in outcomes), outcomes
+                assert_bit_exact(engines, folder, seed)
+            gos[index].set()
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0] * size
