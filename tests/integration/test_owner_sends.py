@@ -1,14 +1,15 @@
 """Owner sends: expert-parallel trainer ranks each write their own experts, no gather.
 
-Two trainer processes (gloo, CPU) hold a Qwen3-MoE or DeepSeek-V3-shaped tiny model as
-expert parallelism splits it: every rank the attention, norms, dense and shared-expert
-weights whole, and only its own routed experts (rank r experts r*E/n .. (r+1)*E/n - 1).
-Each hands ``update()`` what it holds, its experts declared with ``owned_tensors``. The
-engines are an EP 2 engine (each engine rank's local experts are one trainer rank's:
-whole groups) and a TP 1 engine (every layer's fused experts come from both ranks: each
-writes its own byte ranges). First two refused inputs, then two updates; after each update
-every engine rank must be bit-exact with sglang's own ``load_weights`` of the whole
-checkpoint, and the report must show each rank wrote only its share.
+Two or four trainer processes (gloo, CPU) hold a Qwen3-MoE or DeepSeek-V3-shaped tiny
+model as expert parallelism splits it: every rank the attention, norms, dense and
+shared-expert weights whole, and only its own routed experts (rank r experts
+r*E/n .. (r+1)*E/n - 1). Each hands ``update()`` what it holds, its experts declared
+with ``owned_tensors``. The engines are an EP 2 engine (with two trainer ranks each
+engine rank's local experts are one trainer rank's: whole groups; with four, two ranks'
+shares) and a TP 1 engine (every layer's fused experts come from every rank: each
+writes its own byte ranges). First two refused inputs, then two updates; after each
+update every engine rank must be bit-exact with sglang's own ``load_weights`` of the
+whole checkpoint (and the write digests, summed over the owners' shares, must agree).
 """
 
 from __future__ import annotations
@@ -78,12 +79,14 @@ def _trainer(rank, size, port, urls, folder, num_experts, gos, out) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("model", "num_experts"), [("qwen3-moe-tiny", 8), ("deepseek-v3-tiny", 8)])
-def test_expert_owners_write_their_experts(model, num_experts, model_dir, shared_engines):
+@pytest.mark.parametrize(
+    ("model", "num_experts", "size"),
+    [("qwen3-moe-tiny", 8, 2), ("deepseek-v3-tiny", 8, 2), ("qwen3-moe-tiny", 8, 4)],
+)
+def test_expert_owners_write_their_experts(model, num_experts, size, model_dir, shared_engines):
     folder = model_dir(model)
     engines = shared_engines(folder, [(2, {"ep_size": 2}), 1], seed=0)
     urls = [e.url for e in engines]
-    size = 2
     ctx = warm_context()
     out = ctx.Queue()
     gos = [ctx.Event() for _ in STEPS]
