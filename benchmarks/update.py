@@ -23,6 +23,12 @@ CASES = [
         "growth",
     ),
     Case(
+        "owners",
+        "update_owners",
+        "expert-parallel trainer ranks: owner sends vs gathered sends",
+        "owner_sends",
+    ),
+    Case(
         "pause",
         "update_pause",
         "engine pause: first buffer staged before the pause or not",
