@@ -144,10 +144,24 @@ def _print_plan(args: argparse.Namespace, errors: IO[str]) -> int:
                 pipeline=pipeline,
                 delta_fraction=args.delta_fraction,
             )
+        owners = None
+        if args.owners is not None:
+            from p2pweights.plan.owner_cost import compare_owner_sends
+            from p2pweights.planner import trainer_expert_bytes
+
+            owners = compare_owner_sends(
+                plan, args.owners, trainer_expert_bytes(args.model, args.stages)
+            )
     except (ConfigError, ValueError) as exc:
         print(f"p2pweights plan: {exc}", file=errors)
         return 2
-    print(json.dumps(plan.to_json(), indent=1) if args.json else plan.render())
+    if args.json:
+        found = plan.to_json()
+        if owners is not None:
+            found["owners"] = owners.to_json()
+        print(json.dumps(found, indent=1))
+    else:
+        print(plan.render() if owners is None else f"{plan.render()}\n{owners.render()}")
     return 0
 
 
@@ -182,6 +196,13 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--senders", type=int, required=True, help="sending trainer ranks (GPUs)")
     plan.add_argument("--stages", type=int, default=1, help="trainer pipeline stages")
+    plan.add_argument(
+        "--owners",
+        type=int,
+        metavar="EP",
+        help="also cost owner sends (each trainer rank writes its own experts) against "
+        "gathered sends, with trainer expert parallelism EP",
+    )
     plan.add_argument("--nic-gbps", type=float, default=50.0, help="RDMA per GPU, GB/s")
     plan.add_argument("--host-gbps", type=float, default=55.0, help="pinned host <-> GPU, GB/s")
     plan.add_argument("--nvlink-gbps", type=float, default=357.0, help="GPU <-> GPU in a node")

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 _ALIASES = {"tp": "tp_size", "ep": "ep_size", "pp": "pp_size"}
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_ROUTED_PARAM = re.compile(r"\.mlp\.experts\.")
+"""An engine parameter of the routed experts (sglang's fused ``mlp.experts.w13_weight``,
+its scales; not ``shared_experts``)."""
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -255,9 +258,14 @@ class _RankLoads:
             for layout, stage in zip(written.values(), stages, strict=True):
                 size = layout.dtype.itemsize
                 by_itemsize[stage][size] = by_itemsize[stage].get(size, 0) + layout.num_bytes
+            experts = [0] * self._num_stages
+            for (name, layout), stage in zip(written.items(), stages, strict=True):
+                if _ROUTED_PARAM.search(name):
+                    experts[stage] += int(layout.num_bytes)
             load = self._done[handle.key] = RankLoad(
                 layout_key=handle.key,
                 bytes_by_stage=tuple(per_stage),
+                expert_bytes_by_stage=tuple(experts),
                 bytes_by_itemsize_by_stage=tuple(by_itemsize),
                 loader_inputs_by_stage=inputs.loader_calls,
                 quantized_by_stage=inputs.quantized,
@@ -333,6 +341,27 @@ def _written_bytes(
         _, stage = group.key  # type: ignore[misc]
         for writes in group.targets:
             per_stage[stage] += sum(group.slots[w.slot].num_bytes for w in writes.writes)
+    return per_stage
+
+
+def trainer_expert_bytes(model: str, num_stages: int) -> list[int]:
+    """Bytes of the routed experts a trainer holds in bf16, per pipeline stage (MTP
+    layers left out): what an expert-parallel group gathers in a gathered export."""
+    import json
+
+    from p2pweights.source.expected import expected_checkpoint
+
+    folder = model_folder(model)
+    config = json.loads((folder / "config.json").read_text())
+    num_layers = int(config.get("num_hidden_layers") or 1)
+    per_stage = [0] * num_stages
+    for name, tensor in expected_checkpoint(folder).tensors.items():
+        layer = _LAYER.search(name)
+        if tensor.optional or (layer is not None and int(layer.group(1)) >= num_layers):
+            continue
+        if _EXPERT.search(name):
+            stage = pipeline_stage_of(name, num_layers, num_stages)
+            per_stage[stage] += math.prod(tensor.shape) * _TRAINER_BYTES
     return per_stage
 
 

@@ -146,3 +146,27 @@ def test_owned_tensors_says_what_it_yields_and_owns() -> None:
         owned_tensors(pairs, ["nope"])
     with pytest.raises(ConfigError, match="needs the pairs as a list"):
         owned_tensors(iter(pairs), [E0])
+
+
+def test_owner_sends_at_cluster_scale_gather_nothing_and_spread_the_experts() -> None:
+    from p2pweights.plan.cluster import EngineLoad, RankLoad, plan_cluster
+    from p2pweights.plan.owner_cost import compare_owner_sends
+
+    gb = 10**9
+    # one engine of 4 EP ranks: 10 GB of experts and 1 GB of the rest each
+    ranks = tuple(
+        RankLoad(layout_key=r, bytes_by_stage=(11 * gb,), expert_bytes_by_stage=(10 * gb,))
+        for r in range(4)
+    )
+    plan = plan_cluster(
+        [EngineLoad(layout={}, ranks=ranks)], num_senders=4, broadcast_bytes_by_stage=[44 * gb]
+    )
+    found = compare_owner_sends(plan, 4, [40 * gb])
+    assert found.gathered_bytes_per_rank == 30 * gb  # 3/4 of the experts, from the others
+    assert found.gather_link == "NVLink"
+    assert found.gathered_write_bytes == 11 * gb  # one whole engine rank each
+    assert found.owner_write_bytes == 11 * gb  # 1 GB of its rank + a quarter of 40 GB
+    assert found.gather_s > 0 and found.gathered_s > found.gathered.seconds
+    assert found.to_json()["owner"]["gathered_bytes_per_rank"] == 0
+    with pytest.raises(ConfigError, match="must divide"):
+        compare_owner_sends(plan, 3, [40 * gb])

@@ -86,9 +86,15 @@ class RankLoad:
     """The same bytes by element size (2: bf16; 1: fp8 weights; 4: their float32 scales),
     per stage: what a delta update sends of them (None: all bf16)."""
 
+    expert_bytes_by_stage: tuple[int, ...] | None = None
+    """Of ``bytes_by_stage``, the routed experts' (``plan.owner_cost``; None: unknown, 0)."""
+
     @property
     def num_bytes(self) -> int:
         return sum(self.bytes_by_stage)
+
+    def expert_bytes(self, stage: int) -> int:
+        return 0 if self.expert_bytes_by_stage is None else self.expert_bytes_by_stage[stage]
 
     def delta_bytes_all(self, fraction: float) -> int:
         """Bytes a delta update writes to this rank, every stage."""
