@@ -1,7 +1,8 @@
 """Owner sends: expert-parallel trainer ranks each write their own experts, no gather.
 
 Two or four trainer processes (gloo, CPU) hold a Qwen3-MoE or DeepSeek-V3-shaped tiny
-model as expert parallelism splits it: every rank the attention, norms, dense and
+model (bf16, or a block-fp8 engine's: each owner quantizes its own experts) as expert
+parallelism splits it: every rank the attention, norms, dense and
 shared-expert weights whole, and only its own routed experts (rank r experts
 r*E/n .. (r+1)*E/n - 1). Each hands ``update()`` what it holds, its experts declared
 with ``owned_tensors``. The engines are an EP 2 engine (with two trainer ranks each
@@ -81,7 +82,12 @@ def _trainer(rank, size, port, urls, folder, num_experts, gos, out) -> None:
 
 @pytest.mark.parametrize(
     ("model", "num_experts", "size"),
-    [("qwen3-moe-tiny", 8, 2), ("deepseek-v3-tiny", 8, 2), ("qwen3-moe-tiny", 8, 4)],
+    [
+        ("qwen3-moe-tiny", 8, 2),
+        ("deepseek-v3-tiny", 8, 2),
+        ("deepseek-v3-fp8-tiny", 8, 2),
+        ("qwen3-moe-tiny", 8, 4),
+    ],
 )
 def test_expert_owners_write_their_experts(model, num_experts, size, model_dir, shared_engines):
     folder = model_dir(model)
