@@ -132,7 +132,7 @@ class Collective:
         (``claim`` None here) failed before it. Without ``gather``: ``stage_inputs``, and
         owned inputs are refused (owner sends need every rank's claim)."""
         if self._gather is None:
-            if claim is not None and claim.owned:
+            if claim is not None and (claim.owned or claim.shards):
                 raise ConfigError(
                     f"{self.rank_name} sends owned HF tensors ({sorted(claim.owned)[:2]}), "
                     f"which needs every trainer rank's claim: pass gather= to the session "
@@ -144,7 +144,7 @@ class Collective:
         if any(entry is None for entry in gathered):
             return None
         claims = cast(list[Claim], gathered)
-        if not any(c.owned for c in claims):  # no owners: the stages' rules, as before
+        if not any(c.owned or c.shards for c in claims):  # no owners: the stages' rules, as before
             return union_of_stages([(c.owner[0], c.specs) for c in claims]), Ownership({})
         return ownership_of(claims)
 

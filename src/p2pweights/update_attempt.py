@@ -30,7 +30,7 @@ from typing import TypeVar, cast
 
 import torch
 
-from p2pweights.adapters.owned import owned_names
+from p2pweights.adapters.owned import owned_names, shard_ranges
 from p2pweights.collective import Collective
 from p2pweights.connection import Connection, not_connected
 from p2pweights.engines.calls import ControlCalls
@@ -106,6 +106,7 @@ class UpdateAttempt:
             self.collective.same_input_kind(named_tensors)
         # alone, a rank owns everything it sends: nothing to plan by owner
         owned = owned_names(named_tensors) if self.config.num_senders > 1 else frozenset()
+        shards = shard_ranges(named_tensors) if self.config.num_senders > 1 else {}
         tensors, described = read_input(named_tensors, first, self.receipts)
         given = tensors if isinstance(tensors, list) else None
         whole = given is not None  # checked whole in prepare, not again as it streams
@@ -113,7 +114,9 @@ class UpdateAttempt:
         # run the same collectives whatever each one was given
         with self._timed("probe" if first else "check_inputs"):
             try:
-                self.collective.step("prepare", lambda: self._prepare(given, described, owned))
+                self.collective.step(
+                    "prepare", lambda: self._prepare(given, described, owned, shards)
+                )
             except BaseException as exc:
                 if first:  # every rank probes again next time: they must gather alike
                     connection.prepared = None
@@ -154,6 +157,7 @@ class UpdateAttempt:
         tensors: list[tuple[str, torch.Tensor]] | None,
         described: dict[str, InputSpec] | None = None,
         owned: frozenset[str] = frozenset(),
+        shards: dict[str, tuple[int, int, int]] | None = None,
     ) -> None:
         """Check the whole input (None: an iterator, checked as it streams); on the first
         update also probe the loaders and plan, from the input or from what a described
@@ -165,6 +169,11 @@ class UpdateAttempt:
             was = connection.prepared.owned_inputs
             if self.subset is not None:  # a partial update owns what it sends of them
                 was = was & self.subset
+            if shards and shards != connection.prepared.owned_shards:
+                raise ConfigError(
+                    f"{self.rank_name} holds other slices than at the first update; the "
+                    f"holders are planned once: connect() again to plan new ones"
+                )
             if owned != was:
                 raise ConfigError(
                     f"{self.rank_name} owns other HF tensors than at the first update "
@@ -192,7 +201,9 @@ class UpdateAttempt:
         except Exception as exc:  # raised after the gather: every rank must take part
             error = exc
         me = (self.config.pipeline_stage, self.config.trainer_rank)
-        claimed = self.collective.claims(None if error or own is None else Claim(me, own, owned))
+        claimed = self.collective.claims(
+            None if error or own is None else Claim(me, own, owned, shards or {})
+        )
         if error is not None:
             raise error
         if own is None or claimed is None:
@@ -255,6 +266,9 @@ class UpdateAttempt:
             )
         me = (self.config.pipeline_stage, self.config.trainer_rank)
         prepared.owned_inputs = frozenset(n for n, o in ownership.owners.items() if o == me)
+        prepared.owned_shards = {
+            name: held[me] for name, held in ownership.shards.items() if me in held
+        }
         if tensors is not None:
             prepared.source.check_whole(tensors)
         assert connection.executor is not None

@@ -134,3 +134,87 @@ def test_expert_owners_write_their_experts(model, num_experts, size, model_dir, 
         for p in trainers:
             p.join(timeout=60)
     assert [p.exitcode for p in trainers] == [0] * size
+
+
+SHARD_STEPS = {"overlap": 51, "first": 52, "second": 53}
+
+
+def _sliced(folder: str, seed: int, rank: int, size: int, overlap: bool):
+    """Rank ``rank``'s ``Shard(0)`` slice of every tensor, as FSDP2 cuts them (chunks of
+    ceil(n / size) rows; a tensor of fewer rows leaves the last ranks an empty slice)."""
+    held, shards = [], {}
+    for name, tensor in synthetic_weights(folder, seed=seed, dtype=torch.bfloat16):
+        rows = tensor.shape[0]
+        chunk = -(-rows // size)
+        start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        if overlap and rank == 1 and start > 0:
+            start -= 1  # one row also held by rank 0
+        held.append((name, tensor[start:stop].clone()))
+        shards[name] = (0, start, rows)
+    return held, shards
+
+
+def _shard_trainer(rank, size, port, urls, folder, gos, out) -> None:
+    import torch.distributed as dist
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    try:
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect(urls)
+            for go, (step, seed) in zip(gos, SHARD_STEPS.items(), strict=True):
+                held, shards = _sliced(folder, seed, rank, size, step == "overlap")
+                try:
+                    report = session.update(owned_tensors(held, shards=shards))
+                    result = dict(report.bytes_by_target)
+                except Exception as exc:
+                    result = (type(exc).__name__, str(exc))
+                out.put((step, rank, result))
+                go.wait(timeout=300)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_row_shards_are_written_by_their_holders(model_dir, shared_engines):
+    """Two ranks each hold half the rows of every tensor of a dense Qwen3 (``Shard(0)``,
+    as FSDP2 cuts them) and write the bytes their rows make, into TP 2 and TP 1 engines."""
+    folder = model_dir("qwen3-tiny")
+    engines = shared_engines(folder, [2, 1], seed=0)
+    urls = [e.url for e in engines]
+    size = 2
+    ctx = warm_context()
+    out = ctx.Queue()
+    gos = [ctx.Event() for _ in SHARD_STEPS]
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_shard_trainer, args=(rank, size, port, urls, str(folder), gos, out))
+        for rank in range(size)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        for index, (step, seed) in enumerate(SHARD_STEPS.items()):
+            results = sorted(out.get(timeout=400) for _ in trainers)
+            outcomes = [r[2] for r in results]
+            if step == "overlap":
+                kind, message = outcomes[0]
+                assert kind == "ConfigError", message
+                assert "are claimed by trainer rank 0 and trainer rank 1" in message
+            else:
+                every = {(e.url, r) for e in engines for r in range(e.tp)}
+                assert all(set(o) == every for o in outcomes), outcomes
+                # each holder writes about half of the bytes (on the TP 2 engine mostly one
+                # rank's: a column-parallel weight's first rows are TP rank 0's)
+                total = sum(sum(o.values()) for o in outcomes)
+                assert all(0.3 * total < sum(o.values()) < 0.7 * total for o in outcomes)
+                assert_bit_exact(engines, folder, seed)
+            gos[index].set()
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0] * size

@@ -170,3 +170,48 @@ def test_owner_sends_at_cluster_scale_gather_nothing_and_spread_the_experts() ->
     assert found.to_json()["owner"]["gathered_bytes_per_rank"] == 0
     with pytest.raises(ConfigError, match="must divide"):
         compare_owner_sends(plan, 3, [40 * gb])
+
+
+def _sharded(rank: int, start: int, stop: int, rows: int = 8) -> Claim:
+    spec = InputSpec((rows, 4), torch.bfloat16)
+    return Claim((0, rank), {ATTN: spec}, frozenset(), {ATTN: (0, start, stop)})
+
+
+@pytest.mark.parametrize(
+    ("claims", "says"),
+    [
+        (
+            [_sharded(0, 0, 5), _sharded(1, 4, 8)],
+            "dim=0 4..5 are claimed by trainer rank 0 and trainer rank 1",
+        ),
+        ([_sharded(0, 0, 3), _sharded(1, 4, 8)], "3..4 are held by no rank"),
+        ([_sharded(0, 0, 4), _sharded(1, 4, 6)], "6..8 are held by no rank"),
+        (
+            [
+                _sharded(0, 0, 8),
+                Claim((0, 1), {ATTN: InputSpec((8, 4), torch.bfloat16)}, frozenset()),
+            ],
+            "is sharded on some ranks but sent whole by trainer rank 1",
+        ),
+    ],
+)
+def test_slices_that_do_not_tile_their_tensor_are_refused(claims, says) -> None:
+    with pytest.raises(ConfigError) as raised:
+        ownership_of(claims)
+    assert says in str(raised.value)
+
+
+def test_slices_that_tile_their_tensor_are_its_holders() -> None:
+    _, ownership = ownership_of([_sharded(0, 0, 4), _sharded(1, 4, 8)])
+    assert ownership.holders_of(ATTN) == {(0, 0): (0, 0, 4), (0, 1): (0, 4, 8)}
+    assert ownership.owner_of(ATTN) is None and bool(ownership)
+
+
+def test_owned_tensors_yields_a_slice_as_its_whole_tensor_zero_elsewhere() -> None:
+    wrapped = owned_tensors([(ATTN, torch.ones(2, 3))], shards={ATTN: (0, 2, 5)})
+    assert wrapped.specs() == {ATTN: ((5, 3), torch.float32)}
+    assert wrapped.shards() == {ATTN: (0, 2, 4)}
+    ((_, full),) = list(wrapped)
+    assert full[:2].abs().sum() == 0 and full[2:4].eq(1).all() and full[4:].abs().sum() == 0
+    with pytest.raises(ConfigError, match="passes its full size"):
+        owned_tensors([(ATTN, torch.ones(2, 3))], shards={ATTN: (0, 4, 5)})

@@ -17,16 +17,29 @@ import torch
 
 from p2pweights.errors import ConfigError
 
-__all__ = ["OwnedTensors", "owned_names", "owned_tensors"]
+__all__ = ["OwnedTensors", "Shard", "owned_names", "owned_tensors", "shard_ranges"]
+
+
+Shard = tuple[int, int, int]
+"""(dim, start, full size): a rank's slice ``[start, start + its size)`` along ``dim`` of a
+tensor of ``full size`` there (``Shard(0)`` / ``Shard(1)`` of FSDP2 or torch TP)."""
 
 
 class OwnedTensors(Iterator[tuple[str, torch.Tensor]]):
-    """(HF name, tensor) pairs, with the names this rank owns (``owned()``)."""
+    """(HF name, tensor) pairs, with the names this rank owns (``owned()``) and the slices
+    it holds of sharded ones (``shards()``; yielded as full tensors, zero elsewhere)."""
 
-    def __init__(self, named_tensors: Any, owned: Iterable[str]):
+    def __init__(
+        self,
+        named_tensors: Any,
+        owned: Iterable[str],
+        shards: Mapping[str, Shard] | None = None,
+    ):
         if isinstance(named_tensors, Mapping):
             named_tensors = list(named_tensors.items())
         self._owned = frozenset(owned)
+        self._shards = dict(shards or {})
+        self._ranges: dict[str, tuple[int, int, int]] = {}
         specs = getattr(named_tensors, "specs", None)
         if callable(specs):
             self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = dict(specs())
@@ -43,13 +56,39 @@ class OwnedTensors(Iterator[tuple[str, torch.Tensor]]):
                 for name, tensor in named_tensors
                 if isinstance(tensor, torch.Tensor)
             }
-        unknown = sorted(self._owned - self._specs.keys())
+        unknown = sorted((self._owned | self._shards.keys()) - self._specs.keys())
         if unknown:
             raise ConfigError(f"owned_tensors(): owned HF tensors {unknown[:4]} are not sent")
+        for name, (dim, start, full) in self._shards.items():
+            shape, dtype = self._specs[name]
+            if name in self._owned or not 0 <= dim < len(shape) or start < 0:
+                raise ConfigError(
+                    f"owned_tensors(): shard {(dim, start, full)} of HF tensor {name!r} "
+                    f"{list(shape)} is not a slice along one of its dims (or is owned whole too)"
+                )
+            stop = start + shape[dim]
+            if stop > full:
+                raise ConfigError(
+                    f"owned_tensors(): HF tensor {name!r}'s slice {start}..{stop} along dim "
+                    f"{dim} passes its full size {full}"
+                )
+            self._ranges[name] = (dim, start, stop)
+            self._specs[name] = ((*shape[:dim], full, *shape[dim + 1 :]), dtype)
         self._pairs = iter(named_tensors)
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._pairs)
+        name, tensor = next(self._pairs)
+        found = self._ranges.get(name)
+        if found is None:
+            return name, tensor
+        dim, start, stop = found
+        full = torch.zeros(self._specs[name][0], dtype=tensor.dtype, device=tensor.device)
+        full.narrow(dim, start, stop - start).copy_(tensor)  # the loaders take whole tensors
+        return name, full
+
+    def shards(self) -> dict[str, tuple[int, int, int]]:
+        """HF name -> (dim, start, stop) of the slice this rank holds of a sharded tensor."""
+        return dict(self._ranges)
 
     def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF name -> (shape, dtype) of every pair this will yield."""
@@ -60,11 +99,24 @@ class OwnedTensors(Iterator[tuple[str, torch.Tensor]]):
         return self._owned
 
 
-def owned_tensors(named_tensors: Any, owned: Iterable[str]) -> OwnedTensors:
+def owned_tensors(
+    named_tensors: Any,
+    owned: Iterable[str] = (),
+    *,
+    shards: Mapping[str, Shard] | None = None,
+) -> OwnedTensors:
     """``named_tensors`` (pairs, a mapping, or an iterator with ``specs()``) with the
-    names of those this trainer rank owns alone (its experts under expert parallelism);
-    the others must be sent whole by every rank of its pipeline stage."""
-    return OwnedTensors(named_tensors, owned)
+    names of those this trainer rank owns alone (its experts under expert parallelism)
+    and, in ``shards``, name -> (dim, start, full size) for those it holds a slice of
+    (its tensors are that slice); the others must be sent whole by every rank of its
+    pipeline stage."""
+    return OwnedTensors(named_tensors, owned, shards)
+
+
+def shard_ranges(named_tensors: object) -> dict[str, tuple[int, int, int]]:
+    """What an input says this rank holds slices of (its ``shards()``); none if it does not say."""
+    shards = getattr(named_tensors, "shards", None)
+    return dict(shards()) if callable(shards) else {}
 
 
 def owned_names(named_tensors: object) -> frozenset[str]:

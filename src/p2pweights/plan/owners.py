@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from p2pweights.errors import ConfigError
 from p2pweights.plan.byte_plan import (
@@ -68,6 +69,9 @@ class Claim:
     owner: Owner
     specs: Mapping[str, InputSpec]
     owned: frozenset[str]
+    shards: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    """HF name -> (dim, start, stop) of the slice this rank holds (its tensor is sent
+    whole-shaped, zero outside the slice)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class Ownership:
     """Who owns which HF tensor; the others are replicated (whole on every rank of a stage)."""
 
     owners: Mapping[str, Owner]
+    shards: Mapping[str, Mapping[Owner, tuple[int, int, int]]] = field(default_factory=dict)
+    """HF name -> each holder's (dim, start, stop): together they tile the tensor."""
 
     def owner_of(self, engine_name: str) -> Owner | None:
         """The owner of a loader input (an fp8 weight's scale belongs to its weight's owner)."""
@@ -84,7 +90,14 @@ class Ownership:
         return found
 
     def __bool__(self) -> bool:
-        return bool(self.owners)
+        return bool(self.owners) or bool(self.shards)
+
+    def holders_of(self, engine_name: str) -> Mapping[Owner, tuple[int, int, int]]:
+        """Each holder's slice of a sharded loader input (empty: not sharded)."""
+        found = self.shards.get(engine_name)
+        if found is None and engine_name.endswith(SCALE_SUFFIX):
+            found = self.shards.get(engine_name.removesuffix(SCALE_SUFFIX))
+        return found or {}
 
 
 def ownership_of(claims: Sequence[Claim]) -> tuple[dict[str, InputSpec], Ownership]:
@@ -117,12 +130,18 @@ def ownership_of(claims: Sequence[Claim]) -> tuple[dict[str, InputSpec], Ownersh
                     f"{_rank(claim.owner)} but as {union[name].shape} {union[name].dtype} "
                     f"by another rank"
                 )
-            if name not in claim.owned:
+            if name not in claim.owned and name not in claim.shards:
                 senders.setdefault(name, []).append(claim.owner)
     stages: dict[int, list[Owner]] = {}
     for claim in claims:
         stages.setdefault(claim.owner[0], []).append(claim.owner)
+    sharded = {name for claim in claims for name in claim.shards}
     for name, sent_by in sorted(senders.items()):
+        if name in sharded:
+            raise ConfigError(
+                f"HF tensor {name!r} is sharded on some ranks but sent whole by "
+                f"{_rank(sent_by[0])}; a sharded tensor comes from its slices' holders only"
+            )
         if name in owners:
             raise ConfigError(
                 f"HF tensor {name!r} is owned by {_rank(owners[name])} but also sent whole by "
@@ -143,7 +162,37 @@ def ownership_of(claims: Sequence[Claim]) -> tuple[dict[str, InputSpec], Ownersh
                 f"HF tensor {name!r} was sent by pipeline stages {stage} and {other[0]}; each "
                 f"tensor must come from one stage (drop tied copies on all but one)"
             )
-    return union, Ownership(owners)
+    return union, Ownership(owners, _tiled(claims, union))
+
+
+def _tiled(
+    claims: Sequence[Claim], union: Mapping[str, InputSpec]
+) -> dict[str, dict[Owner, tuple[int, int, int]]]:
+    """Each sharded tensor's slices by holder, refused unless they tile it along one dim."""
+    shards: dict[str, dict[Owner, tuple[int, int, int]]] = {}
+    for claim in claims:
+        for name, found in claim.shards.items():
+            shards.setdefault(name, {})[claim.owner] = found
+    for name, held in sorted(shards.items()):
+        dims = {dim for dim, _, _ in held.values()}
+        if len(dims) > 1:
+            raise ConfigError(f"HF tensor {name!r} is sharded along dims {sorted(dims)} at once")
+        (dim,) = dims
+        at, last = 0, (-1, -1)
+        for owner, (_, start, stop) in sorted(held.items(), key=lambda item: item[1][1]):
+            if start < at:
+                raise ConfigError(
+                    f"HF tensor {name!r}: {dim=} {start}..{at} are claimed by {_rank(last)} and "
+                    f"{_rank(owner)}; each slice must have exactly one holder"
+                )
+            if start > at:
+                raise ConfigError(f"HF tensor {name!r}: {dim=} {at}..{start} are held by no rank")
+            at, last = stop, owner
+        if at != union[name].shape[dim]:
+            raise ConfigError(
+                f"HF tensor {name!r}: {dim=} {at}..{union[name].shape[dim]} are held by no rank"
+            )
+    return shards
 
 
 def _rank(owner: Owner) -> str:
@@ -204,6 +253,27 @@ def plan_owned(
     for key in sorted(groups, key=str):
         planned: list[OwnedGroup] = []
         for hf_names, params in groups[key]:
+            sharded = {n for n in hf_names if ownership.holders_of(n)}
+            if sharded:
+                if sharded != hf_names:
+                    raise ConfigError(
+                        f"parameters {list(params)[:4]} are loaded from sharded HF tensors "
+                        f"{sorted(sharded)[:3]} and whole ones {sorted(hf_names - sharded)[:3]} "
+                        f"together; shard them all, or send them all whole"
+                    )
+                holders = set().union(*(ownership.holders_of(n) for n in hf_names))
+                if me in holders:
+                    spans = _split(
+                        key,
+                        params,
+                        _marker_spans(
+                            hf_names, params, holders, ownership, engine_specs[key], replicas[key]
+                        ),
+                        {o: set(hf_names) for o in holders},
+                        replicas[key],
+                    )
+                    planned.append(OwnedGroup(key, hf_names, tuple(params), True, spans[me]))
+                continue
             by_owner: dict[Owner | None, set[str]] = {}
             for name in hf_names:
                 by_owner.setdefault(ownership.owner_of(name), set()).add(name)
@@ -236,13 +306,85 @@ def _shared_spans(
     specs: Mapping[str, InputSpec],
     replica: ReplicaHandle,
 ) -> dict[Owner, dict[str, Spans]]:
-    """Per owner of a shared group, the byte ranges of each parameter it writes; bytes no
-    owner writes go to the first owner; overlapping ranges are refused."""
-    owners = sorted(o for o in by_owner if o is not None)
+    """Per owner of a shared group, the byte ranges of each parameter its own inputs'
+    loaders write (found on meta)."""
+    owners = {o: names for o, names in by_owner.items() if o is not None}
     found = {
-        owner: replica.written_spans({n: specs[n] for n in sorted(by_owner[owner])})
-        for owner in owners
+        owner: replica.written_spans({n: specs[n] for n in sorted(names)})
+        for owner, names in owners.items()
     }
+    return _split(key, params, found, owners, replica)
+
+
+def _marker_spans(
+    names: frozenset[str],
+    params: Sequence[str],
+    holders: Iterable[Owner],
+    ownership: Ownership,
+    specs: Mapping[str, InputSpec],
+    replica: ReplicaHandle,
+) -> dict[Owner, dict[str, Spans]]:
+    """Per holder of sharded inputs, the byte ranges of each parameter its slices make:
+    the loaders run (on the CPU) on inputs that are 1 in the holder's slices and 0
+    elsewhere, into zeroed parameters; the elements left non-zero are its. A loader that
+    mixes slices (or fills constants) makes two holders' ranges overlap: refused."""
+    import torch
+
+    for name in sorted(names):
+        if specs[name].dtype.itemsize == 1:
+            raise ConfigError(
+                f"HF tensor {name!r} is sharded, but this engine's loaders take it quantized "
+                f"(fp8 blocks may span two holders): send it whole"
+            )
+    found: dict[Owner, dict[str, Spans]] = {}
+    for owner in sorted(holders):
+        inputs = []
+        for name in sorted(names):
+            spec = specs[name]
+            tensor = torch.zeros(spec.shape, dtype=spec.dtype)
+            held = ownership.holders_of(name).get(owner)
+            if held is not None:
+                dim, start, stop = held
+                tensor.narrow(dim, start, stop - start).fill_(1)
+            inputs.append((name, tensor))
+        found[owner] = _nonzero_spans(replica, inputs, params)
+    return found
+
+
+def _nonzero_spans(
+    replica: ReplicaHandle, inputs: Sequence[tuple[str, Any]], params: Sequence[str]
+) -> dict[str, Spans]:
+    """Per parameter, the byte ranges of its elements ``inputs``' loaders left non-zero."""
+    import torch
+
+    written: dict[str, Spans] = {}
+    layouts = replica.layouts
+    views = {p: torch.zeros(int(layouts[p].num_bytes), dtype=torch.uint8) for p in params}
+    replica.load_into(list(inputs), views)
+    for param, view in views.items():
+        dtype = layouts[param].dtype
+        elements = view.view(dtype) if view.numel() % dtype.itemsize == 0 else view
+        size = elements.element_size()
+        mask = (elements != 0).to(torch.int8)
+        edges = torch.diff(
+            mask, prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8)
+        )
+        starts = torch.nonzero(edges == 1).flatten().tolist()
+        ends = torch.nonzero(edges == -1).flatten().tolist()
+        written[param] = tuple((a * size, b * size) for a, b in zip(starts, ends, strict=True))
+    return written
+
+
+def _split(
+    key: Hashable,
+    params: Sequence[str],
+    found: Mapping[Owner, Mapping[str, Spans]],
+    by_owner: Mapping[Owner, set[str]],
+    replica: ReplicaHandle,
+) -> dict[Owner, dict[str, Spans]]:
+    """Each owner's ranges of each parameter; bytes no owner writes go to the first owner;
+    overlapping ranges are refused."""
+    owners = sorted(found)
     out: dict[Owner, dict[str, Spans]] = {owner: {} for owner in owners}
     for param in params:
         size = replica.param_bytes(param)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,8 @@ class Prepared:
     """Owner sends (``plan.owners``): which groups go to every engine rank, in which ranges."""
     owned_inputs: frozenset[str] = frozenset()
     """The HF tensors this rank owns; later updates must own the same."""
+    owned_shards: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """The slices this rank holds of sharded HF tensors; later updates must hold the same."""
 
     def replan(
         self,
