@@ -40,7 +40,7 @@ def _shift(model) -> None:
             param.add_(SHIFT)
 
 
-def _trainer(rank: int, port: int, name: str, url: str, go, out) -> None:
+def _trainer(rank: int, port: int, name: str, url: str, go, out, owned: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -59,11 +59,13 @@ def _trainer(rank: int, port: int, name: str, url: str, go, out) -> None:
         reports = []
         with WeightSyncSession.from_torch_distributed(config) as session:
             session.connect([url])
-            reports.append(session.update(hf_named_tensors(model, bucket_bytes="256KiB")))
+            pairs = hf_named_tensors(model, bucket_bytes="256KiB", owned=owned)
+            reports.append(session.update(pairs))
             out.put(("updated", rank))
             go.wait(timeout=240)  # the test checks the engine in between
             _shift(model)
-            reports.append(session.update(hf_named_tensors(model, bucket_bytes="256KiB")))
+            pairs = hf_named_tensors(model, bucket_bytes="256KiB", owned=owned)
+            reports.append(session.update(pairs))
         out.put(("done", rank, [sorted(r.bytes_by_target) for r in reports]))
     except BaseException as exc:
         out.put(("error", rank, repr(exc)))
@@ -115,3 +117,38 @@ def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, shared_engi
     assert [p.exitcode for p in trainers] == [0, 0]
     _assert_bit_exact(engine.url, second)
     assert any(n.endswith("experts.0.gate_proj.weight") for n, _ in first) == ("moe" in name)
+
+
+def test_fsdp2_shards_are_sent_by_their_holders_with_no_gather(model_dir, shared_engines, tmp_path):
+    """``hf_named_tensors(model, owned=True)``: each rank hands its FSDP2 shards (no
+    ``full_tensor()``) and writes the bytes its rows make into both engine ranks."""
+    name = "qwen3-tiny"
+    (engine,) = shared_engines(model_dir(name), [2], seed=0)
+    reference = _model(name)
+    first = _checkpoint(reference, tmp_path / "first")
+    _shift(reference)
+    second = _checkpoint(reference, tmp_path / "second")
+
+    ctx = warm_context()
+    go, out = ctx.Event(), ctx.Queue()
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_trainer, args=(r, port, name, engine.url, go, out, True))
+        for r in (0, 1)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=240) for _ in trainers)
+        assert got == [("updated", 0), ("updated", 1)], got
+        _assert_bit_exact(engine.url, first)
+        go.set()
+        done = sorted(out.get(timeout=240) for _ in trainers)
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [d[0] for d in done] == ["done", "done"], done
+    for d in done:  # each holder writes its share of both engine ranks
+        assert d[2][1] == [(engine.url, 0), (engine.url, 1)]
+    assert [p.exitcode for p in trainers] == [0, 0]
+    _assert_bit_exact(engine.url, second)

@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
+from p2pweights.adapters.owned import OwnedTensors
 from p2pweights.config import parse_bytes
+from p2pweights.errors import ConfigError
 
 __all__ = ["HfNamedTensors", "hf_named_tensors"]
 
@@ -43,7 +45,8 @@ def hf_named_tensors(
     *,
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
-) -> HfNamedTensors:
+    owned: bool = False,
+) -> HfNamedTensors | OwnedTensors:
     """(checkpoint name, full tensor) pairs of a transformers ``model``, plain or FSDP2.
 
     Under FSDP2 (``fully_shard``, DTensor parameters) this is a collective: every rank
@@ -58,11 +61,52 @@ def hf_named_tensors(
             a number or a size such as ``"512MiB"``.
         dtype: Cast floating-point tensors to this, bucket by bucket, before gathering
             (e.g. fp32 master weights to the engine's bf16). Default: as they are.
+        owned: Gather nothing: under FSDP2 each rank hands its own slice of every sharded
+            parameter (``Shard(0)`` / ``Shard(1)`` of a one-dimensional mesh) and writes
+            the bytes its rows make (owner sends, ``plan.owners``); other tensors are sent
+            whole by every rank. Models whose weights transformers converts on save
+            (transformers 5's fused experts) are refused for now.
 
     Returns:
         An iterator of ``(checkpoint name, tensor)`` pairs for ``WeightSyncSession.update``.
     """
+    if owned:
+        return _local_shards(model, dtype)
     return HfNamedTensors(model, parse_bytes(bucket_bytes), dtype)
+
+
+def _local_shards(model: torch.nn.Module, dtype: torch.dtype | None) -> OwnedTensors:
+    """Each parameter's local slice (a DTensor's ``to_local()``), described as a shard."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if _reverse_transforms(model) is not None:
+        raise ConfigError(
+            "hf_named_tensors(model, owned=True): transformers converts this model's weights "
+            "when it saves them (e.g. fused experts), which needs whole tensors; use owned=False"
+        )
+    pairs, shards = [], {}
+    for name, tensor in _checkpoint_state(model).items():
+        local = tensor.detach()
+        if isinstance(local, DTensor):
+            placements = [p for p in local.placements if isinstance(p, Shard)]
+            if local.device_mesh.ndim != 1 or len(placements) != len(local.placements):
+                raise ConfigError(
+                    f"hf_named_tensors(model, owned=True): parameter {name!r} is placed "
+                    f"{local.placements} on a {local.device_mesh.ndim}-d mesh; only Shard(d) "
+                    f"on one mesh dimension is sent by owner"
+                )
+            shape, offset = compute_local_shape_and_global_offset(
+                local.shape, local.device_mesh, local.placements
+            )
+            dim = placements[0].dim
+            shards[name] = (dim, offset[dim], local.shape[dim])
+            local = local.to_local()
+            assert tuple(local.shape) == tuple(shape)
+        if dtype is not None:
+            local = _cast(local, dtype)
+        pairs.append((name, local))
+    return OwnedTensors(pairs, (), shards)
 
 
 class HfNamedTensors(Iterator[tuple[str, torch.Tensor]]):
