@@ -5,8 +5,9 @@ tests/fixtures/sglang-0.5.23-cpu/ holds what real servers on the CPU answered
 rank's ``/remote_instance_transfer_engine_info``), recorded by the real-server suite
 (``P2PWEIGHTS_RECORD_ANSWERS=tests/fixtures/sglang-0.5.23-cpu bash scripts/real-sglang.sh
 test``; docs/real-sglang.md): TP 1 and TP 2 publishing through the p2pweights NIXL plugin,
-TP 1 whose parameters moved after every update (published afresh three times), and
-TP 1 publishing for Mooncake. Here an ``EngineClient`` reads them through an
+TP 1 whose parameters moved after every update (published afresh three times),
+TP 1 publishing for Mooncake, and TP 1 under the CUDA IPC plugin (which refuses a CPU
+server and publishes why). Here an ``EngineClient`` reads them through an
 ``httpx.MockTransport``, so connecting, reading checksums and the refusals run the real
 code paths on the real answers, with no server.
 """
@@ -154,3 +155,21 @@ def test_mooncake_into_a_real_cpu_server_is_refused_at_connect(
     message = str(refused.value)
     assert url in message and "NixlConfig" in message
     assert "SGLANG_PLUGINS=p2pweights_nixl" in message
+
+
+def test_the_cuda_ipc_plugin_on_a_real_cpu_server_publishes_its_refusal(
+    replay: dict[str, dict[str, Any]],
+) -> None:
+    """A real CPU server started with SGLANG_PLUGINS=p2pweights_cuda_ipc publishes why it
+    cannot share its weights (they are not in GPU memory) instead of addresses; a
+    CudaIpcConfig trainer is refused at connect with that reason, before any byte."""
+    recorded = answers("tp1-cuda-ipc-cpu")
+    info = recorded["publications"][0]["remote_instance_transfer_engine_info"]
+    assert info["backend"] == "cuda_ipc" and "holds its weights on cpu" in info["error"]
+    url = "http://cuda-ipc.test:30000"
+    replay[url] = recorded
+    with pytest.raises(EngineError) as refused:
+        _connect(url, "cuda_ipc")
+    message = str(refused.value)
+    assert f"engine {url} rank 0 could not publish its weights for cuda_ipc" in message
+    assert "holds its weights on cpu" in message
