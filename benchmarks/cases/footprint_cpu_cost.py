@@ -36,7 +36,7 @@ import torch
 
 from cases.update_ceiling import BenchTargets, run_ceiling, transport_config
 from harness import GB, cpu_seconds, hf_tensors, machine, markdown_table, median, write_doc_section
-from p2pweights.config import SyncConfig
+from p2pweights.config import SyncConfig, Timeouts
 from p2pweights.local_engine import LocalEngine
 from p2pweights.session import WeightSyncSession
 from p2pweights.testing import model_config, save_safetensors, write_model_dir
@@ -101,8 +101,7 @@ def run_case(kind: str, tp: int, folder: Path, weights: Path, args: argparse.Nam
             transport=transport_config(kind),
             verify_writes="off",
             buffer_bytes=args.buffer,
-            transfer_timeout_s=TIMEOUT_S,
-            http_timeout_s=TIMEOUT_S,
+            timeouts=Timeouts(transfer=TIMEOUT_S, read=TIMEOUT_S),
         )
         with WeightSyncSession(config) as session:
             session.connect([engine.url])

@@ -272,7 +272,7 @@ def p2pweights_updates(
     run's tensors change as training steps change them (``train_like``: fp32 masters
     moved by about ``delta_lr`` each, then cast) instead of being drawn afresh, so the
     full and the delta runs send the same updates."""
-    from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, WeightSyncSession
+    from p2pweights import CudaIpcConfig, EngineClient, SyncConfig, Timeouts, WeightSyncSession
     from p2pweights.config import DeltaConfig
     from p2pweights.local_engine import LocalEngine
     from p2pweights.replica.sglang.replay import Replay
@@ -327,7 +327,7 @@ def p2pweights_updates(
             config_ = SyncConfig(
                 transport=CudaIpcConfig(device=0, direct=direct == "on"),
                 buffer_bytes=buffer_bytes,
-                http_timeout_s=600,
+                timeouts=Timeouts(read=600),
                 stage_before_pause=staged == "on",
                 verify_writes="always" if verify == "on" else "off",
                 delta=DeltaConfig() if dm == "on" else None,

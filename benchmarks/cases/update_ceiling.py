@@ -52,7 +52,7 @@ from harness import (
     timed,
     write_doc_section,
 )
-from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, Timeouts
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import LocalEngine
 from p2pweights.session import WeightSyncSession
@@ -192,8 +192,7 @@ def run_case(
         config = SyncConfig(
             transport=transport_config(kind),
             buffer_bytes=args.buffer,
-            transfer_timeout_s=TIMEOUT_S,
-            http_timeout_s=TIMEOUT_S,
+            timeouts=Timeouts(transfer=TIMEOUT_S, read=TIMEOUT_S),
         )
         rows: list[dict[str, Any]] = []
         with WeightSyncSession(config) as session:

@@ -49,14 +49,16 @@ def child(args: argparse.Namespace) -> None:
     from sglang.srt.models import qwen3  # noqa: F401 (imported before the baseline)
 
     from harness import hf_tensors
-    from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
+    from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, Timeouts
     from p2pweights.session import WeightSyncSession
 
     tensors = hf_tensors(args.model)
     baseline = rss_bytes()
     reset_peak_rss()
     transport = MooncakeConfig(protocol="tcp") if args.transport == "mooncake" else NixlConfig()
-    config = SyncConfig(transport=transport, buffer_bytes=args.buffer, transfer_timeout_s=300)
+    config = SyncConfig(
+        transport=transport, buffer_bytes=args.buffer, timeouts=Timeouts(transfer=300)
+    )
     with WeightSyncSession(config) as session:
         session.connect(args.engines)
         after_connect = rss_bytes()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         MooncakeConfig,
         NixlConfig,
         SyncConfig,
+        Timeouts,
         TrainerTopology,
         TransportConfigBase,
     )
@@ -85,6 +86,7 @@ __all__ = [
     "PlanError",
     "SessionBusyError",
     "SyncConfig",
+    "Timeouts",
     "TransferError",
     "TrainerTopology",
     "TransportConfigBase",
@@ -114,6 +116,7 @@ _WHERE = {
     "PlanError": "p2pweights.errors",
     "SessionBusyError": "p2pweights.errors",
     "SyncConfig": "p2pweights.config",
+    "Timeouts": "p2pweights.config",
     "TransferError": "p2pweights.errors",
     "TrainerTopology": "p2pweights.config",
     "TransportConfigBase": "p2pweights.config",

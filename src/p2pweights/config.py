@@ -269,6 +269,43 @@ def _topology_fields(topology: TrainerTopology) -> dict[str, int]:
     }
 
 
+class Timeouts(_Config):
+    """How long, in seconds, each kind of engine call or write may take before the update
+    fails (grouped as httpx groups its timeouts). ``SyncConfig(timeouts=Timeouts(...))``;
+    a mapping such as ``{"transfer": 120}`` is read as one too."""
+
+    model_config = _FROZEN
+
+    transfer: float = 30.0
+    """A write still running after this many seconds fails the update (that engine rank;
+    the others go on). Also how long a write given up on, still in flight, is waited for
+    before the next update or ``abort()`` goes on."""
+    control: float = 15.0
+    """Bound on each update-session call that does no work on the weights (pause, flush,
+    begin, version, continue): a hung engine outside the writes fails the update after this
+    long (its state is then unknown and asked again before it is written).
+    ``end_weight_update`` re-processes the model and has its own bound, ``end_update``."""
+    read: float = 60.0
+    """Bound on reading what an engine serves (server info, published weights at connect)
+    and on the weight checker (which hashes every weight)."""
+    end_update: float | None = None
+    """Bound on each engine's ``end_weight_update``, where it re-processes every weight
+    (derived weights, kernel layouts: seconds for a large fp8 MoE). Unset (None), it takes
+    ``read`` (which bounded it before it had its own setting)."""
+
+    @field_validator("transfer", "control", "read", "end_update")
+    @classmethod
+    def _positive(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError(f"timeouts must be positive, got {value}")
+        return value
+
+    @property
+    def end_update_bound(self) -> float:
+        """What bounds ``end_weight_update``: ``end_update``, or ``read`` where unset."""
+        return self.read if self.end_update is None else self.end_update
+
+
 class SyncConfig(_Config):
     """Everything a ``WeightSyncSession`` needs besides the engines and the tensors."""
 
@@ -280,21 +317,11 @@ class SyncConfig(_Config):
     (``p2pweights.transports.register_transport``)."""
     buffer_bytes: int = 512 * 2**20
     """Size of each of the two staging buffers (grown to the largest parameter group)."""
-    transfer_timeout_s: float = 30.0
-    """A write still running after this many seconds fails the update."""
-    control_timeout_s: float = 15.0
-    """Bound on each update-session call that does no work on the weights (pause, flush,
-    begin, version, continue): a hung engine outside the writes fails the update after this
-    long (its state is then unknown and asked again before it is written).
-    ``end_weight_update`` re-processes the model and has its own bound,
-    ``end_update_timeout_s``."""
-    http_timeout_s: float = 60.0
-    """Bound on reading what an engine serves (server info, published weights at connect)
-    and on the weight checker (which hashes every weight)."""
-    end_update_timeout_s: float | None = None
-    """Bound on each engine's ``end_weight_update``, where it re-processes every weight
-    (derived weights, kernel layouts: seconds for a large fp8 MoE). Unset (None), it takes
-    ``http_timeout_s`` (which bounded it before it had its own setting)."""
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    """How long each kind of engine call or write may take: ``Timeouts(transfer=...,
+    control=..., read=..., end_update=...)``, in seconds. (Was the four fields
+    ``transfer_timeout_s``, ``control_timeout_s``, ``http_timeout_s`` and
+    ``end_update_timeout_s``, still accepted with a ``DeprecationWarning``.)"""
     pause_mode: Literal["retract", "abort", "in_place", "caller"] = "retract"
     """How engines pause generation before the update (sglang's /pause_generation mode).
     "caller": the caller pauses every engine before ``update()`` (so that sglang can flush
@@ -303,7 +330,7 @@ class SyncConfig(_Config):
     update where one says it is generating (where it reports its state). The caller pauses
     with sglang's "abort" or "retract" mode, not "in_place": p2pweights flushes the cache,
     which sglang refuses while requests run (an in_place pause keeps them), so the update
-    would fail after ``control_timeout_s``. verl's own checkpoint manager and slime work
+    would fail after ``timeouts.control``. verl's own checkpoint manager and slime work
     so (both pause with "abort")."""
     stage_before_pause: bool = True
     """Read, check and convert the inputs and load the first staging buffer while the
@@ -381,13 +408,13 @@ class SyncConfig(_Config):
         return size
 
     def __init__(self, **data: Any) -> None:
-        super().__init__(**_renamed(data, stacklevel=4))
+        super().__init__(**_renamed(data, Timeouts(), stacklevel=4))
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         """A copy with ``update``'s fields replaced, renamed and deprecated ones read and
         warned about as ``SyncConfig(...)`` does (pydantic's copy does not validate)."""
         if update:
-            update = _renamed(dict(update), stacklevel=4)
+            update = _renamed(dict(update), self.timeouts, stacklevel=4)
         return super().model_copy(update=update, deep=deep)
 
     @property
@@ -402,14 +429,29 @@ class SyncConfig(_Config):
         _warn_renamed("check_finite", stacklevel=3)
         return self.verify_finite_inputs
 
-    @field_validator(
-        "transfer_timeout_s", "http_timeout_s", "control_timeout_s", "end_update_timeout_s"
-    )
-    @classmethod
-    def _positive(cls, value: float | None) -> float | None:
-        if value is not None and value <= 0:
-            raise ValueError(f"timeouts must be positive, got {value}")
-        return value
+    @property
+    def transfer_timeout_s(self) -> float:
+        """Deprecated: ``timeouts.transfer``."""
+        _warn_timeout("transfer_timeout_s", stacklevel=3)
+        return self.timeouts.transfer
+
+    @property
+    def control_timeout_s(self) -> float:
+        """Deprecated: ``timeouts.control``."""
+        _warn_timeout("control_timeout_s", stacklevel=3)
+        return self.timeouts.control
+
+    @property
+    def http_timeout_s(self) -> float:
+        """Deprecated: ``timeouts.read``."""
+        _warn_timeout("http_timeout_s", stacklevel=3)
+        return self.timeouts.read
+
+    @property
+    def end_update_timeout_s(self) -> float | None:
+        """Deprecated: ``timeouts.end_update``."""
+        _warn_timeout("end_update_timeout_s", stacklevel=3)
+        return self.timeouts.end_update
 
     @field_validator("num_trainer_ranks", "num_pipeline_stages")
     @classmethod
@@ -519,6 +561,16 @@ _RENAMED = {
 accepted, with a ``DeprecationWarning``, until the release after."""
 
 
+_TIMEOUTS = {
+    "transfer_timeout_s": "transfer",
+    "control_timeout_s": "control",
+    "http_timeout_s": "read",
+    "end_update_timeout_s": "end_update",
+}
+"""``SyncConfig``'s timeout fields before ``Timeouts`` grouped them (issue 42): old field ->
+``Timeouts`` field; the old one is still accepted, with a ``DeprecationWarning``, until the
+release after."""
+
 _TOPOLOGY_FIELDS = ("trainer_rank", "num_trainer_ranks", "pipeline_stage", "num_pipeline_stages")
 _ONE_SENDER = {
     "trainer_rank": 0,
@@ -537,10 +589,36 @@ def _warn_renamed(old: str, stacklevel: int) -> None:
     )
 
 
-def _renamed(data: dict[str, Any], stacklevel: int) -> dict[str, Any]:
+def _warn_timeout(old: str, stacklevel: int) -> None:
+    warnings.warn(
+        f"SyncConfig.{old} is now SyncConfig.timeouts.{_TIMEOUTS[old]} "
+        f"(SyncConfig(timeouts=Timeouts({_TIMEOUTS[old]}=...))); the old field goes in the "
+        "next release",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _renamed(data: dict[str, Any], timeouts: Timeouts, stacklevel: int) -> dict[str, Any]:
     """``SyncConfig``'s keyword arguments with renamed fields under their new names (each
-    old name warns; the deprecated topology fields warn too)."""
+    old name warns; the deprecated topology fields warn too). The old timeout fields are
+    read into ``timeouts`` (those the config had: defaults, or a copied config's)."""
     data = dict(data)
+    old_timeouts = {old: data.pop(old) for old in _TIMEOUTS if old in data}
+    if old_timeouts:
+        for old in old_timeouts:
+            _warn_timeout(old, stacklevel)
+        if "timeouts" in data:
+            raise ConfigError(
+                f"SyncConfig got both timeouts and {', '.join(old_timeouts)}; give only "
+                "timeouts=Timeouts(...)"
+            )
+        try:
+            kept = {name: getattr(timeouts, name) for name in timeouts.model_fields_set}
+            kept.update({_TIMEOUTS[old]: value for old, value in old_timeouts.items()})
+            data["timeouts"] = Timeouts(**kept)
+        except ConfigError as exc:
+            raise ConfigError(f"invalid SyncConfig: {exc}") from exc
     # a dumped config holds them too: only values other than one sending process warn
     given = [
         name for name in _TOPOLOGY_FIELDS if data.get(name, _ONE_SENDER[name]) != _ONE_SENDER[name]

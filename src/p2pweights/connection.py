@@ -87,16 +87,11 @@ class Connection:
                 endpoints,
                 ConnectOptions(
                     config.transport.kind,
-                    config.http_timeout_s,
-                    config.control_timeout_s,
+                    config.timeouts.read,
+                    config.timeouts.control,
                     config.api_key,
                     config.allow_sglang_mismatch,
-                    # unset, end_weight_update is bounded by http_timeout_s
-                    end_update_timeout_s=(
-                        config.http_timeout_s
-                        if config.end_update_timeout_s is None
-                        else config.end_update_timeout_s
-                    ),
+                    end_update_timeout_s=config.timeouts.end_update_bound,
                 ),
             )
         except BaseException:
@@ -136,7 +131,7 @@ class Connection:
         if self.executor is None:
             transport = create_transport(config.transport)
             self.executor = TransferExecutor(
-                transport, self.staging_device, config.transfer_timeout_s, config.delta
+                transport, self.staging_device, config.timeouts.transfer, config.delta
             )
         targets = assign(fleet.engines, config.num_trainer_ranks, config.trainer_rank, self.replica)
         self.executor.connect([pub for pubs in targets.values() for pub in pubs])

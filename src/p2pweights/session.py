@@ -282,10 +282,10 @@ class WeightSyncSession:
             InputChangedError: A tensor written through torch after it was received,
                 before any engine resumes under the new version.
             TransferError: A write failed, was refused, or was still running after
-                ``transfer_timeout_s``; a digest did not match; or ``abort()`` from another
+                ``timeouts.transfer``; a digest did not match; or ``abort()`` from another
                 thread cancelled the update (before its writes or at its next group).
             EngineError: An engine did not answer an update-session call within
-                ``control_timeout_s``, or answered in error.
+                ``timeouts.control``, or answered in error.
             PlanError: No valid assignment of trainer ranks to engine ranks (first update).
         """
         with self._one_call.refusing("update"):
@@ -322,7 +322,7 @@ class WeightSyncSession:
         caller, and one with torn weights is reported "left paused by the caller: ... must
         not be resumed". Called from another thread while ``update()`` runs, it cancels
         that update (which raises ``TransferError``) and waits for it to stop (writes in
-        flight are bounded by ``transfer_timeout_s``, engine calls by their time limits);
+        flight are bounded by ``timeouts.transfer``, engine calls by their time limits);
         while ``connect``, ``abort`` or ``close`` runs in another thread it waits for
         that to return.
 

@@ -24,6 +24,7 @@ from p2pweights import (
     LayoutMismatchError,
     MooncakeConfig,
     SyncConfig,
+    Timeouts,
     TransferError,
     WeightSyncSession,
 )
@@ -185,7 +186,7 @@ def test_dead_engine_fails_the_update_naming_url_rank_and_parameter(model_dir, s
     folder = model_dir("qwen3-tiny")
     (victim,) = start_engines(folder, [2], seed=0)
     agree = _signal_once_open(victim._process.pid, signal.SIGKILL)
-    with WeightSyncSession(_config(transfer_timeout_s=10), agree=agree) as session:
+    with WeightSyncSession(_config(timeouts=Timeouts(transfer=10)), agree=agree) as session:
         session.connect([victim.url])
         with pytest.raises(
             TransferError, match=rf"engine {victim.url} rank [01] parameters model\."

@@ -26,6 +26,7 @@ from p2pweights import (
     EngineUnreachable,
     MooncakeConfig,
     SyncConfig,
+    Timeouts,
     TransferError,
     WeightSyncSession,
 )
@@ -98,7 +99,7 @@ def test_a_failed_end_then_abort_does_not_resume_unverified_bytes(
 def test_a_frozen_engine_does_not_tear_a_healthy_one_in_a_streamed_update(model_dir, start_engines):
     folder = model_dir("qwen3-tiny")
     frozen, healthy = start_engines(folder, [1, 1], transport="mooncake", seed=0)
-    config = SyncConfig(transport=MOONCAKE, buffer_bytes="1MiB", transfer_timeout_s=3)
+    config = SyncConfig(transport=MOONCAKE, buffer_bytes="1MiB", timeouts=Timeouts(transfer=3))
     with WeightSyncSession(config) as session:
         session.connect([frozen.url, healthy.url])
         first = session.update(iter(seed_weights(folder, 74)))
@@ -108,7 +109,7 @@ def test_a_frozen_engine_does_not_tear_a_healthy_one_in_a_streamed_update(model_
         def stream():
             for index, pair in enumerate(weights):
                 if index == 12:  # a 1 MiB buffer was written (the engines are open):
-                    # freeze one for 8 s, past transfer_timeout_s
+                    # freeze one for 8 s, past timeouts.transfer
                     os.killpg(frozen.pid, signal.SIGSTOP)
                     threading.Timer(8.0, os.killpg, (frozen.pid, signal.SIGCONT)).start()
                 yield pair

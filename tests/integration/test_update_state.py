@@ -6,7 +6,7 @@ each leaves every engine in (docs/reliability.md points here, row by row):
   and reports the dead one; a reconnect with a restarted engine succeeds bit-exact;
 - an interrupted trainer (Ctrl-C inside a streamed update): the engine stays paused and its
   weight version says so; the next session adopts it and rewrites it whole;
-- an engine hung outside the writes fails the update within ``control_timeout_s``.
+- an engine hung outside the writes fails the update within ``timeouts.control``.
 
 The local engine reports its state in ``/server_info`` (``p2pweights_engine_state``).
 """
@@ -27,6 +27,7 @@ from p2pweights import (
     NixlConfig,
     P2PWeightsError,
     SyncConfig,
+    Timeouts,
     WeightSyncSession,
 )
 from p2pweights.engines.client import EngineClient
@@ -83,8 +84,7 @@ def test_frozen_engine_then_thawed_the_retry_succeeds(transport, model_dir, star
     config = SyncConfig(
         transport=TRANSPORTS[transport],
         buffer_bytes="1MiB",
-        transfer_timeout_s=3,
-        control_timeout_s=3,
+        timeouts=Timeouts(transfer=3, control=3),
     )
     try:
         with WeightSyncSession(
@@ -113,7 +113,9 @@ def test_killed_engine_abort_resumes_the_others_and_a_restarted_one_rejoins(
     (survivor,) = shared_engines(folder, [2], seed=0)  # left running: back to the pool
     victim.wait_ready()
     first = next_version([survivor.url])
-    config = SyncConfig(transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", transfer_timeout_s=5)
+    config = SyncConfig(
+        transport=TRANSPORTS["mooncake"], buffer_bytes="1MiB", timeouts=Timeouts(transfer=5)
+    )
     pid = victim._process.pid
     with WeightSyncSession(
         config, agree=_on_step(2, lambda: os.killpg(pid, signal.SIGKILL))
@@ -176,15 +178,14 @@ def test_engine_hung_outside_the_writes_fails_within_control_timeout(model_dir, 
     config = SyncConfig(
         transport=TRANSPORTS["mooncake"],
         buffer_bytes="1MiB",
-        control_timeout_s=2,
-        http_timeout_s=60,
+        timeouts=Timeouts(control=2, read=60),
     )
     try:
         with WeightSyncSession(config) as session:
             session.connect([engine.url])
             session.update(_weights(folder, 8))
             os.killpg(pid, signal.SIGSTOP)
-            with pytest.raises(EngineError, match=r"no answer within 2 s \(control_timeout_s\)"):
+            with pytest.raises(EngineError, match=r"no answer within 2 s \(timeouts.control\)"):
                 session.update(_weights(folder, 9))
             os.killpg(pid, signal.SIGCONT)
             report = session.update(_weights(folder, 9))

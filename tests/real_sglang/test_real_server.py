@@ -48,6 +48,7 @@ from p2pweights import (
     MooncakeConfig,
     NixlConfig,
     SyncConfig,
+    Timeouts,
     TransferError,
     WeightSyncSession,
 )
@@ -225,7 +226,7 @@ def test_three_updates_in_a_row_are_bit_exact_and_generate_as_transformers(
     server = start_server(name)
     client = EngineClient(server.url)
     reference = reference_checksums(server.url, model_folder)
-    config = SyncConfig(transport=NixlConfig(backend="UCX"), transfer_timeout_s=60)
+    config = SyncConfig(transport=NixlConfig(backend="UCX"), timeouts=Timeouts(transfer=60))
     with WeightSyncSession(config) as session:
         session.connect([server.url])
         for step, seed in enumerate(SEEDS, start=1):
@@ -289,7 +290,7 @@ def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
     assert (pub.backend, pub.live, pub.epoch) == ("cuda_ipc", True, 0), pub
     gpu = pub.segments[0].gpu_id
     reference = reference_checksums(server.url, model_folder)
-    config = SyncConfig(transport=CudaIpcConfig(device=gpu), transfer_timeout_s=60)
+    config = SyncConfig(transport=CudaIpcConfig(device=gpu), timeouts=Timeouts(transfer=60))
     updates = []
     with WeightSyncSession(config) as session:
         session.connect([server.url])
@@ -299,7 +300,9 @@ def test_cuda_ipc_into_a_colocated_gpu_server_is_bit_exact_three_times_in_a_row(
             # sglang's GPU post-processing of bf16 weights moves nothing; the test plugin
             # moves everything at each end
             assert client.publication(0).epoch == (step if moves else 0)
-    staged = SyncConfig(transport=CudaIpcConfig(device=gpu, direct=False), transfer_timeout_s=60)
+    staged = SyncConfig(
+        transport=CudaIpcConfig(device=gpu, direct=False), timeouts=Timeouts(transfer=60)
+    )
     with WeightSyncSession(staged) as session:
         session.connect([server.url])
         step = len(SEEDS) + 1
@@ -364,7 +367,7 @@ def test_a_wrong_byte_after_the_writes_fails_the_update_on_a_server_without_dige
     client = EngineClient(server.url)
     reference = reference_checksums(server.url, model_folder)
     param = "model.layers.1.mlp.down_proj.weight"  # TP 1: held as sent, until end packs it
-    config = SyncConfig(transport=NixlConfig(backend="UCX"), transfer_timeout_s=60)
+    config = SyncConfig(transport=NixlConfig(backend="UCX"), timeouts=Timeouts(transfer=60))
     first, wrong_seed, last = SEEDS
     with WeightSyncSession(config) as session:
         session.connect([server.url])

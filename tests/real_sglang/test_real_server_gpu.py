@@ -34,7 +34,7 @@ import httpx
 import pytest
 import torch
 
-from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, WeightSyncSession
+from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, Timeouts, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
 from p2pweights.verify import checksums_by_rank
@@ -212,7 +212,7 @@ def test_three_updates_bit_exact_on_a_gpu_server(
     transport = MooncakeConfig(protocol="tcp") if options["mooncake"] else NixlConfig(backend="UCX")
     reports = []
     with WeightSyncSession(
-        SyncConfig(transport=transport, transfer_timeout_s=60), staging_device=staging
+        SyncConfig(transport=transport, timeouts=Timeouts(transfer=60)), staging_device=staging
     ) as session:
         session.connect([server.url])
         for step, seed in enumerate(SEEDS, start=1):

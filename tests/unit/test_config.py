@@ -10,6 +10,7 @@ from p2pweights import (
     MooncakeConfig,
     NixlConfig,
     SyncConfig,
+    Timeouts,
     TrainerTopology,
     WeightSyncSession,
 )
@@ -20,7 +21,8 @@ def test_defaults():
     config = SyncConfig()
     assert config.transport == MooncakeConfig(protocol="rdma")
     assert config.buffer_bytes == 512 * 2**20
-    assert (config.transfer_timeout_s, config.pause_mode) == (30.0, "retract")
+    assert (config.timeouts.transfer, config.pause_mode) == (30.0, "retract")
+    assert config.timeouts == Timeouts(transfer=30, control=15, read=60, end_update=None)
     assert config.verify_with_weight_checker is False and config.api_key is None
 
 
@@ -48,7 +50,7 @@ def test_buffer_bytes_accepts_strings():
     [
         {"buffer_bytes": "lots"},
         {"buffer_bytes": 1024},
-        {"transfer_timeout_s": 0},
+        {"timeouts": {"transfer": 0}},
         {"pause_mode": "later"},
         {"bogus": 1},
         {"transport": {"kind": "carrier-pigeon"}},
@@ -119,11 +121,58 @@ def test_new_check_names_do_not_warn(recwarn: pytest.WarningsRecorder) -> None:
 
 
 def test_end_update_timeout_is_its_own_setting() -> None:
-    assert SyncConfig().end_update_timeout_s is None  # unset: http_timeout_s
-    config = SyncConfig(http_timeout_s=10, end_update_timeout_s=900)
-    assert (config.http_timeout_s, config.end_update_timeout_s) == (10, 900)
+    assert SyncConfig().timeouts.end_update is None  # unset: read
+    config = SyncConfig(timeouts=Timeouts(read=10, end_update=900))
+    assert (config.timeouts.read, config.timeouts.end_update) == (10, 900)
     with pytest.raises(ConfigError, match="positive"):
-        SyncConfig(end_update_timeout_s=0)
+        SyncConfig(timeouts=Timeouts(end_update=0))
+    with pytest.raises(ConfigError, match="positive"):
+        SyncConfig(timeouts={"control": -1})
+
+
+OLD_TIMEOUTS = [
+    ("transfer_timeout_s", "transfer", 90.0),
+    ("control_timeout_s", "control", 5.0),
+    ("http_timeout_s", "read", 300.0),
+    ("end_update_timeout_s", "end_update", 900.0),
+]
+
+
+def test_timeouts_given_as_one_object_do_not_warn(recwarn: pytest.WarningsRecorder) -> None:
+    config = SyncConfig(timeouts=Timeouts(transfer=90, control=5, read=300, end_update=900))
+    assert config.timeouts.model_dump() == {
+        "transfer": 90,
+        "control": 5,
+        "read": 300,
+        "end_update": 900,
+    }
+    assert SyncConfig(timeouts={"transfer": 90}).timeouts == Timeouts(transfer=90)
+    dumped = SyncConfig(**config.model_dump())  # a dump reads back, the timeouts nested
+    assert dumped.timeouts == config.timeouts
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+@pytest.mark.parametrize(("old", "new", "value"), OLD_TIMEOUTS)
+def test_the_old_timeout_fields_still_work_with_a_warning(old: str, new: str, value: float) -> None:
+    message = rf"SyncConfig.{old} is now SyncConfig.timeouts.{new} .*Timeouts\({new}=\.\.\.\)"
+    with pytest.warns(DeprecationWarning, match=message):
+        config = SyncConfig(**{old: value})
+    assert getattr(config.timeouts, new) == value
+    assert config.timeouts == Timeouts(**{new: value})  # the others keep their defaults
+    with pytest.warns(DeprecationWarning, match=message):
+        assert getattr(config, old) == value  # reading the old name warns too
+    with pytest.warns(DeprecationWarning, match=message):
+        copied = SyncConfig(timeouts=Timeouts(transfer=7)).model_copy(update={old: value})
+    assert getattr(copied.timeouts, new) == value
+    if new != "transfer":
+        assert copied.timeouts.transfer == 7  # a copy keeps the timeouts it had
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="positive"):
+        SyncConfig(**{old: 0})
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ConfigError, match=f"both timeouts and {old}"),
+    ):
+        SyncConfig(timeouts=Timeouts(), **{old: value})
 
 
 def _end_update_bound(config: SyncConfig, monkeypatch: pytest.MonkeyPatch) -> object:
@@ -145,20 +194,24 @@ def _end_update_bound(config: SyncConfig, monkeypatch: pytest.MonkeyPatch) -> ob
     return given[0].end_update_timeout_s  # type: ignore[attr-defined]
 
 
-def test_end_update_timeout_follows_http_timeout_however_the_config_was_made(
+def test_end_update_timeout_follows_the_read_timeout_however_the_config_was_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # unset, it is http_timeout_s (which bounded end_weight_update before it had a name),
-    # in a config built, copied or rebuilt from a dump with another http_timeout_s
+    # unset, it is the read bound (which bounded end_weight_update before it had a name),
+    # in a config built, copied or rebuilt from a dump with another read bound
+    dump = SyncConfig().model_dump()
     for config in [
-        SyncConfig(http_timeout_s=300),
-        SyncConfig().model_copy(update={"http_timeout_s": 300}),
-        SyncConfig(**{**SyncConfig().model_dump(), "http_timeout_s": 300}),
+        SyncConfig(timeouts=Timeouts(read=300)),
+        SyncConfig().model_copy(update={"timeouts": Timeouts(read=300)}),
+        SyncConfig(**{**dump, "timeouts": {**dump["timeouts"], "read": 300}}),
     ]:
         assert _end_update_bound(config, monkeypatch) == 300
     assert _end_update_bound(SyncConfig(), monkeypatch) == 60
-    given = SyncConfig(end_update_timeout_s=900).model_copy(update={"http_timeout_s": 300})
+    given = SyncConfig(timeouts=Timeouts(read=300, end_update=900))
     assert _end_update_bound(given, monkeypatch) == 900
+    with pytest.warns(DeprecationWarning):
+        old = SyncConfig(end_update_timeout_s=900).model_copy(update={"http_timeout_s": 300})
+    assert _end_update_bound(old, monkeypatch) == 900
 
 
 def test_end_weight_update_is_bounded_by_its_own_timeout() -> None:
@@ -184,7 +237,7 @@ def test_end_weight_update_is_bounded_by_its_own_timeout() -> None:
         transport=httpx.MockTransport(handle),
     )
     client.begin_weight_update()
-    with pytest.raises(EngineUnreachable, match=r"within 120 s \(end_update_timeout_s\)"):
+    with pytest.raises(EngineUnreachable, match=r"within 120 s \(timeouts.end_update\)"):
         client.end_weight_update()
     client.close()
     assert timeouts == {"/begin_weight_update": 2, "/end_weight_update": 120}
@@ -244,7 +297,7 @@ def test_topology_fields_in_model_copy_warn(recwarn: pytest.WarningsRecorder) ->
         copied = SyncConfig().model_copy(update={"trainer_rank": 1, "num_trainer_ranks": 2})
     assert copied.topology == TrainerTopology(rank=1, num_ranks=2)
     recwarn.clear()
-    SyncConfig().model_copy(update={"http_timeout_s": 5, "trainer_rank": 0})
+    SyncConfig().model_copy(update={"timeouts": Timeouts(read=5), "trainer_rank": 0})
     SyncConfig().with_topology(TrainerTopology(rank=1, num_ranks=2))
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
 

@@ -6,11 +6,11 @@ import pydoc
 
 import pytest
 
-from p2pweights.config import DeltaConfig, MooncakeConfig, SyncConfig
+from p2pweights.config import DeltaConfig, MooncakeConfig, SyncConfig, Timeouts
 from p2pweights.errors import ConfigError
 
 
-@pytest.mark.parametrize("config", [SyncConfig, MooncakeConfig, DeltaConfig])
+@pytest.mark.parametrize("config", [SyncConfig, MooncakeConfig, DeltaConfig, Timeouts])
 def test_every_field_has_its_docstring_as_description(config: type) -> None:
     missing = [n for n, f in config.model_fields.items() if n != "kind" and not f.description]
     assert missing == []
@@ -19,7 +19,10 @@ def test_every_field_has_its_docstring_as_description(config: type) -> None:
 def test_help_shows_the_field_docstrings() -> None:
     text = pydoc.render_doc(SyncConfig, renderer=pydoc.plaintext)
     assert "Size of each of the two staging buffers" in text
-    assert "transfer_timeout_s" in text
+    assert "timeouts" in text
+    assert "A write still running after this many seconds" in pydoc.render_doc(
+        Timeouts, renderer=pydoc.plaintext
+    )
 
 
 def test_validation_errors_carry_no_pydantic_link() -> None:

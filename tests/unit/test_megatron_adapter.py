@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from p2pweights import ConfigError, SyncConfig, TrainerTopology
+from p2pweights import ConfigError, SyncConfig, Timeouts, TrainerTopology
 from p2pweights.adapters.megatron import (
     MegatronExport,
     renamed,
@@ -115,10 +115,10 @@ class FakeParamMapping:
 
 
 def test_stage_config_from_megatrons_parallel_state(parallel_state):
-    config = SyncConfig(buffer_bytes="64MiB", transfer_timeout_s=5)
+    config = SyncConfig(buffer_bytes="64MiB", timeouts=Timeouts(transfer=5))
     staged = stage_config(config)
     assert (staged.pipeline_stage, staged.num_pipeline_stages) == (1, 4)
-    assert (staged.buffer_bytes, staged.transfer_timeout_s) == (64 * 2**20, 5)
+    assert (staged.buffer_bytes, staged.timeouts.transfer) == (64 * 2**20, 5)
     gathered = stage_config(config, per_stage=False)
     assert (gathered.pipeline_stage, gathered.num_pipeline_stages) == (0, 1)
     assert staged.model_fields_set == config.model_fields_set  # what the user set, only

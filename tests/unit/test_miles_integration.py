@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig, TransferError
+from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig, Timeouts, TransferError
 from p2pweights.integrations import miles, miles_args
 from p2pweights.integrations.miles import P2PWeightsUpdater, config_from_args, update_metrics
 from p2pweights.integrations.streamed_update import StreamedUpdate
@@ -39,7 +39,7 @@ class FakeSession:
     reading early (``stop_after``)."""
 
     def __init__(self, fail_after: int | None = None, stop_after: int | None = None):
-        self.config = SyncConfig(transfer_timeout_s=1, control_timeout_s=1)
+        self.config = SyncConfig(timeouts=Timeouts(transfer=1, control=1))
         self.fail_after, self.stop_after = fail_after, stop_after
         self.error = RuntimeError("injected: the update failed")
         self.read: list[str] = []
@@ -251,7 +251,7 @@ def test_config_from_miles_flags(monkeypatch):
     monkeypatch.setattr(miles_args, "_node_address", lambda: "10.0.0.7")
     config = config_from_args(_args(), None, 1, 4)
     assert config.buffer_bytes == 64 * 2**20
-    assert config.transfer_timeout_s == 45.0
+    assert config.timeouts.transfer == 45.0
     assert config.pause_mode == "in_place"
     # miles checks the first update itself (snapshot and reset before training, compare
     # after); the session's own check would snapshot the reset weights
@@ -265,7 +265,7 @@ def test_fields_a_config_sets_win_over_miles_flags():
     config = config_from_args(_args(), given, 0, 1)
     assert config.transport == NixlConfig(backend="UCX")
     assert config.buffer_bytes == 2**30
-    assert config.transfer_timeout_s == 45.0  # left unset in the config: from the flags
+    assert config.timeouts.transfer == 45.0  # left unset in the config: from the flags
 
 
 @pytest.fixture

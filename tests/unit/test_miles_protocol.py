@@ -14,7 +14,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig, Timeouts
 from p2pweights.integrations import FrameworkMismatchError, miles, miles_args, miles_protocol
 from p2pweights.integrations.miles_protocol import (
     P2PWeightsProtocol,
@@ -54,7 +54,7 @@ def _args(**overrides) -> Namespace:
 
 class FakeSession:
     def __init__(self):
-        self.config = SyncConfig(transfer_timeout_s=1, control_timeout_s=1)
+        self.config = SyncConfig(timeouts=Timeouts(transfer=1, control=1))
         self.read: list[str] = []
         self.versions: list[str | None] = []
 

@@ -39,6 +39,7 @@ PUBLIC = {
         "P2PWeightsError",
         "PlanError",
         "SyncConfig",
+        "Timeouts",
         "TrainerTopology",
         "TransportConfigBase",
         "TransferError",

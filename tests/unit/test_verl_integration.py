@@ -18,7 +18,7 @@ from verl.utils.import_utils import import_external_libs
 from verl.workers.config import CheckpointEngineConfig
 from verl.workers.rollout.replica import RolloutMode
 
-from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig
+from p2pweights import ConfigError, MooncakeConfig, NixlConfig, SyncConfig, Timeouts
 from p2pweights.integrations import verl as verl_integration
 from p2pweights.integrations.verl import (
     BACKEND,
@@ -61,7 +61,7 @@ def test_engine_kwargs_map_to_sync_config_fields():
             "p2pweights": {
                 "transport": {"kind": "mooncake", "protocol": "tcp", "device_name": "mlx5_0"},
                 "pause_mode": "abort",
-                "transfer_timeout_s": 90,
+                "timeouts": {"transfer": 90},
                 "verify_with_weight_checker": True,
             }
         }
@@ -71,7 +71,7 @@ def test_engine_kwargs_map_to_sync_config_fields():
         transport=MooncakeConfig(protocol="tcp", device_name="mlx5_0"),
         buffer_bytes=2048 << 20,
         pause_mode="abort",
-        transfer_timeout_s=90,
+        timeouts=Timeouts(transfer=90),
         verify_with_weight_checker=True,
     )
     nixl = sync_config(256 << 20, {"transport": {"kind": "nixl", "backend": "UCX"}})

@@ -9,7 +9,8 @@ publications, the weight checker, which hashes every weight) and ``control_timeo
 for each update-session call that does no work on the weights (pause, flush, begin,
 version, continue), so a hung engine outside the writes costs at most that long.
 ``end_weight_update`` re-processes the model and has its own bound,
-``end_update_timeout_s`` (default: ``timeout_s``).
+``end_update_timeout_s`` (default: ``timeout_s``). ``SyncConfig.timeouts`` sets the three
+(``read``, ``control``, ``end_update``), and a timeout's error names the setting so.
 
 Every request is recorded in ``calls`` (route, time, whether it opened a TCP
 connection: httpx keeps connections alive and reuses them; the trace extension says
@@ -212,7 +213,7 @@ class EngineClient:
         this end (``END_RECORDS_KEY``), so the trainer need not read them one call a rank;
         sglang's own answer carries none, and malformed ones are dropped with a warning
         (empty: the records are then read from each rank)."""
-        # its own bound, not control_timeout_s: the engine re-processes the whole model
+        # its own bound, not the control one: the engine re-processes the whole model
         # here (derived weights, kernel layouts), seconds for a large fp8 MoE
         body = self._checked("/end_weight_update", {}, end=True)
         try:
@@ -259,11 +260,11 @@ class EngineClient:
         ``control_timeout_s`` (``control``), ``end_update_timeout_s`` (``end``) or
         ``timeout_s``."""
         if end:
-            timeout, setting = self._end_update_timeout_s, "end_update_timeout_s"
+            timeout, setting = self._end_update_timeout_s, "timeouts.end_update"
         elif control:
-            timeout, setting = self._control_timeout_s, "control_timeout_s"
+            timeout, setting = self._control_timeout_s, "timeouts.control"
         else:
-            timeout, setting = self._timeout_s, "http_timeout_s"
+            timeout, setting = self._timeout_s, "timeouts.read"
         opened: list[bool] = []
 
         def trace(event: str, info: dict[str, Any]) -> None:

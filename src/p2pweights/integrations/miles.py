@@ -178,7 +178,7 @@ class P2PWeightsUpdater(_Base):
             stream, self._stream = self._stream, None
             if stream is not None and stream.running:
                 config = self.session.config
-                stream.cancel(exc, wait_s=config.control_timeout_s + config.transfer_timeout_s)
+                stream.cancel(exc, wait_s=config.timeouts.control + config.timeouts.transfer)
             raise
 
     # -- the mixin's hooks ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ from p2pweights.config import (
     MooncakeConfig,
     NixlConfig,
     SyncConfig,
+    Timeouts,
     TrainerTopology,
     TransportConfig,
 )
@@ -65,13 +66,18 @@ def config_from_args(
         # miles' bucket size may be below the staging buffer's 1 MiB floor; the buckets
         # stay miles' own, the session stages them in buffers of at least 1 MiB
         "buffer_bytes": max(int(args.update_weight_buffer_size), MIN_BUFFER_BYTES),
-        "transfer_timeout_s": args.p2p_transfer_timeout,
         "pause_mode": args.pause_generation_mode,
     }
     if config is None or "transport" not in config.model_fields_set:
         fields["transport"] = transport_from_args(args)
     if config is not None:
         fields.update({name: getattr(config, name) for name in config.model_fields_set})
+    # the flag's transfer bound, under the timeouts the config sets explicitly
+    given = config.timeouts if config is not None else Timeouts()
+    fields["timeouts"] = Timeouts(
+        **{"transfer": args.p2p_transfer_timeout}
+        | {name: getattr(given, name) for name in given.model_fields_set}
+    )
     # this rank's stage; its place among the stage's ranks comes from from_torch_distributed
     for name in ("trainer_rank", "num_trainer_ranks", "pipeline_stage", "num_pipeline_stages"):
         fields.pop(name, None)

@@ -234,7 +234,7 @@ class P2PWeightsProtocol(_Base):
         if stream is not None and stream.running and self.session is not None:
             config = self.session.config
             reason = ConfigError("miles began a new update before finishing the last one")
-            stream.cancel(reason, wait_s=config.control_timeout_s + config.transfer_timeout_s)
+            stream.cancel(reason, wait_s=config.timeouts.control + config.timeouts.transfer)
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ def updater_class(config: SyncConfig | None = None) -> type:
             except BaseException as exc:
                 stream, self._stream = self._stream, None
                 if stream is not None and self._session is not None and stream.running:
-                    stream.cancel(exc, wait_s=self._session.config.transfer_timeout_s)
+                    stream.cancel(exc, wait_s=self._session.config.timeouts.transfer)
                 raise
             stream, self._stream = self._stream, None
             if stream is not None:

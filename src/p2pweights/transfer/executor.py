@@ -397,7 +397,7 @@ class TransferExecutor:
     def settle(self, refused: str = "reusing their staging buffer") -> None:
         """Before the buffers are reused or released, let the writes failed updates gave up
         on end; raises ``TransferError`` naming the engine ranks of those still in flight
-        after ``transfer_timeout_s`` (their buffers stay out of use until they end)."""
+        after ``timeouts.transfer`` (their buffers stay out of use until they end)."""
         unsettled = self._late.settle(self._timeout_s)
         if unsettled:
             raise still_in_flight(unsettled, self._timeout_s, refused)
@@ -973,7 +973,7 @@ class _Run:
                     batch.key,
                     TransferError(
                         f"write to {batch.describe()} still running after "
-                        f"transfer_timeout_s={self._timeout_s}"
+                        f"timeouts.transfer={self._timeout_s}"
                     ),
                 )
             elif future.cancelled():  # never ran: its writer was closed meanwhile

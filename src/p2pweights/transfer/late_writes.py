@@ -1,7 +1,7 @@
 """Writes the executor stopped waiting for, kept with the staging buffer they read.
 
 A write batch is late when the executor gave up waiting for its writer
-(``transfer_timeout_s``) or when the transport gave up on it while its transfers were
+(``timeouts.transfer``) or when the transport gave up on it while its transfers were
 still in flight (``UnsettledWrite``). Either way it may still read its staging buffer
 and land in its engine rank. It counts as settled once its writer returned and the
 transport saw every transfer finish or fail; until then its buffer is not deregistered
@@ -86,7 +86,7 @@ def still_in_flight(writes: list[LateWrite], timeout_s: float, refused: str) -> 
     """The error for writes that did not settle: which engine ranks, and what to do."""
     return TransferError(
         f"{some_of([w.batch.describe() for w in writes])}: {len(writes)} write(s) given "
-        f"up on are still in flight after transfer_timeout_s={timeout_s:g} and may still "
+        f"up on are still in flight after timeouts.transfer={timeout_s:g} and may still "
         f"land, so those engine ranks stay torn and {refused} is refused (their staging "
         f"buffer is kept as it is). update() again once the engine is responsive, or close() "
         f"this session (the memory they read is then kept, never freed) and connect a new one"
