@@ -62,7 +62,7 @@ if TYPE_CHECKING:
         TransportError,
         UnsettledWrite,
     )
-    from p2pweights.report import DeltaReport, EngineReport, UpdateReport
+    from p2pweights.report import DeltaReport, EngineRankKey, EngineReport, UpdateReport
     from p2pweights.session import WeightSyncSession
 
 __version__ = "0.1.0"
@@ -75,6 +75,7 @@ __all__ = [
     "DeltaReport",
     "EngineEndpoint",
     "EngineError",
+    "EngineRankKey",
     "EngineReport",
     "EngineStateError",
     "EngineUnreachable",
@@ -105,6 +106,7 @@ _WHERE = {
     "DeltaReport": "p2pweights.report",
     "EngineEndpoint": "p2pweights.engines.endpoint",
     "EngineError": "p2pweights.errors",
+    "EngineRankKey": "p2pweights.report",
     "EngineReport": "p2pweights.report",
     "EngineStateError": "p2pweights.errors",
     "EngineUnreachable": "p2pweights.errors",

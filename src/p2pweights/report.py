@@ -9,16 +9,26 @@ long they stood paused.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from p2pweights.errors import some_of
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from p2pweights.delta.sender import DeltaSummary
 
-__all__ = ["DeltaReport", "EngineReport", "UpdateReport", "Verification"]
+__all__ = [
+    "DeltaReport",
+    "EngineRankBytes",
+    "EngineRankKey",
+    "EngineReport",
+    "UpdateReport",
+    "Verification",
+]
 
 Verification = Literal["write_digests", "weights_checker", "weight_check"]
 """How an engine's writes were checked: "write_digests" (each engine rank's digest of
@@ -29,6 +39,90 @@ written parameter, asked after the writes and before ``end_weight_update``, equa
 same hash of the bytes staged for it; ``SyncConfig.verify_writes``), "weight_check" (the engine's
 own weight checker compared the update with the weights it started with;
 ``SyncConfig.verify_with_weight_checker``, first update only)."""
+
+
+@dataclass(frozen=True, eq=False)
+class EngineRankKey:
+    """One engine rank: what ``UpdateReport.bytes_by_target`` and the writers are keyed by.
+
+    It replaced the tuple ``(url, rank)`` and still behaves as one: it unpacks
+    (``url, rank = key``), equals and hashes as that tuple (``bytes_by_target[(url, 0)]``
+    finds it) and sorts by URL, then rank."""
+
+    url: str
+    """The engine's URL, as connected."""
+    rank: int
+    """The engine rank (its tensor-parallel rank; each rank holds its own weights)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.url, self.rank))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EngineRankKey):
+            return (self.url, self.rank) == (other.url, other.rank)
+        if isinstance(other, tuple):
+            return (self.url, self.rank) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.url, self.rank))
+
+    def __lt__(self, other: EngineRankKey | tuple[str, int]) -> bool:
+        return (self.url, self.rank) < tuple(other)
+
+    def __gt__(self, other: EngineRankKey | tuple[str, int]) -> bool:
+        return (self.url, self.rank) > tuple(other)
+
+
+@dataclass(frozen=True)
+class EngineRankBytes(Mapping[EngineRankKey, int]):
+    """Engine rank -> bytes: a read-only mapping (``items()``, ``[key]``, ``==`` a dict)
+    held as a tuple of records, so that ``dataclasses.asdict`` of a report (and
+    ``json.dumps`` of that) works: a JSON object's keys are strings, a rank's key is not."""
+
+    ranks: tuple[EngineRankWritten, ...] = ()
+    """Each engine rank and its bytes, sorted by URL, then rank."""
+
+    @classmethod
+    def of(cls, given: Mapping[EngineRankKey, int] | Mapping[tuple[str, int], int]) -> Self:
+        """From a mapping keyed by ``EngineRankKey`` or by ``(url, rank)`` tuples."""
+        if isinstance(given, cls):
+            return given
+        keyed = {EngineRankKey(*key): num_bytes for key, num_bytes in given.items()}
+        return cls(
+            tuple(
+                EngineRankWritten(key.url, key.rank, num_bytes)
+                for key, num_bytes in sorted(keyed.items(), key=lambda item: item[0])
+            )
+        )
+
+    @functools.cached_property
+    def _by_key(self) -> dict[EngineRankKey, int]:
+        return {EngineRankKey(r.url, r.rank): r.num_bytes for r in self.ranks}
+
+    def __getitem__(self, key: EngineRankKey | tuple[str, int]) -> int:
+        return self._by_key[key]  # type: ignore[index]  # a tuple hashes and equals as its key
+
+    def __iter__(self) -> Iterator[EngineRankKey]:
+        return (EngineRankKey(r.url, r.rank) for r in self.ranks)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"EngineRankBytes({self._by_key!r})"
+
+    __eq__ = Mapping.__eq__
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class EngineRankWritten:
+    """One engine rank and the bytes this trainer rank wrote there."""
+
+    url: str
+    rank: int
+    num_bytes: int
 
 
 @dataclass(frozen=True)
@@ -117,8 +211,10 @@ class UpdateReport:
 
     version: str
     """The weight version the engines now show."""
-    bytes_by_target: dict[tuple[str, int], int]
-    """(engine URL, engine rank) -> bytes this trainer rank wrote there."""
+    bytes_by_target: Mapping[EngineRankKey, int]
+    """Engine rank (``EngineRankKey(url, rank)``, which unpacks and compares as the
+    ``(url, rank)`` tuple it replaced) -> bytes this trainer rank wrote there. Given as
+    any such mapping (tuple keys too), held as an ``EngineRankBytes``."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per stage: control_plane, probe (first update only) or check_inputs, convert
     (e.g. fp8 quantization, when an engine needs it), load (into buffers), wait (on
@@ -142,6 +238,9 @@ class UpdateReport:
     """Whether every input tensor was checked for NaN / Inf before it was staged
     (``SyncConfig.verify_finite_inputs``; off by default: on a CPU the check costs tens
     of percent of an update). False: they reached the engines unchecked."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bytes_by_target", EngineRankBytes.of(self.bytes_by_target))
 
     @property
     def bytes_written(self) -> int:

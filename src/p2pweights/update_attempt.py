@@ -415,7 +415,7 @@ class UpdateAttempt:
         wrong: set[str] = set()
         write_check = self.connection.write_check
         if write_check:
-            staged = {r: d for r, d in run.digests.items() if r[0] in whole}
+            staged = {r: d for r, d in run.digests.items() if r.engine_url in whole}
             try:
                 found = write_check.check(staged, updating_version(self.version))
             except Exception:
@@ -425,7 +425,7 @@ class UpdateAttempt:
                 found = [Mismatch(Runner(url, -1, "target"), "not checked") for url in whole]
             for mismatch in found:
                 logger.warning("p2pweights: write verification failed: %s", mismatch)
-            wrong = {m.runner[0] for m in found}
+            wrong = {m.runner.engine_url for m in found}
         fleet.writes_verified(wrong)
 
     @property
@@ -511,7 +511,7 @@ class UpdateAttempt:
         except BaseException:
             if self.leader:
                 alone = self.config.num_senders == 1 and bool(found)
-                wrong = {m.runner[0] for m in found} if alone else set(write_check.engines)
+                wrong = {m.runner.engine_url for m in found} if alone else set(write_check.engines)
                 # an engine whose end did not answer was not checked: it stays unverified
                 wrong -= set(self.connection.fleet.unended())
                 self.connection.fleet.writes_wrong(wrong)
@@ -536,7 +536,7 @@ class UpdateAttempt:
         except BaseException:
             if self.leader:
                 alone = self.config.num_senders == 1 and bool(found)
-                wrong = {m.runner[0] for m in found} if alone else set(write_check.checker)
+                wrong = {m.runner.engine_url for m in found} if alone else set(write_check.checker)
                 fleet = self.connection.fleet
                 fleet.writes_wrong(wrong)
                 if alone and not self._weight_check_pending:

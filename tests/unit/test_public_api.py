@@ -25,6 +25,7 @@ PUBLIC = {
         "CudaIpcConfig",
         "DeltaConfig",
         "DeltaReport",
+        "EngineRankKey",
         "EngineReport",
         "EngineStateError",
         "EngineUnreachable",

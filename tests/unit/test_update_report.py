@@ -474,3 +474,42 @@ def test_the_report_says_when_inputs_were_not_checked_for_nan_and_inf(engines):
         assert report.inputs_checked_finite is verify
         assert ("inputs NOT checked for NaN / Inf" in report.summary()) is said
         assert report.metrics()["p2pweights/inputs_checked_finite"] == int(verify)
+
+
+def test_engine_rank_keys_name_their_fields_and_still_behave_as_the_tuples_they_replaced():
+    import dataclasses
+    import json
+
+    from p2pweights import EngineRankKey
+    from p2pweights.wire.publication import Runner
+
+    key = EngineRankKey("http://a", 1)
+    url, rank = key
+    assert (url, rank) == (key.url, key.rank) == ("http://a", 1)
+    assert key == ("http://a", 1) and hash(key) == hash(("http://a", 1))
+    assert sorted([EngineRankKey("http://b", 0), key, ("http://a", 0)])[1:] == [
+        key,
+        ("http://b", 0),
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        key.rank = 2  # type: ignore[misc]
+    runner = Runner("http://a", 1, "draft")
+    assert tuple(runner) == ("http://a", 1, "draft") and runner == ("http://a", 1, "draft")
+    assert runner.key == key and {runner: 1}[("http://a", 1, "draft")] == 1
+
+    # a report given tuple keys holds engine-rank keys; lookups, unpacking, equality with a
+    # tuple-keyed dict and sorting work as before
+    given = {("http://b", 0): 2_000, ("http://a", 1): 1_000}
+    report = UpdateReport(version="1", bytes_by_target=given)
+    assert report.bytes_by_target == given and dict(report.bytes_by_target) == given
+    assert report.bytes_by_target[("http://a", 1)] == 1_000 == report.bytes_by_target[key]
+    assert [url for (url, _), _ in report.bytes_by_target.items()] == ["http://a", "http://b"]
+    assert sorted(report.bytes_by_target) == [key, EngineRankKey("http://b", 0)]
+    assert report.bytes_written == 3_000 and ("http://b", 0) in report.bytes_by_target
+    # and the whole report goes to JSON either way
+    data = json.loads(json.dumps(dataclasses.asdict(report)))
+    assert data["bytes_by_target"]["ranks"] == [
+        {"url": "http://a", "rank": 1, "num_bytes": 1_000},
+        {"url": "http://b", "rank": 0, "num_bytes": 2_000},
+    ]
+    assert json.loads(json.dumps(report.to_dict()))["bytes_by_target"][0]["engine_rank"] == 1

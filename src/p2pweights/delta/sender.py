@@ -33,6 +33,7 @@ from p2pweights.config import DeltaConfig
 from p2pweights.delta.flush_compare import FlushSlot
 from p2pweights.delta.policy import Decision, DeltaPolicy, Measured
 from p2pweights.delta.store import FlushLayout, PreviousBytes
+from p2pweights.report import EngineRankKey
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, DeltaEntry, PayloadHeader
 from p2pweights.wire.landed import flag_names
 from p2pweights.wire.publication import RankPublication, Runner
@@ -97,7 +98,7 @@ class DeltaSender:
     def finish(
         self,
         run: DeltaRun,
-        failed: Iterable[tuple[str, int]],
+        failed: Iterable[EngineRankKey],
         *,
         compare_s: float = 0.0,
         wait_s: float = 0.0,

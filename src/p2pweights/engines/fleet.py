@@ -21,7 +21,7 @@ from p2pweights.engines.update_session import (
 )
 from p2pweights.errors import EngineError, EngineUnreachable
 from p2pweights.replica.speculative import has_model_draft
-from p2pweights.report import EngineReport, Verification
+from p2pweights.report import EngineRankKey, EngineReport, Verification
 from p2pweights.transport_registry import publication_backend
 from p2pweights.wire.publication import RankPublication, require_backend
 
@@ -351,7 +351,7 @@ class Fleet:
 
     def engine_reports(
         self,
-        bytes_by_target: Mapping[tuple[str, int], int],
+        bytes_by_target: Mapping[EngineRankKey, int],
         transport: str,
         protocol: str,
         verification: Callable[[str], tuple[tuple[Verification, ...], str | None]],

@@ -33,7 +33,7 @@ from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
 from p2pweights.integrity import checker as weights_checker
 from p2pweights.integrity.checker import CheckerTarget
-from p2pweights.report import EngineReport, Verification
+from p2pweights.report import EngineRankKey, EngineReport, Verification
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import Runner
 
@@ -202,11 +202,11 @@ class WriteCheck:
     def verification(
         self,
         url: str,
-        written: Collection[tuple[str, int]],
+        written: Collection[EngineRankKey],
         digests: Mapping[Runner, Mapping[str, str]],
         checksums: Mapping[Runner, Mapping[str, str]] | None = None,
     ) -> tuple[tuple[Verification, ...], str | None]:
-        """How this trainer rank's writes into ``url`` (``written``: the (URL, rank) it
+        """How this trainer rank's writes into ``url`` (``written``: the engine ranks it
         wrote) were checked in a passed update, and why not where they were not.
 
         An engine rank it wrote without a digest (or checksum) of what it wrote there was
@@ -252,7 +252,7 @@ class WriteCheck:
     def check(self, expected: Mapping[Runner, Mapping[str, str]], marker: str) -> list[Mismatch]:
         """Compare every checked runner's record with ``expected``: each runner whose
         record disagreed or could not be read (empty if all agreed)."""
-        runners = [r for r in expected if r[0] in self.engines and expected[r]]
+        runners = [r for r in expected if r.engine_url in self.engines and expected[r]]
         records = concurrently(self._read, runners)
         self.engine_digest_s = max((float(r.get("digest_s", 0.0)) for r in records), default=0.0)
         problems = [
@@ -269,7 +269,7 @@ class WriteCheck:
         renewed (no digests) is this update's number; one with digests was left by an
         earlier end (the engine's begin did not renew it), so the end's must be newer.
         One that cannot be read leaves the number alone to decide."""
-        fresh = [r for r in runners if r[0] in self.engines and r not in self.last_update]
+        fresh = [r for r in runners if r.engine_url in self.engines and r not in self.last_update]
         for runner, record in zip(fresh, concurrently(self._read, fresh), strict=True):
             number = record.get("update")
             if isinstance(number, int) and not isinstance(number, bool):
@@ -289,7 +289,7 @@ class WriteCheck:
     def _read(self, runner: Runner) -> dict[str, Any]:
         """The runner's record: from the end answer where it carried one (the local
         engine, to the trainer rank that ended the session), else read from the engine."""
-        url, rank, role = runner
+        url, rank, role = runner.engine_url, runner.engine_rank, runner.role
         engine = self.engines[url]
         carried = engine.update.end_records.get((rank, role))
         if carried is not None:

@@ -154,7 +154,10 @@ def check(
     """Ask each engine's checker (one call per engine and runner role, all at once) and
     compare every parameter in ``staged`` (runner -> parameter -> hash of what was staged);
     (runner, problem) for each runner that disagreed or could not be checked."""
-    asks = sorted({(r[0], r[2]) for r, hashes in staged.items() if r[0] in targets and hashes})
+    # unpacked: a runner unpacks as the (url, rank, role) tuple it replaced
+    asks = sorted(
+        {(url, role) for (url, _, role), hashes in staged.items() if url in targets and hashes}
+    )
     answers = concurrently(lambda ask: _ask(targets[ask[0]].engine, ask[1]), asks)
     by_ask = dict(zip(asks, answers, strict=True))
     problems = []

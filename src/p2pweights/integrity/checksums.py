@@ -59,7 +59,8 @@ class StagedChecksums:
         for param, data, runners in slots:
             by_kind: dict[str, list[Runner]] = {}
             for runner in runners:
-                kind = self.devices.get(runner[0])
+                url, _, _ = runner  # a runner unpacks as the tuple it replaced
+                kind = self.devices.get(url)
                 if kind is not None:
                     by_kind.setdefault(kind, []).append(runner)
             for kind, kept in by_kind.items():

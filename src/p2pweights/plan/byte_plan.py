@@ -21,6 +21,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from p2pweights.errors import LayoutMismatchError
+from p2pweights.report import EngineRankKey
 from p2pweights.wire.publication import RankPublication
 
 __all__ = [
@@ -145,12 +146,12 @@ class BytePlan:
         return self.groups[(key, index)]
 
     @property
-    def bytes_by_target(self) -> dict[tuple[str, int], int]:
-        """(engine URL, engine rank) -> bytes one update writes there (drafts included)."""
-        totals: dict[tuple[str, int], int] = {}
+    def bytes_by_target(self) -> dict[EngineRankKey, int]:
+        """Engine rank -> bytes one update writes there (drafts included)."""
+        totals: dict[EngineRankKey, int] = {}
         for group in self.groups.values():
             for tw in group.targets:
-                key = (tw.target.engine_url, tw.target.engine_rank)
+                key = tw.target.key
                 totals[key] = totals.get(key, 0) + sum(
                     w.length(group.slots[w.slot]) for w in tw.writes
                 )

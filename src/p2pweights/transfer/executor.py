@@ -290,7 +290,7 @@ class TransferExecutor:
         for key, pub in wanted.items():
             self._transport.connect(pub)
             self._connected[key] = pub
-            writer_key = (pub.engine_url, pub.engine_rank)
+            writer_key = pub.key
             if writer_key not in self._writers:
                 self._writers[writer_key] = RankWriter(writer_key, self._transport, self._timeout_s)
 
@@ -549,12 +549,12 @@ class _Run:
         staged = []
         for tw in group.targets:
             key = tw.target.runner
-            if self._failed.get(key[:2]) is not None:
+            if self._failed.get(key.key) is not None:
                 continue  # this rank already failed; the others carry on
             try:
                 views = self._direct_views(group, tw)
             except TransferError as exc:  # refused for this rank alone, as a failed write
-                self._failed.record(key[:2], exc)
+                self._failed.record(key.key, exc)
                 continue
             if views is None:
                 staged.append(key)
@@ -863,17 +863,17 @@ class _Run:
         started = time.perf_counter()
         loaded: list[tuple[RankPublication, list[str]]] = []
         for (key, target), direct in self._direct.items():
-            if self._failed.get(target[:2]) is not None:
+            if self._failed.get(target.key) is not None:
                 continue
             try:
                 views = self._direct_views_in(plan, direct)
             except TransferError as exc:  # this rank alone fails, as for a failed write
-                self._failed.record(target[:2], exc)
+                self._failed.record(target.key, exc)
                 continue
             self._direct_devices.update(v.device for v in views.values() if v.is_cuda)
             self._loaders[key].load_into(direct.inputs, views)
             num_bytes = sum(v.numel() for v in views.values())
-            self.result.bytes_by_target[target[:2]] += num_bytes
+            self.result.bytes_by_target[target.key] += num_bytes
             if self._hooks.digest_staged:  # in the copies' stream order: nothing waits here
                 digest_started = time.perf_counter()
                 self._staged_digests.add((param, view, (target,)) for param, view in views.items())

@@ -20,11 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
+from p2pweights.report import EngineRankKey
 from p2pweights.transports.base import Transport, Write
 from p2pweights.wire.publication import RankPublication
 
-TargetKey = tuple[str, int]
-"""(engine URL, engine rank): what one writer serves."""
+TargetKey = EngineRankKey
+"""The engine rank one writer serves."""
 
 
 @dataclass
@@ -35,7 +36,7 @@ class WriteBatch:
 
     @property
     def key(self) -> TargetKey:
-        return (self.target.engine_url, self.target.engine_rank)
+        return self.target.key
 
     @property
     def num_bytes(self) -> int:

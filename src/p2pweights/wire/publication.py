@@ -35,11 +35,12 @@ records, before every ``end_weight_update``, a digest of each published paramete
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from p2pweights.errors import EngineError
+from p2pweights.report import EngineRankKey
 from p2pweights.transport_registry import publication_backends as registered_backends
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME
 
@@ -82,13 +83,38 @@ def end_records(listed: Any) -> dict[tuple[int, str], dict[str, Any]]:
     return found
 
 
-class Runner(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class Runner:
     """One model runner of an engine rank: what writes, deltas and digests are filed under
-    (``RankPublication.runner``)."""
+    (``RankPublication.runner``). It replaced the tuple ``(engine_url, engine_rank, role)``
+    and still behaves as one: it unpacks, and equals, hashes and sorts as that tuple."""
 
     engine_url: str
     engine_rank: int
     role: str
+    """"target", or "draft" (the rank's speculative draft runner)."""
+
+    @property
+    def key(self) -> EngineRankKey:
+        """The engine rank this runner is of."""
+        return EngineRankKey(self.engine_url, self.engine_rank)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.engine_url, self.engine_rank, self.role))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Runner | tuple):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.engine_url, self.engine_rank, self.role))
+
+    def __lt__(self, other: Runner | tuple[str, int, str]) -> bool:
+        return tuple(self) < tuple(other)
+
+    def __gt__(self, other: Runner | tuple[str, int, str]) -> bool:
+        return tuple(self) > tuple(other)
 
 
 @dataclass(frozen=True)
@@ -164,6 +190,11 @@ class RankPublication:
         if peer is None:  # a registered transport's backend that names no agent
             return f"{self.engine_url}#{self.engine_rank}/{self.role}"
         return peer
+
+    @property
+    def key(self) -> EngineRankKey:
+        """The engine rank this publication is of (a target and its draft share it)."""
+        return EngineRankKey(self.engine_url, self.engine_rank)
 
     @property
     def runner(self) -> Runner:
