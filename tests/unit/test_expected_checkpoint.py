@@ -351,3 +351,33 @@ def test_a_remote_code_model_type_reads_as_its_architectures():
     assert architecture_model_type(kimi) == "deepseek_v3"
     assert architecture_model_type({"model_type": "qwen3", "architectures": ["X"]}) is None
     assert architecture_model_type({"model_type": "nope", "architectures": ["Nope"]}) is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"\x05\x00",
+        (1 << 40).to_bytes(8, "little") + b"{}",
+        (9).to_bytes(8, "little") + b"[not json",
+    ],
+)
+def test_an_unreadable_safetensors_file_falls_back_to_the_config(tmp_path, content):
+    folder = write_model_dir("qwen3-tiny", tmp_path)
+    (folder / "model.safetensors").write_bytes(content)
+    source = expected_checkpoint(folder).source
+    assert "on the meta device" in source and "safetensors headers" in source
+    assert "unreadable" in source and "model.safetensors" in source
+
+
+def test_a_header_names_each_tensors_dtype_and_shape_without_reading_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from p2pweights.source.safetensors_header import read_header
+
+    file = tmp_path / "m.safetensors"
+    save_file({"a": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(4)}, str(file))
+    assert read_header(file) == {"a": (torch.bfloat16, (2, 3)), "b": (torch.float32, (4,))}
+    save_file({"c": torch.zeros(2, dtype=torch.complex64)}, str(file))
+    with pytest.raises(ValueError, match=r"c in m.safetensors has dtype C64"):
+        read_header(file)

@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import re
-import struct
 import threading
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, replace
@@ -171,7 +170,7 @@ def _derive(
     if files:
         try:
             return _from_headers(values, config_file.parent, files)
-        except (OSError, ValueError, KeyError, struct.error) as exc:
+        except (OSError, ValueError, KeyError) as exc:
             note = f"; the safetensors headers in {config_file.parent} are unreadable ({exc})"
     return _from_config(values, config_file, note)
 

@@ -1,17 +1,17 @@
 """Names, shapes and dtypes of a safetensors checkpoint, from its headers alone.
 
-A safetensors file starts with the length of its JSON header (8 bytes, little
-endian), then the header: name -> dtype, shape and byte offsets. Reading it costs a
-few hundred kilobytes per file however large the tensors are.
+Read with safetensors' own ``safe_open``: it checks the header (offsets, lengths) and
+maps the file without reading a tensor, so the cost is the header's few hundred
+kilobytes however large the tensors are.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 __all__ = ["safetensors_files", "read_header"]
 
@@ -60,17 +60,20 @@ _SAFETENSORS_DTYPES = {
 
 
 def read_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Name -> (dtype, shape) from a safetensors file's JSON header (8-byte length first)."""
-    with open(file, "rb") as stream:
-        (length,) = struct.unpack("<Q", stream.read(8))
-        if length > 1 << 28:
-            raise ValueError(f"{file.name} is not a safetensors file")
-        header = json.loads(stream.read(length))
-    header.pop("__metadata__", None)
+    """Name -> (dtype, shape) of every tensor in a safetensors file, from its header.
+
+    Raises:
+        ValueError: ``file`` is no readable safetensors file, or holds a dtype torch lacks.
+    """
     result = {}
-    for name, entry in header.items():
-        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"{name} in {file.name} has dtype {entry['dtype']}")
-        result[name] = (dtype, tuple(int(d) for d in entry["shape"]))
+    try:
+        with safe_open(file, framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118  (safe_open is not iterable)
+                entry = tensors.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(entry.get_dtype())
+                if dtype is None:
+                    raise ValueError(f"{name} in {file.name} has dtype {entry.get_dtype()}")
+                result[name] = (dtype, tuple(entry.get_shape()))
+    except SafetensorError as exc:
+        raise ValueError(f"{file.name} is not a readable safetensors file ({exc})") from exc
     return result
