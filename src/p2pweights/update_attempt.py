@@ -400,10 +400,16 @@ class UpdateAttempt:
     def _settle_whole_alone(self) -> None:
         """After a failed write step, on a lone trainer rank: end the sessions of the
         engines that received every byte and check their writes, so that they are whole
-        at the new version (``abort()`` resumes them) while the failed ones stay torn.
+        at the new version (``abort()`` resumes them) while the failed ones stay torn, as
+        do engines verified by their ``/weights_checker`` (it looks only before the end).
         With several ranks no rank knows which engines got every byte: all stay torn."""
         fleet, run = self.connection.fleet, self.last_run
-        whole = [e.url for e in fleet.engines if e.update.unverified]
+        # engines checked through /weights_checker stay torn: that check can only look
+        # before the end, which this failed update never reached for them
+        checked_before_end = self.connection.write_check.checker
+        whole = [
+            e.url for e in fleet.engines if e.update.unverified and e.url not in checked_before_end
+        ]
         if run is None or not whole or self._weight_check_pending:
             return  # a first update's weight check never ran: none is verified whole
         try:

@@ -233,3 +233,21 @@ def test_the_check_reads_a_real_answer_and_names_the_wrong_parameter():
     ((runner, problem),) = check(targets, {(url, 0, "target"): staged})
     assert runner == (url, 0, "target")
     assert "1 of 15" in problem and "'model.layers.1.mlp.down_proj.weight'" in problem
+
+
+def test_a_checker_engine_is_not_resumed_unchecked_after_a_failed_write_elsewhere(checked):
+    """Review finding: after a write to another engine failed, a lone trainer rank ended the
+    engines that got every byte and marked them whole; an engine verified only by its
+    /weights_checker (which can look only before its end) was then resumed by abort() with
+    bytes nobody compared. It stays paused and torn; the next update rewrites it."""
+    bad = checked.setdefault("http://bad", CheckerEngine("http://bad"))
+    bad.inject["write2"] = "failed"
+    good = checked.setdefault("http://good", CheckerEngine("http://good"))
+    with WeightSyncSession(CONFIG) as session:
+        session.connect(["http://bad", "http://good"])
+        with pytest.raises(TransferError):
+            session.update(_tensors(5))
+        report = session.abort()
+    assert "checksum" not in good.events  # nothing compared its bytes
+    assert not report.outcomes["http://good"].startswith("resumed")
+    assert good.paused and good.version.startswith(UPDATING_PREFIX)
