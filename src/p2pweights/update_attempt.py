@@ -120,6 +120,9 @@ class UpdateAttempt:
             except BaseException as exc:
                 if first:  # every rank probes again next time: they must gather alike
                     connection.prepared = None
+                    # and plans from its own share of the engine ranks (owner sends
+                    # widened it to every engine rank before failing)
+                    connection.targets = connection.assigned
                 elif isinstance(exc, ConfigError) and len(exc.args) == 1:
                     exc.args = (f"{exc.args[0]}. {_LEFT_RUNNING}",)
                 raise
@@ -256,8 +259,16 @@ class UpdateAttempt:
             buffer_bytes=self.config.buffer_bytes,
             finite=self.config.verify_finite_inputs,
         )
+        shared = any(group.partial for group in prepared.plan.groups.values())
+        if shared and self.config.digest_as_written:
+            raise ConfigError(
+                "digest_as_written digests a parameter once its flag lands, but a parameter "
+                "several owners write lands in shares from several trainer ranks, so its "
+                "early digest could miss a share; use digest_as_written=False with owned "
+                "tensors that share parameters; nothing was sent"
+            )
         checked = sorted(connection.write_check.checker)
-        if checked and any(group.partial for group in prepared.plan.groups.values()):
+        if checked and shared:
             raise ConfigError(
                 f"engines {', '.join(checked[:3])} are verified through sglang's "
                 f"/weights_checker, whose hash of a parameter cannot be made from the shares "
