@@ -20,6 +20,7 @@ from p2pweights.transports import Write, create_transport
 from p2pweights.transports.regions import merge_intervals
 from p2pweights.verify import verify_engine
 from p2pweights.wire.delta import SCRATCH_NAME
+from p2pweights.wire.landed import LANDED_NAME
 from p2pweights.wire.publication import parse_publication
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,8 @@ def test_arena_and_broadcast_routes_are_bit_exact(model_dir, start_engines):
     client = EngineClient(engine.url)
     for rank in range(2):
         published = client.publication(rank).regions
-        regions = [r for name, r in published.items() if name != SCRATCH_NAME]  # not a weight
+        # the delta scratch and the landed flags are not weights
+        regions = [r for name, r in published.items() if name not in (SCRATCH_NAME, LANDED_NAME)]
         merged = merge_intervals((r.address, aligned(r.num_bytes)) for r in regions)
         assert len(merged) == 1, f"rank {rank} weights span {len(merged)} regions"
 

@@ -11,6 +11,7 @@ from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
 from p2pweights.engines.client import EngineClient
 from p2pweights.testing import synthetic_weights
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME
+from p2pweights.wire.landed import LANDED_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +26,9 @@ def _published_bytes(engine) -> dict[tuple[str, int], int]:
         return {
             (engine.url, rank): sum(
                 # a rank publishing a delta scratch region gets a header there every
-                # update (without deltas one with no entries), not a weight's bytes
-                HEADER_BYTES if name == SCRATCH_NAME else r.num_bytes
+                # update (without deltas one with no entries), not a weight's bytes; its
+                # landed-flags region is written only with digest_as_written
+                HEADER_BYTES if name == SCRATCH_NAME else 0 if name == LANDED_NAME else r.num_bytes
                 for name, r in client.publication(rank).regions.items()
             )
             for rank in range(engine.tp)
