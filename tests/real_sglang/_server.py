@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -93,6 +95,35 @@ def kernel_env() -> dict[str, str]:
         SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so",
     )
     return env
+
+
+def reference_checksums(
+    url: str, config: dict[str, Any], model_folder: Path, seeds: tuple[int, ...]
+) -> dict[int, list[dict[str, str]]]:
+    """Per seed, per rank: sglang's checksums of the reference of engine ``url``'s ranks,
+    built by ``_reference.py`` in a process of its own on the servers' device."""
+    from p2pweights.engines.client import EngineClient
+
+    info = EngineClient(url).server_info()
+    cases = [{"key": str(seed), "server_info": info, "seed": seed} for seed in seeds]
+    job = {
+        "config": config,
+        "model_path": str(model_folder),
+        "device": "cuda" if on_gpu() else "cpu",
+        "cases": cases,
+    }
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_reference.py"))],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=kernel_env(),
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    return {int(seed): ranks for seed, ranks in answer.items()}
 
 
 class RealServer:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,10 +59,10 @@ from p2pweights.testing import model_config, save_safetensors, synthetic_weights
 from p2pweights.verify import checksums_by_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _server
 from _server import (
     RealServer,
     cuda_graphs_by_default,
-    kernel_env,
     on_gpu,
     remove_left_behind,
     shared_memory_files,
@@ -145,26 +144,7 @@ def start_server(
 
 def reference_checksums(url: str, model_folder: Path) -> dict[int, list[dict[str, str]]]:
     """Per seed, per rank: sglang's checksums of the reference of engine ``url``'s ranks."""
-    info = EngineClient(url).server_info()
-    cases = [{"key": str(seed), "server_info": info, "seed": seed} for seed in SEEDS]
-    job = {
-        "config": CONFIG,
-        "model_path": str(model_folder),
-        "device": "cuda" if on_gpu() else "cpu",
-        "cases": cases,
-    }
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("_reference.py"))],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=kernel_env(),
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
-    return {int(seed): ranks for seed, ranks in answer.items()}
+    return _server.reference_checksums(url, CONFIG, model_folder, SEEDS)
 
 
 def transformers_greedy(seed: int) -> tuple[list[int], torch.Tensor]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -43,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _server import (
     RealServer,
     cuda_graphs_by_default,
-    kernel_env,
     on_gpu,
+    reference_checksums,
     remove_left_behind,
     shared_memory_files,
 )
@@ -126,27 +125,6 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     remove_left_behind(before)
 
 
-def reference_checksums(
-    url: str, config: dict[str, Any], folder: Path
-) -> dict[int, list[dict[str, str]]]:
-    """Per seed, per rank: sglang's checksums of the reference, built on this GPU."""
-    info = EngineClient(url).server_info()
-    cases = [{"key": str(seed), "server_info": info, "seed": seed} for seed in SEEDS]
-    job = {"config": config, "model_path": str(folder), "device": "cuda", "cases": cases}
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("_reference.py"))],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=kernel_env(),
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
-    return {int(seed): ranks for seed, ranks in answer.items()}
-
-
 def transformers_greedy(config: dict[str, Any], seed: int) -> tuple[list[int], torch.Tensor]:
     """transformers' model of ``config`` with seed ``seed``'s weights (bf16, CPU): its greedy
     tokens after ``PROMPT`` and the log-probabilities it chose each from."""
@@ -208,7 +186,7 @@ def test_three_updates_bit_exact_on_a_gpu_server(
     start_s = time.perf_counter() - started
     client = EngineClient(server.url)
     backend = client.publication(0).backend
-    reference = reference_checksums(server.url, config, folder)
+    reference = reference_checksums(server.url, config, folder, SEEDS)
     transport = MooncakeConfig(protocol="tcp") if options["mooncake"] else NixlConfig(backend="UCX")
     reports = []
     with WeightSyncSession(

@@ -249,6 +249,20 @@ class _ParamIndex:
         return [name for first, last, name in candidates if first < end and start < last]
 
 
+def written_arguments(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors an ATen op writes in place: the arguments its schema marks as written."""
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        target = args[index] if index < len(args) else kwargs.get(argument.name)
+        if isinstance(target, torch.Tensor):
+            written.append(target)
+    return written
+
+
 class _WriteWatcher(TorchDispatchMode):
     """Records which parameters aten ops write into (see the module docstring)."""
 
@@ -273,12 +287,8 @@ class _WriteWatcher(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        for index, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            target = args[index] if index < len(args) else kwargs.get(argument.name)
-            if isinstance(target, torch.Tensor):
-                self._record(func, target, args)
+        for target in written_arguments(func, args, kwargs):
+            self._record(func, target, args)
         return func(*args, **kwargs)
 
     def _record(self, func: Any, target: torch.Tensor, args: tuple[Any, ...]) -> None:

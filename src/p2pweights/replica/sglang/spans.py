@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from p2pweights.errors import ConfigError
 from p2pweights.replica.sglang.compat import api_error
-from p2pweights.replica.sglang.probe import Probed
+from p2pweights.replica.sglang.probe import Probed, written_arguments
 from p2pweights.source.inputs import InputSpec
 
 __all__ = ["Spans", "merged", "written_spans"]
@@ -83,12 +83,8 @@ class _SpanWatcher(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        for index, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            target = args[index] if index < len(args) else kwargs.get(argument.name)
-            if isinstance(target, torch.Tensor):
-                self._record(target)
+        for target in written_arguments(func, args, kwargs):
+            self._record(target)
         return func(*args, **kwargs)
 
     def _record(self, target: torch.Tensor) -> None:
