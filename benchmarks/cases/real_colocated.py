@@ -10,7 +10,8 @@ attention), the trainer's bf16 tensors on the same GPU. Side by side, update by 
   answered) and the whole update;
 * ``update_weights_from_tensor``: what verl's and slime's colocated modes call, over
   HTTP with the tensors shared by CUDA IPC handles (``MultiprocessingSerializer``, as
-  slime does); the engine is busy for the whole call, so its wall time is its pause.
+  slime does), inside the pause / begin / end / continue session sglang 0.5.23 requires
+  for it; the wall time of those five calls is its pause.
 
 Needs the GPU relay's packages (scripts/gpu_sglang/device.sh stage3 runs it).
 """
@@ -54,19 +55,37 @@ def _tensors(config: dict[str, Any], seed: int) -> list[tuple[str, torch.Tensor]
 
 
 def _sglang_update(url: str, tensors: list[tuple[str, torch.Tensor]], version: str) -> float:
+    """sglang's own colocated update, timed from the pause to the resume: 0.5.23 accepts
+    ``update_weights_from_tensor`` only inside a weight-update session (it answers "must run
+    between begin_weight_update() and end_weight_update()" otherwise, seen on the H100), so
+    a caller on it pauses, begins, sends, ends and resumes, and all five keep the engine
+    from serving."""
     from sglang.srt.utils import MultiprocessingSerializer
 
+    def post(route: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = httpx.post(f"{url}{route}", json=body, timeout=600)
+        answer.raise_for_status()
+        payload = answer.json() if answer.content else {}
+        if isinstance(payload, dict) and payload.get("success") is False:
+            raise RuntimeError(f"{route} failed: {payload}")
+        return payload if isinstance(payload, dict) else {}
+
     started = time.perf_counter()
-    body = {
-        "serialized_named_tensors": [MultiprocessingSerializer.serialize(tensors, output_str=True)],
-        "flush_cache": True,
-        "weight_version": version,
-    }
-    answer = httpx.post(f"{url}/update_weights_from_tensor", json=body, timeout=600).json()
-    seconds = time.perf_counter() - started
-    if not answer.get("success", False):
-        raise RuntimeError(f"update_weights_from_tensor failed: {answer}")
-    return seconds
+    post("/pause_generation", {"mode": "retract"})  # as p2pweights pauses by default
+    post("/begin_weight_update", {"selector": "all"})
+    post(
+        "/update_weights_from_tensor",
+        {
+            "serialized_named_tensors": [
+                MultiprocessingSerializer.serialize(tensors, output_str=True)
+            ],
+            "flush_cache": True,
+            "weight_version": version,
+        },
+    )
+    post("/end_weight_update", {})
+    post("/continue_generation", {"torch_empty_cache": False})
+    return time.perf_counter() - started
 
 
 def one(model: str, path: str, updates: int) -> dict[str, Any]:

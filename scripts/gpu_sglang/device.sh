@@ -24,6 +24,9 @@ RELAY=.relay
 SITE=$RELAY/site
 export PYTHONPATH=$PWD/$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# sglang 0.5.23's wheel ships neither the Rust radix-tree core nor its sources, and its
+# fallback check raises instead of falling back: ask for the Python tree core outright
+export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
 # .pth files only work in site directories, and .relay/site is a PYTHONPATH entry: a
 # sitecustomize makes it one (nvidia-cutlass-dsl puts its `cutlass` on sys.path from a .pth)
 mkdir -p $RELAY/boot
@@ -176,7 +179,7 @@ stage2() {  # stage2 [pytest -k expression]
 stage3() {
   local dir; dir=$(out)
   p2pweights_here
-  timeout ${STAGE_S:-560} python3 benchmarks/gpu.py real-colocated --out "$dir/colocated.json" "$@" 2>&1 \
+  P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda timeout ${STAGE_S:-560} python3 benchmarks/gpu.py real-colocated --out "$dir/colocated.json" "$@" 2>&1 \
     | tee "$dir/colocated.txt" | tail -40
 }
 
