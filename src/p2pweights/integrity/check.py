@@ -205,12 +205,25 @@ class WriteCheck:
         written: Collection[EngineRankKey],
         digests: Mapping[Runner, Mapping[str, str]],
         checksums: Mapping[Runner, Mapping[str, str]] | None = None,
+        *,
+        weight_checked: bool = False,
     ) -> tuple[tuple[Verification, ...], str | None]:
         """How this trainer rank's writes into ``url`` (``written``: the engine ranks it
-        wrote) were checked in a passed update, and why not where they were not.
+        wrote) were checked in a passed update (``weight_checked``: the engines' own
+        weight check ran too, and passed), and why not where they were not.
 
         An engine rank it wrote without a digest (or checksum) of what it wrote there was
         not checked."""
+        by, why = self._verified_by(url, written, digests, checksums)
+        return by + (("weight_check",) if weight_checked else ()), why
+
+    def _verified_by(
+        self,
+        url: str,
+        written: Collection[EngineRankKey],
+        digests: Mapping[Runner, Mapping[str, str]],
+        checksums: Mapping[Runner, Mapping[str, str]] | None,
+    ) -> tuple[tuple[Verification, ...], str | None]:
         if url in self.checker:
             how: Verification = weights_checker.METHOD
             hashed = checksums or {}
