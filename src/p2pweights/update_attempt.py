@@ -36,6 +36,7 @@ from p2pweights.connection import Connection, not_connected
 from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.update_session import updating_version
 from p2pweights.errors import ConfigError, TransferError
+from p2pweights.integrity.checker import CheckerShare
 from p2pweights.integrity.checksums import StagedChecksums
 from p2pweights.integrity.staged import with_shares
 from p2pweights.integrity.update_checks import UpdateChecks
@@ -477,8 +478,11 @@ class UpdateAttempt:
 
     def _verify_before_end(self, result: RunResult) -> None:
         """The ``/weights_checker`` check of the engines without write digests, after every
-        rank's writes and before any end (``UpdateChecks.before_end``)."""
-        self._checks().before_end(result.checksums, self.collective.step)
+        rank's writes and before any end (``UpdateChecks.before_end``), each engine's
+        checker asked by one rank, its answer gathered by the others."""
+        me = (self.config.pipeline_stage, self.config.trainer_rank)
+        share = CheckerShare(self.collective.gather, me)
+        self._checks().before_end(result.checksums, self.collective.step, share)
 
     def _staged_digests(
         self, hashed: futures.Future[dict[Runner, dict[str, str]]]

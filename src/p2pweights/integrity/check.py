@@ -32,7 +32,7 @@ from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
 from p2pweights.integrity import checker as weights_checker
-from p2pweights.integrity.checker import CheckerTarget
+from p2pweights.integrity.checker import CheckerShare, CheckerTarget
 from p2pweights.report import EngineRankKey, EngineReport, Verification
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import Runner
@@ -238,13 +238,18 @@ class WriteCheck:
             return (), f"this trainer rank hashed nothing it wrote into engine rank(s) {ranks}"
         return (how,), None
 
-    def check_before_end(self, staged: Mapping[Runner, Mapping[str, str]]) -> list[Mismatch]:
+    def check_before_end(
+        self,
+        staged: Mapping[Runner, Mapping[str, str]],
+        share: CheckerShare | None = None,
+    ) -> list[Mismatch]:
         """The checker engines' ``/weights_checker`` checksums of what this trainer rank
         wrote, compared with ``staged`` (its hashes of the staged bytes): each runner that
-        disagreed or could not be checked (empty if all agreed)."""
+        disagreed or could not be checked (empty if all agreed). With ``share`` each
+        engine's checker is asked once among the sending ranks (``checker.check``)."""
         return [
             Mismatch(runner, problem)
-            for runner, problem in weights_checker.check(self.checker, staged)
+            for runner, problem in weights_checker.check(self.checker, staged, share)
         ]
 
     def warn_unverified(self, engines: Iterable[EngineReport]) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 
 from p2pweights.engines.fleet import Fleet
 from p2pweights.integrity.check import Mismatch, WriteCheck
+from p2pweights.integrity.checker import CheckerShare
 from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
@@ -67,17 +68,18 @@ class UpdateChecks:
         self.wrong: set[str] = set()
         """The engines whose digest check failed, or may have (``after_end``)."""
 
-    def before_end(self, staged: Staged, step: Step) -> None:
+    def before_end(self, staged: Staged, step: Step, share: CheckerShare | None = None) -> None:
         """Every rank compares the ``/weights_checker`` checksums of what it wrote
         (``staged``: its hashes of the staged bytes) after every rank's writes and before
-        any end. An engine found wrong stays
+        any end; with ``share`` the ranks ask each engine's checker once between them and
+        hand its answer to each other (``checker.check``). An engine found wrong stays
         open, paused and torn (``abort`` ends its session; the next update rewrites it
         whole); a lone rank ends the engines the checker passed, which are then whole."""
         write_check = self.write_check
         found: list[Mismatch] = []
 
         def check() -> None:
-            found.extend(write_check.check_before_end(staged))
+            found.extend(write_check.check_before_end(staged, share))
             WriteCheck.raise_if_wrong(found, left=LEFT_OPEN)
 
         try:
