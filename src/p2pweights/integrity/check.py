@@ -22,7 +22,6 @@ checked is warned about once per session (``WriteCheck.warn_unverified``).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +31,9 @@ from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import EngineError, TransferError, some_of
 from p2pweights.integrity import checker as weights_checker
+from p2pweights.integrity import records
 from p2pweights.integrity.checker import CheckerShare, CheckerTarget
+from p2pweights.integrity.records import UNNAMED_SCHEME
 from p2pweights.report import EngineRankKey, EngineReport, Verification
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import Runner
@@ -47,10 +48,6 @@ __all__ = [
     "serves_digests",
     "why_unverified",
 ]
-
-UNNAMED_SCHEME = "lanes16-v1"
-"""The scheme of engines that record digests without naming it (releases before it was
-named: plain lane sums, blind to reordered bytes)."""
 
 
 def digest_scheme(engine: ConnectedEngine) -> str | None:
@@ -271,13 +268,16 @@ class WriteCheck:
         """Compare every checked runner's record with ``expected``: each runner whose
         record disagreed or could not be read (empty if all agreed)."""
         runners = [r for r in expected if r.engine_url in self.engines and expected[r]]
-        records = concurrently(self._read, runners)
-        self.engine_digest_s = max((float(r.get("digest_s", 0.0)) for r in records), default=0.0)
-        problems = [
-            problem
-            for runner, record in zip(runners, records, strict=True)
-            for problem in self._compare(runner, record, expected[runner], marker)
-        ]
+        read = concurrently(self._read, runners)
+        self.engine_digest_s = max((records.digest_seconds(r) for r in read), default=0.0)
+        problems = []
+        for runner, record in zip(runners, read, strict=True):
+            last = self.last_update.get(runner)
+            problem, number = records.compare(record, expected[runner], marker, last)
+            if number is not None:
+                self.last_update[runner] = number
+            if problem is not None:
+                problems.append(Mismatch(runner, problem))
         return problems
 
     def note_begun(self, runners: Iterable[Runner]) -> None:
@@ -289,10 +289,9 @@ class WriteCheck:
         One that cannot be read leaves the number alone to decide."""
         fresh = [r for r in runners if r.engine_url in self.engines and r not in self.last_update]
         for runner, record in zip(fresh, concurrently(self._read, fresh), strict=True):
-            number = record.get("update")
-            if isinstance(number, int) and not isinstance(number, bool):
-                renewed = record.get("digests") is None and not record.get("error")
-                self.last_update[runner] = number - 1 if renewed else number
+            number = records.begun_number(record)
+            if number is not None:
+                self.last_update[runner] = number
 
     @staticmethod
     def raise_if_wrong(problems: Sequence[Mismatch], left: str = "") -> None:
@@ -305,52 +304,4 @@ class WriteCheck:
         )
 
     def _read(self, runner: Runner) -> dict[str, Any]:
-        """The runner's record: from the end answer where it carried one (the local
-        engine, to the trainer rank that ended the session), else read from the engine."""
-        url, rank, role = runner.engine_url, runner.engine_rank, runner.role
-        engine = self.engines[url]
-        carried = engine.update.end_records.get((rank, role))
-        if carried is not None:
-            return carried
-        port = engine.server_info.get("engine_info_bootstrap_port")
-        started = time.perf_counter()
-        try:
-            record = engine.client.write_digests(rank, role, None if port is None else int(port))
-        except EngineError as exc:
-            return {"error": f"its write digests could not be read ({exc})"}
-        logger.debug("write digests of %s read in %.3f s", runner, time.perf_counter() - started)
-        return record
-
-    def _compare(
-        self, runner: Runner, record: dict[str, Any], staged: Mapping[str, str], marker: str
-    ) -> Iterable[Mismatch]:
-        digests = record.get("digests")
-        if not isinstance(digests, dict):
-            why = record.get("error") or "it recorded none before this update's end"
-            yield Mismatch(runner, f"no write digests for this update: {why}")
-            return
-        scheme = record.get("digest_scheme", UNNAMED_SCHEME)
-        if scheme != SCHEME:
-            yield Mismatch(
-                runner,
-                f"its write digests are made another way ({scheme!r}; this trainer: "
-                f"{SCHEME!r}): run one p2pweights release on the trainer and the engines",
-            )
-            return
-        number, last = record.get("update"), self.last_update.get(runner)
-        version = record.get("weight_version")
-        if not isinstance(number, int) or (last is not None and number <= last):
-            yield Mismatch(runner, f"stale write digests (record {number}, last read {last})")
-            return
-        if version is not None and version != marker:
-            yield Mismatch(runner, f"write digests taken at weight version {version!r}")
-            return
-        self.last_update[runner] = number
-        wrong = sorted(name for name, value in staged.items() if digests.get(name) != value)
-        if wrong:
-            names = some_of([repr(n) for n in wrong], ", ")
-            yield Mismatch(
-                runner,
-                f"{len(wrong)} of {len(staged)} written parameter(s) do not hold the bytes "
-                f"staged for them: {names}",
-            )
+        return records.read(self.engines[runner.engine_url], runner)

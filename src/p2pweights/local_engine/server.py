@@ -27,7 +27,7 @@ from p2pweights.errors import ConfigError
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.replica.sglang import facade
 from p2pweights.wire.digest import SCHEME
-from p2pweights.wire.publication import DIGESTS_ROLE, END_RECORDS_KEY
+from p2pweights.wire.publication import DIGESTS_ROLE, END_RECORDS_KEY, digest_answer
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
         if not 0 <= rank < len(ranks) or runner not in ranks[rank].runners:
             return _error(400, f"rank {rank} has no {runner!r} runner")
         record = ranks[rank].runners[runner].digest_record
-        return {"rank": rank, "role": DIGESTS_ROLE, "remote_instance_transfer_engine_info": record}
+        return digest_answer(rank, record)
 
     @app.get("/remote_instance_transfer_engine_info")
     def remote_info(
