@@ -259,22 +259,8 @@ class UpdateAttempt:
             buffer_bytes=self.config.buffer_bytes,
             finite=self.config.verify_finite_inputs,
         )
-        shared = any(group.partial for group in prepared.plan.groups.values())
-        if shared and self.config.digest_as_written:
-            raise ConfigError(
-                "digest_as_written digests a parameter once its flag lands, but a parameter "
-                "several owners write lands in shares from several trainer ranks, so its "
-                "early digest could miss a share; use digest_as_written=False with owned "
-                "tensors that share parameters; nothing was sent"
-            )
-        checked = sorted(connection.write_check.checker)
-        if checked and shared:
-            raise ConfigError(
-                f"engines {', '.join(checked[:3])} are verified through sglang's "
-                f"/weights_checker, whose hash of a parameter cannot be made from the shares "
-                f"several owners write of it; start them with the p2pweights plugin and write "
-                f"digests (docs/real-sglang.md), or send these tensors whole; nothing was sent"
-            )
+        if any(group.partial for group in prepared.plan.groups.values()):
+            connection.write_check.refuse_shared_parameters(self.config.digest_as_written)
         me = (self.config.pipeline_stage, self.config.trainer_rank)
         prepared.owned_inputs = frozenset(n for n, o in ownership.owners.items() if o == me)
         prepared.owned_shards = {
@@ -389,11 +375,7 @@ class UpdateAttempt:
                     cancel=self.cancel,
                     digest_staged=bool(connection.write_check),
                     checksums=StagedChecksums(connection.write_check.checker_devices),
-                    flag_landed=(
-                        frozenset(connection.write_check.engines)
-                        if self.config.digest_as_written
-                        else frozenset()
-                    ),
+                    flag_landed=connection.write_check.flagged(self.config.digest_as_written),
                     paused_before=paused,
                 ),
             )

@@ -29,7 +29,7 @@ from typing import Any
 from p2pweights.config import SyncConfig
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
-from p2pweights.errors import EngineError, TransferError, some_of
+from p2pweights.errors import ConfigError, EngineError, TransferError, some_of
 from p2pweights.integrity import checker as weights_checker
 from p2pweights.integrity import records
 from p2pweights.integrity.checker import CheckerShare, CheckerTarget
@@ -189,6 +189,32 @@ class WriteCheck:
 
     def __bool__(self) -> bool:
         return bool(self.engines)
+
+    def flagged(self, digest_as_written: bool) -> frozenset[str]:
+        """The engines whose ranks digest each parameter as its writes land
+        (``SyncConfig.digest_as_written``): the sender flags its writes to them."""
+        return frozenset(self.engines) if digest_as_written else frozenset()
+
+    def refuse_shared_parameters(self, digest_as_written: bool) -> None:
+        """Owner sends planned parameters several trainer ranks write in shares: refuse,
+        before anything is sent, what no check could verify (``ConfigError``): early
+        digests (a share may land after the flag) and engines checked through their
+        ``/weights_checker`` (its hash cannot be made from the shares)."""
+        if digest_as_written:
+            raise ConfigError(
+                "digest_as_written digests a parameter once its flag lands, but a parameter "
+                "several owners write lands in shares from several trainer ranks, so its "
+                "early digest could miss a share; use digest_as_written=False with owned "
+                "tensors that share parameters; nothing was sent"
+            )
+        checked = sorted(self.checker)
+        if checked:
+            raise ConfigError(
+                f"engines {', '.join(checked[:3])} are verified through sglang's "
+                f"/weights_checker, whose hash of a parameter cannot be made from the shares "
+                f"several owners write of it; start them with the p2pweights plugin and write "
+                f"digests (docs/real-sglang.md), or send these tensors whole; nothing was sent"
+            )
 
     @property
     def checker_devices(self) -> dict[str, str]:
