@@ -79,6 +79,11 @@ end: a list of ``{"rank": R, "runner": "target" | "draft", "record": {...}}`` (t
 local engine; the same records ``?role=p2pweights-digests`` serves)."""
 
 
+def end_record(rank: int, runner: str, record: Mapping[str, Any]) -> dict[str, Any]:
+    """One entry of an end answer's ``END_RECORDS_KEY`` list (read back by ``end_records``)."""
+    return {"rank": rank, "runner": runner, "record": record}
+
+
 def end_records(listed: Any) -> dict[tuple[int, str], dict[str, Any]]:
     """(engine rank, runner) -> record, from an end answer's ``END_RECORDS_KEY`` (None:
     the engine sent none). An engine's answer is untrusted: anything but a list of
