@@ -215,8 +215,8 @@ def _shared(
     wanted = cast(list[tuple[tuple[int, int], list[Ask]]], share.gather((share.me, needed)))
     asker: dict[Ask, tuple[int, int]] = {}
     for who, asks in sorted(wanted):
-        for ask in asks:
-            asker.setdefault(tuple(ask), who)  # type: ignore[arg-type]
+        for url, role in asks:  # a gather may hand a pair back as a list
+            asker.setdefault((url, role), who)
     mine = [ask for ask in needed if asker.get(ask) == share.me]
     try:
         answered = _asked(targets, mine)
