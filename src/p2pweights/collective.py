@@ -150,6 +150,11 @@ class Collective:
 
     def sum_lanes(self, own: object) -> list[object]:
         """Every rank's partial digests (owner sends), gathered; ``[own]`` alone."""
+        return self.gather(own)
+
+    def gather(self, own: object) -> list[object]:
+        """Every sending rank's ``own``, in one order on every rank; ``[own]`` without
+        ``gather`` (each rank then acts on its own alone)."""
         return [own] if self._gather is None else self._gather(own)
 
     def stage_inputs(self, own: dict[str, InputSpec] | None) -> dict[str, InputSpec] | None:

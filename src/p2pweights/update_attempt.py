@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from contextlib import contextmanager
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import torch
 
@@ -36,8 +36,10 @@ from p2pweights.connection import Connection, not_connected
 from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.update_session import updating_version
 from p2pweights.errors import ConfigError, TransferError
-from p2pweights.integrity.check import Mismatch, WriteCheck
+from p2pweights.integrity.checker import CheckerShare
 from p2pweights.integrity.checksums import StagedChecksums
+from p2pweights.integrity.staged import with_shares
+from p2pweights.integrity.update_checks import UpdateChecks
 from p2pweights.plan.byte_plan import BytePlan
 from p2pweights.plan.owners import Claim, Ownership
 from p2pweights.plan.prepare import check_against_checkpoints, prepare, prepare_owned
@@ -46,7 +48,6 @@ from p2pweights.report import DeltaReport, UpdateReport, Verification
 from p2pweights.source.inputs import InputSpec, describe_inputs, described_inputs
 from p2pweights.source.receipts import Receipts, checked_loaders
 from p2pweights.transfer.executor import RunHooks, RunResult
-from p2pweights.wire.digest import lanes_hex
 from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,6 @@ class UpdateAttempt:
         self.receipts = Receipts()  # the inputs as received (``source.receipts``)
         self.stages: dict[str, float] = {}
         self.last_run: RunResult | None = None
-        self._wrong: set[str] = set()  # engines whose write check failed (or may have)
 
     @property
     def leader(self) -> bool:
@@ -259,22 +259,8 @@ class UpdateAttempt:
             buffer_bytes=self.config.buffer_bytes,
             finite=self.config.verify_finite_inputs,
         )
-        shared = any(group.partial for group in prepared.plan.groups.values())
-        if shared and self.config.digest_as_written:
-            raise ConfigError(
-                "digest_as_written digests a parameter once its flag lands, but a parameter "
-                "several owners write lands in shares from several trainer ranks, so its "
-                "early digest could miss a share; use digest_as_written=False with owned "
-                "tensors that share parameters; nothing was sent"
-            )
-        checked = sorted(connection.write_check.checker)
-        if checked and shared:
-            raise ConfigError(
-                f"engines {', '.join(checked[:3])} are verified through sglang's "
-                f"/weights_checker, whose hash of a parameter cannot be made from the shares "
-                f"several owners write of it; start them with the p2pweights plugin and write "
-                f"digests (docs/real-sglang.md), or send these tensors whole; nothing was sent"
-            )
+        if any(group.partial for group in prepared.plan.groups.values()):
+            connection.write_check.refuse_shared_parameters(self.config.digest_as_written)
         me = (self.config.pipeline_stage, self.config.trainer_rank)
         prepared.owned_inputs = frozenset(n for n, o in ownership.owners.items() if o == me)
         prepared.owned_shards = {
@@ -389,11 +375,7 @@ class UpdateAttempt:
                     cancel=self.cancel,
                     digest_staged=bool(connection.write_check),
                     checksums=StagedChecksums(connection.write_check.checker_devices),
-                    flag_landed=(
-                        frozenset(connection.write_check.engines)
-                        if self.config.digest_as_written
-                        else frozenset()
-                    ),
+                    flag_landed=connection.write_check.flagged(self.config.digest_as_written),
                     paused_before=paused,
                 ),
             )
@@ -409,41 +391,11 @@ class UpdateAttempt:
             )
 
     def _settle_whole_alone(self) -> None:
-        """After a failed write step, on a lone trainer rank: end the sessions of the
-        engines that received every byte and check their writes, so that they are whole
-        at the new version (``abort()`` resumes them) while the failed ones stay torn, as
-        do engines verified by their ``/weights_checker`` (it looks only before the end).
-        With several ranks no rank knows which engines got every byte: all stay torn."""
-        fleet, run = self.connection.fleet, self.last_run
-        # engines checked through /weights_checker stay torn: that check can only look
-        # before the end, which this failed update never reached for them
-        checked_before_end = self.connection.write_check.checker
-        whole = [
-            e.url for e in fleet.engines if e.update.unverified and e.url not in checked_before_end
-        ]
-        if run is None or not whole or self._weight_check_pending:
-            return  # a first update's weight check never ran: none is verified whole
-        try:
-            fleet.close_only(whole)
-        except Exception:  # those stay torn (unverified); the write error is the one raised
-            logger.warning(
-                "p2pweights: ending the engines that got every byte failed", exc_info=True
-            )
-        wrong: set[str] = set()
-        write_check = self.connection.write_check
-        if write_check:
-            staged = {r: d for r, d in run.digests.items() if r.engine_url in whole}
-            try:
-                found = write_check.check(staged, updating_version(self.version))
-            except Exception:
-                logger.warning(
-                    "p2pweights: checking the engines that got every byte failed", exc_info=True
-                )
-                found = [Mismatch(Runner(url, -1, "target"), "not checked") for url in whole]
-            for mismatch in found:
-                logger.warning("p2pweights: write verification failed: %s", mismatch)
-            wrong = {m.runner.engine_url for m in found}
-        fleet.writes_verified(wrong)
+        """After a failed write step, on a lone trainer rank: the engines that received
+        every byte are ended and checked (``UpdateChecks.after_failed_writes``). With
+        several ranks no rank knows which engines got every byte: all stay torn."""
+        run = self.last_run
+        self._checks().after_failed_writes(None if run is None else lambda: run.digests)
 
     @property
     def _weight_check_pending(self) -> bool:
@@ -460,6 +412,7 @@ class UpdateAttempt:
     def _complete(self, result: RunResult) -> None:
         """The steps after the writes: close, verify the writes, check, finish."""
         connection, stages = self.connection, self.stages
+        checks = self._checks()
         # this rank hashes its digests while the engines end (and take theirs); a failure
         # there fails the verify step, which every rank takes
         if connection.write_check.checker:  # before end: sglang re-lays the weights there
@@ -480,20 +433,16 @@ class UpdateAttempt:
         try:
             if hashed is not None:
                 with self._timed("verify_writes"):
-                    self._verify_writes(hashed)
+                    checks.after_end(lambda: self._staged_digests(hashed), self.collective.step)
                 stages["digest"] = result.digest_s
                 stages["engine_digest"] = connection.write_check.engine_digest_s
         except Exception:
-            if self.leader and not self._weight_check_pending:  # the others passed: whole
-                connection.fleet.writes_verified(self._wrong)
+            checks.settle(failed=True, all_ended=not_closed is None)
             if not_closed is None:
                 raise
             logger.warning("p2pweights: write verification after a failed end", exc_info=True)
         else:
-            # whole where the end answered (an engine whose end failed stays torn), unless
-            # the weight check, which runs only after every end answered, is still to come
-            if self.leader and not (not_closed is not None and self._weight_check_pending):
-                connection.fleet.writes_verified()
+            checks.settle(failed=False, all_ended=not_closed is None)
         if not_closed is not None:
             raise not_closed
         if self.config.verify_with_weight_checker and not connection.checked:
@@ -509,85 +458,35 @@ class UpdateAttempt:
         if self.leader:
             self.connection.fleet.close()
 
-    def _verify_writes(self, hashed: futures.Future[dict[Runner, dict[str, str]]]) -> None:
-        """Every rank compares the digests its engine ranks took before their end with
-        those of the bytes it staged for them, and all agree. An engine found wrong stays
-        torn (``incomplete``, ``check_failed``); where another rank failed, every
-        checked engine does (rank 0 cannot know which it found wrong)."""
-        write_check = self.connection.write_check
-        found: list[Mismatch] = []
-        self._wrong = set(write_check.engines)  # until the check says which
-
-        def check() -> None:
-            staged = self._with_shares(hashed)  # this rank's digests (``RunResult.digests``)
-            found.extend(write_check.check(staged, updating_version(self.version)))
-            WriteCheck.raise_if_wrong(found)
-
-        try:
-            self.collective.step("verify_writes", check)
-        except BaseException:
-            if self.leader:
-                alone = self.config.num_senders == 1 and bool(found)
-                wrong = {m.runner.engine_url for m in found} if alone else set(write_check.engines)
-                # an engine whose end did not answer was not checked: it stays unverified
-                wrong -= set(self.connection.fleet.unended())
-                self.connection.fleet.writes_wrong(wrong)
-                self._wrong = wrong
-            raise
-
     def _verify_before_end(self, result: RunResult) -> None:
-        """Every rank asks the engines checked through sglang's ``/weights_checker`` for
-        their checksums of what it wrote, after every rank's writes and before any end,
-        and compares them with its hashes of the staged bytes; all agree. An engine found
-        wrong stays open, paused and torn (``abort`` ends its session; the next update
-        rewrites it whole)."""
-        write_check = self.connection.write_check
-        found: list[Mismatch] = []
+        """The ``/weights_checker`` check of the engines without write digests, after every
+        rank's writes and before any end (``UpdateChecks.before_end``), each engine's
+        checker asked by one rank, its answer gathered by the others."""
+        me = (self.config.pipeline_stage, self.config.trainer_rank)
+        share = CheckerShare(self.collective.gather, me)
+        self._checks().before_end(result.checksums, self.collective.step, share)
 
-        def check() -> None:
-            found.extend(write_check.check_before_end(result.checksums))
-            WriteCheck.raise_if_wrong(found, left=_LEFT_OPEN)
-
-        try:
-            self.collective.step("verify_checker", check)
-        except BaseException:
-            if self.leader:
-                alone = self.config.num_senders == 1 and bool(found)
-                wrong = {m.runner.engine_url for m in found} if alone else set(write_check.checker)
-                fleet = self.connection.fleet
-                fleet.writes_wrong(wrong)
-                if alone and not self._weight_check_pending:
-                    self._end_the_verified(set(write_check.checker) - wrong, wrong)
-            raise
-
-    def _end_the_verified(self, passed: set[str], wrong: set[str]) -> None:
-        """After the checker found some engines wrong (one sending rank: it knows which):
-        end the sessions of those whose checksums all agreed, which makes them whole at
-        the new version, as a digest check leaves the engines it passed. The others stay
-        open and torn; an end that fails leaves its engine unverified."""
-        fleet = self.connection.fleet
-        try:
-            fleet.close_only(passed)
-        except Exception:  # each engine's outcome is in its state; the update fails anyway
-            logger.warning("p2pweights: ending the engines the checker passed", exc_info=True)
-        fleet.writes_verified(wrong | set(self.connection.write_check.engines))
-
-    def _with_shares(
+    def _staged_digests(
         self, hashed: futures.Future[dict[Runner, dict[str, str]]]
     ) -> dict[Runner, dict[str, str]]:
         """This rank's digests; under owner sends with the digests of the parameters
         several owners write, from every rank's shares summed (one gather, every rank)."""
-        prepared = self.connection.prepared
+        prepared, run = self.connection.prepared, self.last_run
         if prepared is None or prepared.owned is None:
             return hashed.result()
-        shares: dict[Runner, dict[str, tuple[list[int], int]]] | None = None
-        try:
-            staged = hashed.result()
-            assert self.last_run is not None
-            shares = self.last_run.partial_digests
-        finally:  # every rank gathers, also one whose digests failed
-            gathered = self.collective.sum_lanes(shares)
-        return {**staged, **summed_shares(staged, gathered)}
+        assert run is not None
+        return with_shares(hashed.result, lambda: run.partial_digests, self.collective.sum_lanes)
+
+    def _checks(self) -> UpdateChecks:
+        """This update's write checks (``integrity.update_checks``)."""
+        return UpdateChecks(
+            self.connection.write_check,
+            self.connection.fleet,
+            updating_version(self.version),
+            leader=self.leader,
+            alone=self.config.num_senders == 1,
+            weight_check_pending=self._weight_check_pending,
+        )
 
     def _check(self) -> None:
         if self.leader:
@@ -607,10 +506,9 @@ class UpdateAttempt:
         written = set(result.bytes_by_target)
 
         def verification(url: str) -> tuple[tuple[Verification, ...], str | None]:
-            by, why = connection.write_check.verification(
-                url, written, result.digests, result.checksums
+            return connection.write_check.verification(
+                url, written, result.digests, result.checksums, weight_checked=weight_checked
             )
-            return by + (("weight_check",) if weight_checked else ()), why
 
         executor, _ = connection.ready()
         # what the transport writes over, as set up (Mooncake's "auto" resolved)
@@ -645,35 +543,6 @@ class UpdateAttempt:
             self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - started
 
 
-def summed_shares(
-    staged: Mapping[Runner, Mapping[str, str]], gathered: Iterable[object]
-) -> dict[Runner, dict[str, str]]:
-    """``staged`` with, for each of its runners, the digest of every parameter owners
-    wrote in shares: their lane sums added (mod 2**64: each share is zero outside its
-    owner's bytes, so the sum is the whole parameter's)."""
-    totals: dict[Runner, dict[str, tuple[list[int], int]]] = {}
-    for shares in gathered:
-        if shares is None:
-            raise TransferError("another trainer rank failed to digest its writes")
-        for runner, params in cast(
-            Mapping[Runner, Mapping[str, tuple[list[int], int]]], shares
-        ).items():
-            for param, (lanes, num_bytes) in params.items():
-                have = totals.setdefault(runner, {}).get(param)
-                if have is not None:
-                    lanes = [
-                        (a + b + (1 << 63)) % (1 << 64) - (1 << 63)
-                        for a, b in zip(have[0], lanes, strict=True)
-                    ]
-                totals[runner][param] = (lanes, num_bytes)
-    out = {runner: dict(digests) for runner, digests in staged.items()}
-    for runner, params in totals.items():
-        mine = out.setdefault(runner, {})
-        for param, (lanes, num_bytes) in params.items():
-            mine[param] = lanes_hex(torch.tensor(lanes, dtype=torch.int64), num_bytes)
-    return out
-
-
 def read_input(
     named_tensors: NamedTensors, first: bool, receipts: Receipts
 ) -> tuple[Iterable[tuple[str, torch.Tensor]], dict[str, InputSpec] | None]:
@@ -706,9 +575,6 @@ _LEFT_TORN = (
     "update() rewrites them whole (session.abort(resume_incomplete=True) resumes them "
     "torn)"
 )
-
-
-_LEFT_OPEN = ", their update session still open (abort() ends it)"
 
 
 def _raise(error: BaseException) -> None:

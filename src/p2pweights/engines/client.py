@@ -38,7 +38,9 @@ from p2pweights.wire.publication import (
     DIGESTS_ROLE,
     END_RECORDS_KEY,
     RankPublication,
+    digest_record,
     end_records,
+    is_digest_answer,
     parse_publication,
 )
 
@@ -161,7 +163,8 @@ class EngineClient:
         self, rank: int, runner: str = "target", bootstrap_port: int | None = None
     ) -> dict[str, Any]:
         """The record engine rank ``rank``'s ``runner`` took before its last
-        ``end_weight_update`` (``p2pweights.engine_rank.steps``: ``update``, ``digests``, ...).
+        ``end_weight_update`` (``p2pweights.engine_rank.steps``: ``update``, ``digests``, ...),
+        as the engine sent it: ``integrity.records`` reads what it holds.
 
         Asked as ``?rank=R&role=p2pweights-digests`` (and ``&runner=draft`` for a draft).
         sglang's own route forwards only the rank, so its answer is then the rank's
@@ -172,14 +175,14 @@ class EngineClient:
         if runner != "target":
             params["runner"] = runner
         body = self._json("GET", "/remote_instance_transfer_engine_info", params=params)
-        if body.get("role") != DIGESTS_ROLE and bootstrap_port is not None:
+        if not is_digest_answer(body) and bootstrap_port is not None:
             host = httpx.URL(self.url).host
             host = f"[{host}]" if ":" in host else host
             url = f"http://{host}:{bootstrap_port}/get_transfer_engine_info"
             # plain HTTP, and it checks no key: the engine's API key never goes there
             body = self._json("GET", url, params=params, without_key=True)
-        record = body.get("remote_instance_transfer_engine_info")
-        if body.get("role") != DIGESTS_ROLE or not isinstance(record, dict):
+        record = digest_record(body)
+        if record is None:
             raise EngineError(
                 f"engine {self.url} rank {rank}: serves no write digests (it answered no "
                 f"{DIGESTS_ROLE!r} record); run the engine with the p2pweights plugin, or "

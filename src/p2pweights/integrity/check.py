@@ -22,7 +22,6 @@ checked is warned about once per session (``WriteCheck.warn_unverified``).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +29,11 @@ from typing import Any
 from p2pweights.config import SyncConfig
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
-from p2pweights.errors import EngineError, TransferError, some_of
+from p2pweights.errors import ConfigError, EngineError, TransferError, some_of
 from p2pweights.integrity import checker as weights_checker
-from p2pweights.integrity.checker import CheckerTarget
+from p2pweights.integrity import records
+from p2pweights.integrity.checker import CheckerShare, CheckerTarget
+from p2pweights.integrity.records import UNNAMED_SCHEME
 from p2pweights.report import EngineRankKey, EngineReport, Verification
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import Runner
@@ -47,10 +48,6 @@ __all__ = [
     "serves_digests",
     "why_unverified",
 ]
-
-UNNAMED_SCHEME = "lanes16-v1"
-"""The scheme of engines that record digests without naming it (releases before it was
-named: plain lane sums, blind to reordered bytes)."""
 
 
 def digest_scheme(engine: ConnectedEngine) -> str | None:
@@ -193,6 +190,32 @@ class WriteCheck:
     def __bool__(self) -> bool:
         return bool(self.engines)
 
+    def flagged(self, digest_as_written: bool) -> frozenset[str]:
+        """The engines whose ranks digest each parameter as its writes land
+        (``SyncConfig.digest_as_written``): the sender flags its writes to them."""
+        return frozenset(self.engines) if digest_as_written else frozenset()
+
+    def refuse_shared_parameters(self, digest_as_written: bool) -> None:
+        """Owner sends planned parameters several trainer ranks write in shares: refuse,
+        before anything is sent, what no check could verify (``ConfigError``): early
+        digests (a share may land after the flag) and engines checked through their
+        ``/weights_checker`` (its hash cannot be made from the shares)."""
+        if digest_as_written:
+            raise ConfigError(
+                "digest_as_written digests a parameter once its flag lands, but a parameter "
+                "several owners write lands in shares from several trainer ranks, so its "
+                "early digest could miss a share; use digest_as_written=False with owned "
+                "tensors that share parameters; nothing was sent"
+            )
+        checked = sorted(self.checker)
+        if checked:
+            raise ConfigError(
+                f"engines {', '.join(checked[:3])} are verified through sglang's "
+                f"/weights_checker, whose hash of a parameter cannot be made from the shares "
+                f"several owners write of it; start them with the p2pweights plugin and write "
+                f"digests (docs/real-sglang.md), or send these tensors whole; nothing was sent"
+            )
+
     @property
     def checker_devices(self) -> dict[str, str]:
         """Engine URL -> the kind of device its checker hashes on, for each engine checked
@@ -205,12 +228,25 @@ class WriteCheck:
         written: Collection[EngineRankKey],
         digests: Mapping[Runner, Mapping[str, str]],
         checksums: Mapping[Runner, Mapping[str, str]] | None = None,
+        *,
+        weight_checked: bool = False,
     ) -> tuple[tuple[Verification, ...], str | None]:
         """How this trainer rank's writes into ``url`` (``written``: the engine ranks it
-        wrote) were checked in a passed update, and why not where they were not.
+        wrote) were checked in a passed update (``weight_checked``: the engines' own
+        weight check ran too, and passed), and why not where they were not.
 
         An engine rank it wrote without a digest (or checksum) of what it wrote there was
         not checked."""
+        by, why = self._verified_by(url, written, digests, checksums)
+        return by + (("weight_check",) if weight_checked else ()), why
+
+    def _verified_by(
+        self,
+        url: str,
+        written: Collection[EngineRankKey],
+        digests: Mapping[Runner, Mapping[str, str]],
+        checksums: Mapping[Runner, Mapping[str, str]] | None,
+    ) -> tuple[tuple[Verification, ...], str | None]:
         if url in self.checker:
             how: Verification = weights_checker.METHOD
             hashed = checksums or {}
@@ -225,13 +261,18 @@ class WriteCheck:
             return (), f"this trainer rank hashed nothing it wrote into engine rank(s) {ranks}"
         return (how,), None
 
-    def check_before_end(self, staged: Mapping[Runner, Mapping[str, str]]) -> list[Mismatch]:
+    def check_before_end(
+        self,
+        staged: Mapping[Runner, Mapping[str, str]],
+        share: CheckerShare | None = None,
+    ) -> list[Mismatch]:
         """The checker engines' ``/weights_checker`` checksums of what this trainer rank
         wrote, compared with ``staged`` (its hashes of the staged bytes): each runner that
-        disagreed or could not be checked (empty if all agreed)."""
+        disagreed or could not be checked (empty if all agreed). With ``share`` each
+        engine's checker is asked once among the sending ranks (``checker.check``)."""
         return [
             Mismatch(runner, problem)
-            for runner, problem in weights_checker.check(self.checker, staged)
+            for runner, problem in weights_checker.check(self.checker, staged, share)
         ]
 
     def warn_unverified(self, engines: Iterable[EngineReport]) -> None:
@@ -253,13 +294,16 @@ class WriteCheck:
         """Compare every checked runner's record with ``expected``: each runner whose
         record disagreed or could not be read (empty if all agreed)."""
         runners = [r for r in expected if r.engine_url in self.engines and expected[r]]
-        records = concurrently(self._read, runners)
-        self.engine_digest_s = max((float(r.get("digest_s", 0.0)) for r in records), default=0.0)
-        problems = [
-            problem
-            for runner, record in zip(runners, records, strict=True)
-            for problem in self._compare(runner, record, expected[runner], marker)
-        ]
+        read = concurrently(self._read, runners)
+        self.engine_digest_s = max((records.digest_seconds(r) for r in read), default=0.0)
+        problems = []
+        for runner, record in zip(runners, read, strict=True):
+            last = self.last_update.get(runner)
+            problem, number = records.compare(record, expected[runner], marker, last)
+            if number is not None:
+                self.last_update[runner] = number
+            if problem is not None:
+                problems.append(Mismatch(runner, problem))
         return problems
 
     def note_begun(self, runners: Iterable[Runner]) -> None:
@@ -271,10 +315,9 @@ class WriteCheck:
         One that cannot be read leaves the number alone to decide."""
         fresh = [r for r in runners if r.engine_url in self.engines and r not in self.last_update]
         for runner, record in zip(fresh, concurrently(self._read, fresh), strict=True):
-            number = record.get("update")
-            if isinstance(number, int) and not isinstance(number, bool):
-                renewed = record.get("digests") is None and not record.get("error")
-                self.last_update[runner] = number - 1 if renewed else number
+            number = records.begun_number(record)
+            if number is not None:
+                self.last_update[runner] = number
 
     @staticmethod
     def raise_if_wrong(problems: Sequence[Mismatch], left: str = "") -> None:
@@ -287,52 +330,4 @@ class WriteCheck:
         )
 
     def _read(self, runner: Runner) -> dict[str, Any]:
-        """The runner's record: from the end answer where it carried one (the local
-        engine, to the trainer rank that ended the session), else read from the engine."""
-        url, rank, role = runner.engine_url, runner.engine_rank, runner.role
-        engine = self.engines[url]
-        carried = engine.update.end_records.get((rank, role))
-        if carried is not None:
-            return carried
-        port = engine.server_info.get("engine_info_bootstrap_port")
-        started = time.perf_counter()
-        try:
-            record = engine.client.write_digests(rank, role, None if port is None else int(port))
-        except EngineError as exc:
-            return {"error": f"its write digests could not be read ({exc})"}
-        logger.debug("write digests of %s read in %.3f s", runner, time.perf_counter() - started)
-        return record
-
-    def _compare(
-        self, runner: Runner, record: dict[str, Any], staged: Mapping[str, str], marker: str
-    ) -> Iterable[Mismatch]:
-        digests = record.get("digests")
-        if not isinstance(digests, dict):
-            why = record.get("error") or "it recorded none before this update's end"
-            yield Mismatch(runner, f"no write digests for this update: {why}")
-            return
-        scheme = record.get("digest_scheme", UNNAMED_SCHEME)
-        if scheme != SCHEME:
-            yield Mismatch(
-                runner,
-                f"its write digests are made another way ({scheme!r}; this trainer: "
-                f"{SCHEME!r}): run one p2pweights release on the trainer and the engines",
-            )
-            return
-        number, last = record.get("update"), self.last_update.get(runner)
-        version = record.get("weight_version")
-        if not isinstance(number, int) or (last is not None and number <= last):
-            yield Mismatch(runner, f"stale write digests (record {number}, last read {last})")
-            return
-        if version is not None and version != marker:
-            yield Mismatch(runner, f"write digests taken at weight version {version!r}")
-            return
-        self.last_update[runner] = number
-        wrong = sorted(name for name, value in staged.items() if digests.get(name) != value)
-        if wrong:
-            names = some_of([repr(n) for n in wrong], ", ")
-            yield Mismatch(
-                runner,
-                f"{len(wrong)} of {len(staged)} written parameter(s) do not hold the bytes "
-                f"staged for them: {names}",
-            )
+        return records.read(self.engines[runner.engine_url], runner)

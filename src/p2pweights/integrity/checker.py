@@ -26,9 +26,9 @@ its weights on (``device`` in its server info; the local engine adds
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -39,7 +39,15 @@ from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["METHOD", "CheckerTarget", "check", "checksums_by_rank", "checker_device", "why_not"]
+__all__ = [
+    "METHOD",
+    "CheckerShare",
+    "CheckerTarget",
+    "check",
+    "checker_device",
+    "checksums_by_rank",
+    "why_not",
+]
 
 METHOD: Literal["weights_checker"] = "weights_checker"
 """``EngineReport.verified_by``'s name for this check."""
@@ -53,6 +61,23 @@ class CheckerTarget:
 
     engine: ConnectedEngine
     device: str
+
+
+@dataclass(frozen=True)
+class CheckerShare:
+    """How the sending trainer ranks share one checker answer per engine (``check``)."""
+
+    gather: Callable[[object], list[object]]
+    """Every sending rank's object, in one order on every rank (an all-gather)."""
+    me: tuple[int, int]
+    """This rank, as (pipeline stage, trainer rank): unique among the sending ranks; the
+    lowest rank that wrote a runner role of an engine asks its checker."""
+
+
+Ask = tuple[str, str]
+"""(engine URL, runner role): one ``/weights_checker`` checksum call."""
+Answer = list[dict[str, str]] | str
+"""Per TP rank, parameter -> checksum; or why the checker gave none."""
 
 
 def checker_device(engine: ConnectedEngine) -> str | None:
@@ -149,49 +174,83 @@ def _tp_rank(info: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> int:
 
 
 def check(
-    targets: Mapping[str, CheckerTarget], staged: Mapping[Runner, Mapping[str, str]]
+    targets: Mapping[str, CheckerTarget],
+    staged: Mapping[Runner, Mapping[str, str]],
+    share: CheckerShare | None = None,
 ) -> list[tuple[Runner, str]]:
     """Ask each engine's checker (one call per engine and runner role, all at once) and
     compare every parameter in ``staged`` (runner -> parameter -> hash of what was staged);
-    (runner, problem) for each runner that disagreed or could not be checked."""
+    (runner, problem) for each runner that disagreed or could not be checked.
+
+    With ``share`` the sending ranks ask each checker once between them (it hashes every
+    weight of its engine, inside the pause): two gathers, which every rank joins, also
+    one that staged nothing: what each rank needs, then the answers of the calls each
+    lowest rank needing one made. Without it every rank asks what it needs."""
     # unpacked: a runner unpacks as the (url, rank, role) tuple it replaced
-    asks = sorted(
+    needed = sorted(
         {(url, role) for (url, _, role), hashes in staged.items() if url in targets and hashes}
     )
-    answers = concurrently(lambda ask: _ask(targets[ask[0]].engine, ask[1]), asks)
-    by_ask = dict(zip(asks, answers, strict=True))
-    problems = []
+    by_ask = _asked(targets, needed) if share is None else _shared(targets, needed, share)
+    problems: list[tuple[Runner, str]] = []
     for runner, hashes in staged.items():
         url, rank, role = runner
         if url not in targets or not hashes:
             continue
-        answer = by_ask[(url, role)]
-        if isinstance(answer, str):
-            problems.append((runner, answer))
-            continue
-        if rank >= len(answer):
-            problems.append((runner, f"its /weights_checker answered {len(answer)} rank(s)"))
-            continue
-        held = answer[rank]
-        missing = sorted(name for name in hashes if name not in held)
-        wrong = sorted(name for name, value in hashes.items() if held.get(name, value) != value)
-        if wrong:
-            problems.append(
-                (
-                    runner,
-                    f"{len(wrong)} of {len(hashes)} written parameter(s) do not hold the bytes "
-                    f"staged for them (sglang's /weights_checker checksum, before "
-                    f"end_weight_update): {some_of([repr(n) for n in wrong], ', ')}",
-                )
-            )
-        if missing:
-            problems.append(
-                (
-                    runner,
-                    f"its /weights_checker answered no checksum for {len(missing)} written "
-                    f"parameter(s): {some_of([repr(n) for n in missing], ', ')}",
-                )
-            )
+        problems += [(runner, problem) for problem in _compare(by_ask[(url, role)], rank, hashes)]
+    return problems
+
+
+def _asked(targets: Mapping[str, CheckerTarget], asks: Sequence[Ask]) -> dict[Ask, Answer]:
+    """Each checker's answer to this rank's own call."""
+    answers = concurrently(lambda ask: _ask(targets[ask[0]].engine, ask[1]), asks)
+    return dict(zip(asks, answers, strict=True))
+
+
+def _shared(
+    targets: Mapping[str, CheckerTarget], needed: list[Ask], share: CheckerShare
+) -> dict[Ask, Answer]:
+    """Every answer any rank needs, each asked by the lowest rank that needs it. Nothing
+    between the two gathers raises (a call that fails is answered by why), so no rank is
+    left waiting in the second."""
+    wanted = cast(list[tuple[tuple[int, int], list[Ask]]], share.gather((share.me, needed)))
+    asker: dict[Ask, tuple[int, int]] = {}
+    for who, asks in sorted(wanted):
+        for url, role in asks:  # a gather may hand a pair back as a list
+            asker.setdefault((url, role), who)
+    mine = [ask for ask in needed if asker.get(ask) == share.me]
+    try:
+        answered = _asked(targets, mine)
+    except Exception as exc:  # answered as a failed call: the others must not hang
+        answered = {
+            ask: f"its /weights_checker checksum could not be read ({exc!r})" for ask in mine
+        }
+    merged: dict[Ask, Answer] = {}
+    for answers in cast(list[dict[Ask, Answer]], share.gather(answered)):
+        merged.update(answers)
+    return merged
+
+
+def _compare(answer: Answer, rank: int, hashes: Mapping[str, str]) -> list[str]:
+    """What is wrong with one runner's written parameters under its checker's answer."""
+    if isinstance(answer, str):
+        return [answer]
+    if rank >= len(answer):
+        return [f"its /weights_checker answered {len(answer)} rank(s)"]
+    held = answer[rank]
+    missing = sorted(name for name in hashes if name not in held)
+    wrong = sorted(name for name, value in hashes.items() if held.get(name, value) != value)
+    problems = []
+    if wrong:
+        problems.append(
+            f"{len(wrong)} of {len(hashes)} written parameter(s) do not hold the bytes "
+            f"staged for them (sglang's /weights_checker checksum, before "
+            f"end_weight_update): {some_of([repr(n) for n in wrong], ', ')}"
+        )
+    if missing:
+        problems.append(
+            f"its /weights_checker answered no checksum for {len(missing)} written "
+            f"parameter(s): {some_of([repr(n) for n in missing], ', ')}"
+        )
     return problems
 
 

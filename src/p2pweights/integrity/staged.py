@@ -16,14 +16,20 @@ first use, and small regions where the kernel does not run).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import cast
 
 import torch
 
-from p2pweights.wire.digest import Lanes, hex_digests, lane_sums, span_sums
+from p2pweights.errors import TransferError
+from p2pweights.wire.digest import Lanes, hex_digests, lane_sums, lanes_hex, span_sums
 from p2pweights.wire.publication import Runner
 
-__all__ = ["StagedDigests"]
+__all__ = ["Shares", "StagedDigests", "summed_shares", "with_shares"]
+
+Shares = dict[Runner, dict[str, tuple[list[int], int]]]
+"""Runner -> parameter -> (lane sums, length) of one owner's share of it
+(``StagedDigests.shares``)."""
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -56,7 +62,7 @@ class StagedDigests:
         self._filed: list[tuple[str, str, Iterable[Runner]]] = []
         self._partial: set[str] = set()  # keys of owners' shares (``add_spans(partial=)``)
         # runner -> parameter -> (lane sums, length) of each owner's share ``into`` took
-        self.shares: dict[Runner, dict[str, tuple[list[int], int]]] = {}
+        self.shares: Shares = {}
         # Per GPU batch, an event recorded in its stream after its sums, and the stream: ``into``
         # may run on another thread, whose own streams would not wait for them.
         self._done: list[tuple[torch.cuda.Event, torch.cuda.Stream]] = []
@@ -139,3 +145,47 @@ class StagedDigests:
                 else:
                     out.setdefault(runner, {})[param] = found[key]
         self._sums, self._filed, self._done, self._partial = {}, [], [], set()
+
+
+def with_shares(
+    digests: Callable[[], dict[Runner, dict[str, str]]],
+    shares: Callable[[], Shares],
+    gather: Callable[[object], list[object]],
+) -> dict[Runner, dict[str, str]]:
+    """Under owner sends: this rank's ``digests()`` with the digest of every parameter
+    several owners write, made from every rank's ``shares()`` (one ``gather``, which
+    every rank joins, also one whose digests failed)."""
+    own: Shares | None = None
+    try:
+        staged = digests()
+        own = shares()
+    finally:
+        gathered = gather(own)
+    return {**staged, **summed_shares(staged, gathered)}
+
+
+def summed_shares(
+    staged: Mapping[Runner, Mapping[str, str]], gathered: Iterable[object]
+) -> dict[Runner, dict[str, str]]:
+    """``staged`` with, for each of its runners, the digest of every parameter owners
+    wrote in shares: their lane sums added (mod 2**64: each share is zero outside its
+    owner's bytes, so the sum is the whole parameter's)."""
+    totals: Shares = {}
+    for shares in gathered:
+        if shares is None:
+            raise TransferError("another trainer rank failed to digest its writes")
+        for runner, params in cast(Shares, shares).items():
+            for param, (lanes, num_bytes) in params.items():
+                have = totals.setdefault(runner, {}).get(param)
+                if have is not None:
+                    lanes = [
+                        (a + b + (1 << 63)) % (1 << 64) - (1 << 63)
+                        for a, b in zip(have[0], lanes, strict=True)
+                    ]
+                totals[runner][param] = (lanes, num_bytes)
+    out = {runner: dict(digests) for runner, digests in staged.items()}
+    for runner, params in totals.items():
+        mine = out.setdefault(runner, {})
+        for param, (lanes, num_bytes) in params.items():
+            mine[param] = lanes_hex(torch.tensor(lanes, dtype=torch.int64), num_bytes)
+    return out

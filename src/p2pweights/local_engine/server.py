@@ -27,7 +27,12 @@ from p2pweights.errors import ConfigError
 from p2pweights.local_engine.ranks import EngineRank
 from p2pweights.replica.sglang import facade
 from p2pweights.wire.digest import SCHEME
-from p2pweights.wire.publication import DIGESTS_ROLE, END_RECORDS_KEY
+from p2pweights.wire.publication import (
+    DIGESTS_ROLE,
+    END_RECORDS_KEY,
+    digest_answer,
+    end_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +102,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
         if not 0 <= rank < len(ranks) or runner not in ranks[rank].runners:
             return _error(400, f"rank {rank} has no {runner!r} runner")
         record = ranks[rank].runners[runner].digest_record
-        return {"rank": rank, "role": DIGESTS_ROLE, "remote_instance_transfer_engine_info": record}
+        return digest_answer(rank, record)
 
     @app.get("/remote_instance_transfer_engine_info")
     def remote_info(
@@ -168,9 +173,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
                 rank.end_update(not state["loaded_in_session"], state["selector"])
                 for runner in rank.selected(state["selector"]):
                     runner.digest_record["weight_version"] = state["weight_version"]
-                    records.append(
-                        {"rank": rank.rank, "runner": runner.role, "record": runner.digest_record}
-                    )
+                    records.append(end_record(rank.rank, runner.role, runner.digest_record))
             state["updating"] = False
         # the records the trainer compares, with the answer (no read per rank after it)
         return {"success": True, "message": "end_weight_update done", END_RECORDS_KEY: records}

@@ -36,7 +36,7 @@ from fastapi import Body, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 
 from p2pweights.polling import poll_until
-from p2pweights.wire.publication import DIGESTS_ROLE
+from p2pweights.wire.publication import DIGESTS_ROLE, digest_answer
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class NixlAwareBootstrapServer:
                     record = self.digest_records.get(rank)
                 if record is None:
                     raise HTTPException(status_code=404, detail=f"No digest record for rank {rank}")
-                return {"rank": rank, "role": role, "remote_instance_transfer_engine_info": record}
+                return digest_answer(rank, record)
             info = self.get_transfer_engine_info(rank)
             if info is None:
                 raise HTTPException(

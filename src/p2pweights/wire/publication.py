@@ -50,10 +50,38 @@ publication (``?rank=R&role=p2pweights-digests``: the local engine's route, the 
 bootstrap server)."""
 
 
+_INFO_KEY = "remote_instance_transfer_engine_info"
+"""Where sglang's publication route answers a rank's info; a digest record answers there too."""
+
+
+def digest_answer(rank: int, record: Mapping[str, Any]) -> dict[str, Any]:
+    """The answer to ``?rank=R&role=p2pweights-digests``: rank R's write-digest record
+    (the local engine's route, the p2pweights plugin's bootstrap server)."""
+    return {"rank": rank, "role": DIGESTS_ROLE, _INFO_KEY: record}
+
+
+def is_digest_answer(body: Mapping[str, Any]) -> bool:
+    """Whether an answer to ``?role=p2pweights-digests`` is a digest answer (sglang's own
+    route forwards only the rank and answers the rank's publication)."""
+    return body.get("role") == DIGESTS_ROLE
+
+
+def digest_record(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The record in a digest answer (``digest_answer``); None where ``body`` is not one
+    or carries no record object."""
+    record = body.get(_INFO_KEY)
+    return record if is_digest_answer(body) and isinstance(record, dict) else None
+
+
 END_RECORDS_KEY = "p2pweights_end_records"
 """Where an ``end_weight_update`` answer carries the records its ranks took before that
 end: a list of ``{"rank": R, "runner": "target" | "draft", "record": {...}}`` (the
 local engine; the same records ``?role=p2pweights-digests`` serves)."""
+
+
+def end_record(rank: int, runner: str, record: Mapping[str, Any]) -> dict[str, Any]:
+    """One entry of an end answer's ``END_RECORDS_KEY`` list (read back by ``end_records``)."""
+    return {"rank": rank, "runner": runner, "record": record}
 
 
 def end_records(listed: Any) -> dict[tuple[int, str], dict[str, Any]]:
