@@ -100,6 +100,9 @@ WAIVED: dict[str, dict[str, str]] = {
         "CARRY_NCCL=1 carries 2.30.7",
         "cuda-toolkit": "the machine's CUDA 13 libraries (measured: every symbol torch 2.14.1 "
         "binds is there but NCCL's, which is carried)",
+        "nvidia-cudnn-cu13": "the machine's 9.19.0.56 (torch pins 9.24.0.43): the same cuDNN 9 "
+        "ABI; measured on the H100, torch 2.14.1 loads and sglang serves on it",
+        "nvidia-cusparselt-cu13": "the machine's 0.8.0 (torch pins 0.8.1), measured as for cuDNN",
     },
     "nixl": {"nixl-cu12": "nixl-cu13 is carried for the CUDA 13 machine"},
     "nvidia-cutlass-dsl": {"nvidia-cutlass-dsl-libs-cu12": "libs-cu13 is carried"},
