@@ -30,15 +30,18 @@ for tests/real_sglang/test_real_server_gpu.py and test_real_server.py; docs/real
 
 Here an ``EngineClient`` reads them through an ``httpx.MockTransport``, so connecting,
 reading checksums, the refusals and the choice of the checker's hash run the real code
-paths on the real answers, with no server and no GPU. One slow case also runs sglang's
-own GPU hash kernel under Triton's interpreter on the bytes the sender stages for seed
-13, and gets the GPU server's ``/weights_checker`` answer.
+paths on the real answers, with no server and no GPU. The sender's hashes of the bytes it
+stages for the last update are compared with the servers' ``/weights_checker`` answers:
+sha256 (a CPU engine's) with the CPU server's on every run, and, in two slow cases
+(``-m slow``), sglang's own GPU hash kernels, run by Triton's interpreter, with the GPU
+servers'.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -364,3 +367,99 @@ def test_a_gpu_engine_is_checked_with_sglangs_gpu_hash_and_a_cpu_one_with_sha256
     finally:
         gpu_fleet.close_clients()
         cpu_fleet.close_clients()
+
+
+def staged(name: str, folder: Path, seed: int) -> tuple[torch.Tensor, list[tuple[str, int, int]]]:
+    """What a trainer stages for rank 0 of the recorded server ``name`` from seed ``seed``'s
+    synthetic weights: one buffer the replica's loaders filled (as the sender's executor
+    fills its staging buffers), and each parameter's (name, byte offset, byte length) in it."""
+    from p2pweights.replica.registry import replica_for
+    from p2pweights.testing import synthetic_weights
+
+    config = json.loads((folder / "config.json").read_text())
+    handle = replica_for(answers(name, folder)["/server_info"], 0, str(folder))
+    slots, at = [], 0
+    for param, layout in handle.layouts.items():
+        slots.append((param, at, layout.num_bytes))
+        at += layout.num_bytes
+    buffer = torch.zeros(at, dtype=torch.uint8)
+    views = {param: buffer[start : start + size] for param, start, size in slots}
+    handle.load_into(list(synthetic_weights(config, seed)), views)
+    return buffer, slots
+
+
+def test_the_same_staged_bytes_hash_as_the_cpu_server_with_sha256_not_as_the_gpu_one() -> None:
+    """The CPU and the GPU servers both ended on seed 13 and lay it out alike: the sender's
+    hashes of one staging buffer for a CPU engine (sha256) are the CPU server's answer, and
+    none is the GPU server's: a sender hashing on the wrong device would fail every
+    parameter (the slow case below gets the GPU server's with sglang's GPU kernel)."""
+    from p2pweights.integrity.checksums import StagedChecksums
+    from p2pweights.wire.publication import Runner
+
+    buffer, slots = staged("tp1", ANSWERS, seed=13)
+    gpu_buffer, gpu_slots = staged("gpu-qwen3-mooncake-device", GPU_ANSWERS, seed=13)
+    assert torch.equal(buffer, gpu_buffer) and slots == gpu_slots
+    url = "http://tp1.test:30000"
+    runner = Runner(url, 0, "target")
+    hashes = StagedChecksums({url: "cpu"})
+    hashes.add_spans(buffer, [(param, at, size, [runner]) for param, at, size in slots])
+    (cpu_answer,) = checksums_by_rank(url, answers("tp1")["/weights_checker"])
+    assert hashes.found[runner] == cpu_answer
+    (gpu_answer,) = checksums_by_rank(
+        url, answers("gpu-qwen3-mooncake-device", GPU_ANSWERS)["/weights_checker"]
+    )
+    assert all(gpu_answer[param] != value for param, value in cpu_answer.items())
+
+
+_GPU_HASH = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"  # before sglang's kernel module is imported
+    import torch
+    from p2pweights.integrity.checksums import StagedChecksums
+    from p2pweights.wire.publication import Runner
+
+    class OnCuda(torch.Tensor):
+        # a staging buffer on the trainer's GPU, as far as Python asks: the sender keeps
+        # it where it is and sglang's tensor_hash takes its GPU path (gpu_tensor_hash),
+        # whose Triton kernels the interpreter runs on these CPU bytes
+        @property
+        def is_cuda(self):
+            return True
+
+        def cuda(self, *args, **kwargs):
+            return self
+
+    buffer = torch.load(BUFFER).as_subclass(OnCuda)
+    runner = Runner(URL, 0, "target")
+    hashes = StagedChecksums({URL: "cuda"})
+    hashes.add_spans(buffer, [(param, at, size, [runner]) for param, at, size in SLOTS])
+    got = hashes.found[runner]
+    wrong = sorted(param for param in EXPECTED if got.get(param) != EXPECTED[param])
+    print("ok" if got.keys() == EXPECTED.keys() and not wrong else f"differ: {wrong}")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpu-qwen3-mooncake-device", "tp1-cuda-ipc"])
+def test_the_senders_gpu_hash_of_the_last_update_is_the_gpu_servers_answer(
+    name: str, tmp_path: Path
+) -> None:
+    """The sender's hashes for a GPU engine (``StagedChecksums`` of a CUDA staging buffer:
+    sglang's own ``gpu_tensor_hash`` Triton kernels, run here by Triton's interpreter) of
+    the last update's staged bytes (seed 13; 11 for the CUDA IPC server) equal, all 19,
+    what the GPU server's ``/weights_checker`` answered holding those weights: the checker
+    comparison agrees with a real GPU engine. About 30 s each on an idle 2-core host
+    (15 s of it importing sglang; the interpreter runs each 32 kB tile in numpy)."""
+    from _interpreted import assert_prints_ok
+
+    buffer, slots = staged(name, GPU_ANSWERS, seed=LAST_SEED[name])
+    torch.save(buffer, tmp_path / "staged.pt")
+    url = f"http://{name}.test:30000"
+    (expected,) = checksums_by_rank(url, answers(name, GPU_ANSWERS)["/weights_checker"])
+    settings = (
+        f"BUFFER, URL = {str(tmp_path / 'staged.pt')!r}, {url!r}\n"
+        f"SLOTS, EXPECTED = {slots!r}, {expected!r}\n"
+    )
+    assert_prints_ok(settings + _GPU_HASH)
