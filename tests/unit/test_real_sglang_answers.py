@@ -11,10 +11,11 @@ server and publishes why).
 
 tests/fixtures/sglang-0.5.23-gpu/ holds the same answers (less ``/get_server_info``, the
 same as ``/server_info``) of real servers on a GPU (an H100, TP 1, Triton attention,
-decode CUDA graphs captured), recorded on 2026-12-07 by
-``bash scripts/gpu_sglang/device.sh stage2 ...`` (which sets ``P2PWEIGHTS_RECORD_ANSWERS``
-for tests/real_sglang/test_real_server_gpu.py and test_real_server.py; docs/real-sglang.md,
-"On the GPU"), each after that suite's updates passed bit-exact:
+decode CUDA graphs captured), recorded on 2026-12-07 by the GPU runbook's
+``bash scripts/gpu_sglang/device.sh stage2 "qwen3-mooncake or qwen3-nixl or (cuda_ipc_into
+and not moving)"`` (docs/real-sglang.md, "On the GPU": it sets ``P2PWEIGHTS_RECORD_ANSWERS``
+for tests/real_sglang/test_real_server_gpu.py and test_real_server.py, and packs the
+answers/ folder into its logs.tgz), each after that suite's updates passed bit-exact:
 
 * ``gpu-qwen3-mooncake-device``: sglang's own Mooncake publication
   (``--remote-instance-weight-loader-start-seed-via-transfer-engine``,
