@@ -22,7 +22,7 @@ answers/ folder into its logs.tgz), each after that suite's updates passed bit-e
   ``MOONCAKE_PROTOCOL=tcp``, no plugin) after three updates (seeds 11, 12, 13; seed 13's
   weights are live), verified by ``/weights_checker`` (sglang's GPU hash). The
   ``mooncake-host`` case ran the same server (only the trainer staged elsewhere), whose
-  answers differ only in ports, timings and the addresses it published: not kept;
+  answers differ in ports, random seed, timings and published addresses: not kept;
 * ``gpu-qwen3-nixl``: the p2pweights NIXL plugin publishing VRAM, after the same three
   updates, verified by write digests;
 * ``tp1-cuda-ipc``: the p2pweights CUDA IPC plugin (``SGLANG_PLUGINS=p2pweights_cuda_ipc``)
