@@ -1,5 +1,5 @@
 """What verified writes cost: the same updates with verify_writes on and off, the write
-digest's throughput, and the digest kernel's variants.
+digest's throughput, the digest kernel's variants, and the NaN / Inf input check's cost.
 
     .venv/bin/python benchmarks/verify.py digest --device cpu --layers 2
 """
@@ -20,6 +20,19 @@ CASES = [
         "verify_digest",
         "the write digest's GB/s, whole and per staging batch",
         "digest_throughput",
+    ),
+    Case(
+        "finite",
+        "finite_cost",
+        "the NaN / Inf input check's cost: alone, and updates with it off and on",
+        "finite_cost",
+    ),
+    Case(
+        "finite-gpu",
+        "finite_gpu",
+        "the NaN / Inf input check's GB/s on one GPU, bf16 and fp8",
+        "finite_gpu",
+        needs_cuda=True,
     ),
     Case(
         "digest-kernel",
