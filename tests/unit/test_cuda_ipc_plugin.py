@@ -30,6 +30,7 @@ from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, connect_engine
 from p2pweights.errors import EngineError, TransportError
 from p2pweights.local_engine.process import free_port
+from p2pweights.sglang_plugin import ipc_publish
 from p2pweights.sglang_plugin.bootstrap import NixlAwareBootstrapServer
 from p2pweights.sglang_plugin.ipc_publish import IpcLivePublication, publish_ipc
 from p2pweights.sglang_plugin.publish import put_publication
@@ -293,6 +294,42 @@ def test_a_rank_that_cannot_publish_afresh_withdraws_its_handles(
     message = str(refused.value)
     assert f"engine {URL} rank 0 could not publish its weights for cuda_ipc" in message
     assert "restart the engine" in message and "nothing was written" in message
+
+
+def test_a_withdrawal_that_could_not_be_put_is_put_at_the_next_hook(
+    runtime: FakeRuntime,
+    bootstrap: NixlAwareBootstrapServer,
+    engine: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Publishing afresh failed and so did the PUT of the withdrawal (the bootstrap server
+    did not answer inside the hook): the start-up handles, whose memory is freed, are still
+    served. The next hook (begin_weight_update's AFTER, before the trainer re-reads the
+    publication and writes) puts the withdrawal again, so no writer is sent there."""
+    model = _model()
+    published = publish_ipc(0, bootstrap.url, model)  # type: ignore[arg-type]
+    assert published is not None
+    first = _published(bootstrap)
+    model.params["lm_head.weight"] = FakeGpuTensor(BASE_C, 4096)
+    runtime.fail_handles = True
+    real_put = ipc_publish.put_publication
+
+    def unreachable(*args: Any, **kwargs: Any) -> None:
+        raise httpx.ConnectError("the bootstrap server did not answer")
+
+    monkeypatch.setattr(ipc_publish, "put_publication", unreachable)
+    assert published.refresh(model, "end_weight_update") == ["lm_head.weight"]  # not raised
+    assert _published(bootstrap) == first  # stale: what the bootstrap server still serves
+
+    monkeypatch.setattr(ipc_publish, "put_publication", real_put)
+    published.refresh(model, "begin_weight_update")  # the next hook, still unable to publish
+    info = _published(bootstrap)
+    assert "segments" not in info and "could not be published afresh" in info["error"]
+    with pytest.raises(EngineError, match="could not publish its weights for cuda_ipc"):
+        _connect("cuda_ipc")
+
+    published.refresh(model, "end_weight_update")  # withdrawn once: not put again
+    assert _published(bootstrap) == info
 
 
 def test_a_cpu_server_is_refused_logged_and_recorded_never_raised(

@@ -50,6 +50,8 @@ class IpcLivePublication(LivePublication):
 
     def __init__(self, engine_rank: int, bootstrap_url: str) -> None:
         super().__init__(engine_rank, BACKEND, bootstrap_url)
+        # a withdrawal (``close``) that could not be put: the stale handles are still served
+        self._withdrawal_owed = False
 
     def _register(
         self, model: nn.Module, extra: dict[str, torch.Tensor]
@@ -84,11 +86,14 @@ class IpcLivePublication(LivePublication):
 
     def close(self) -> None:
         """Stop serving this rank's handles: publish why instead (an ``error``, the next
-        epoch), so no writer uses them. Called when publishing afresh failed."""
+        epoch), so no writer uses them. Called when publishing afresh failed. A handle
+        cannot be revoked, so a withdrawal that could not be put stays owed: the next
+        failed attempt (the next hook, which runs before the trainer re-reads the
+        publication and writes) puts it again."""
         had = self._publisher is not None
         super().close()
-        if had:
-            withdraw(
+        if had or self._withdrawal_owed:
+            self._withdrawal_owed = not withdraw(
                 self.engine_rank,
                 self.bootstrap_url,
                 f"its weights moved to new storage and could not be published afresh (see "
@@ -146,9 +151,9 @@ def publish_ipc(
 
 def withdraw(
     engine_rank: int, bootstrap_url: str, reason: str, *, epoch: int, in_hook: bool = False
-) -> None:
+) -> bool:
     """Publish, in place of the rank's weights, why it has none (``wire.publication``'s
-    ``"error"``); logged where even that cannot be put. Never raises an ``Exception``.
+    ``"error"``); whether it was put (logged where not). Never raises an ``Exception``.
     ``in_hook``: inside sglang's update hooks, one attempt of ``HOOK_PUT_TIMEOUT_S``."""
     info = {"backend": BACKEND, "error": reason, "live": True, "epoch": epoch}
     try:
@@ -159,10 +164,12 @@ def withdraw(
     except Exception:
         logger.exception(
             "%s: tp rank %d could not publish why it has no publication either; trainers "
-            "may read an earlier one",
+            "may read an earlier one until a later hook puts it",
             PLUGIN,
             engine_rank,
         )
+        return False
+    return True
 
 
 def _allocator_hint() -> str:
