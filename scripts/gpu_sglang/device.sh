@@ -15,6 +15,7 @@
 #   bash scripts/gpu_sglang/device.sh stage1    # install, smoke, a server with and without CUDA graphs
 #   bash scripts/gpu_sglang/device.sh stage2    # the GPU cases: every path and model, bit-exact
 #   bash scripts/gpu_sglang/device.sh stage3    # paused_s beside sglang's update_weights_from_tensor
+#   bash scripts/gpu_sglang/device.sh stage4    # verification's cost (benchmarks/verify.py cost)
 #
 # Everything installs into .relay/site, first on PYTHONPATH; the machine's own packages
 # (triton, the CUDA 13 libraries, numpy, ...) are used for the rest.
@@ -181,6 +182,13 @@ stage3() {
   p2pweights_here
   P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda timeout ${STAGE_S:-560} python3 benchmarks/gpu.py real-colocated --out "$dir/colocated.json" "$@" 2>&1 \
     | tee "$dir/colocated.txt" | tail -40
+}
+
+stage4() {  # verification's cost on this GPU (issue 40): off, on, as-written, in turns
+  local dir; dir=$(out)
+  timeout ${STAGE_S:-560} python3 benchmarks/verify.py cost --device cuda --repeats 8 --no-doc \
+    --models qwen3-1g:staged:256MiB qwen3-1g:staged:1GiB qwen3-4b-shape:direct:2GiB \
+    --out "$dir/verify_cost.json" "$@" 2>&1 | tee "$dir/verify_cost.txt" | tail -30
 }
 
 cmd=${1:-status}
