@@ -18,7 +18,7 @@ import torch
 
 from harness import measure
 from p2pweights.delta.store import PreviousBytes
-from p2pweights.engine_rank.delta_apply import apply
+from p2pweights.engine_side.delta_apply import apply
 from p2pweights.wire.delta import pack_payload
 
 

@@ -38,7 +38,7 @@ from cases.update_ceiling import BenchTargets, run_ceiling, transport_config
 from harness import GB, cpu_seconds, hf_tensors, machine, markdown_table, median, write_doc_section
 from p2pweights.config import SyncConfig, Timeouts
 from p2pweights.local_engine import LocalEngine
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 from p2pweights.testing import model_config, save_safetensors, write_model_dir
 from p2pweights.transports import Write, create_transport
 

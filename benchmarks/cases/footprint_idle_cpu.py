@@ -24,7 +24,7 @@ import torch
 from harness import cpu_seconds, machine, markdown_table, write_doc_section
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.local_engine import LocalEngine
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 from p2pweights.testing import synthetic_weights, write_model_dir
 
 NAME = "idle_cpu"

@@ -55,7 +55,7 @@ from harness import (
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, Timeouts
 from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import LocalEngine
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 from p2pweights.testing import save_safetensors
 from p2pweights.transfer.buffers import aligned
 from p2pweights.transports import Transport, Write, create_transport
@@ -90,7 +90,7 @@ def packed_bytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
 def arena_of(pub: RankPublication) -> WeightRegion:
     """The rank's weight arena: the span of its published parameters (one region); the
     delta scratch, published beside them from its own allocation, is not part of it."""
-    from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME
+    from p2pweights.engine_side.delta_scratch import SCRATCH_NAME
 
     regions = [r for name, r in pub.regions.items() if name != SCRATCH_NAME]
     start = min(r.address for r in regions)

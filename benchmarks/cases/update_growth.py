@@ -50,7 +50,7 @@ def child(args: argparse.Namespace) -> None:
 
     from harness import hf_tensors
     from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig, Timeouts
-    from p2pweights.session import WeightSyncSession
+    from p2pweights.sync_session import WeightSyncSession
 
     tensors = hf_tensors(args.model)
     baseline = rss_bytes()

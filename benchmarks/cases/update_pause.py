@@ -27,7 +27,7 @@ from harness import CONFIGS, hf_tensors, machine, markdown_table, median
 from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.local_engine import LocalEngine
 from p2pweights.report import UpdateReport
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 from p2pweights.testing import save_safetensors
 
 NAME = "pause_time"

@@ -50,7 +50,7 @@ from harness import (
 )
 from p2pweights.config import CudaIpcConfig, MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.local_engine import LocalEngine
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 from p2pweights.testing import save_safetensors
 
 NAME = "verify_cost"

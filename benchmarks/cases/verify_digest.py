@@ -32,7 +32,7 @@ def _digest_module() -> types.ModuleType:
     """``p2pweights.wire.digest`` without the package's ``__init__`` (and what it
     imports): the two packages stand in as bare namespaces."""
     src = ROOT / "src" / "p2pweights"
-    for name, path in (("p2pweights", src), ("p2pweights.integrity", src / "integrity")):
+    for name, path in (("p2pweights", src), ("p2pweights.verification", src / "integrity")):
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = [str(path)]

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         TransportConfigBase,
     )
     from p2pweights.engines.endpoint import EngineEndpoint
-    from p2pweights.engines.update_session import AbortReport
+    from p2pweights.engines.update_state import AbortReport
     from p2pweights.errors import (
         ConfigError,
         EngineError,
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
         UnsettledWrite,
     )
     from p2pweights.report import DeltaReport, EngineRankKey, EngineReport, UpdateReport
-    from p2pweights.session import WeightSyncSession
+    from p2pweights.sync_session import WeightSyncSession
 
 __version__ = "0.1.0"
 
@@ -99,7 +99,7 @@ __all__ = [
 ]
 
 _WHERE = {
-    "AbortReport": "p2pweights.engines.update_session",
+    "AbortReport": "p2pweights.engines.update_state",
     "ConfigError": "p2pweights.errors",
     "CudaIpcConfig": "p2pweights.config",
     "DeltaConfig": "p2pweights.config",
@@ -125,7 +125,7 @@ _WHERE = {
     "TransportError": "p2pweights.errors",
     "UnsettledWrite": "p2pweights.errors",
     "UpdateReport": "p2pweights.report",
-    "WeightSyncSession": "p2pweights.session",
+    "WeightSyncSession": "p2pweights.sync_session",
 }
 """Public name -> the module that defines it (imported on first use of the name)."""
 

@@ -33,8 +33,8 @@ from p2pweights.local_engine import LocalEngine
 from p2pweights.progress import progress
 from p2pweights.reference_check import verify_engine
 from p2pweights.report import UpdateReport
-from p2pweights.session import WeightSyncSession
 from p2pweights.source.synthetic import synthetic_weights, write_model_dir
+from p2pweights.sync_session import WeightSyncSession
 
 Mismatches = dict[str, dict[int, list[str]]]
 

@@ -28,7 +28,7 @@
                                          (``512MiB``; ``0``: none, delta updates write it
                                          in full); default 1/8 of the rank's weights, at
                                          most 1 GiB, in the local engine, and none in the
-                                         sglang plugin (``p2pweights.engine_rank.delta_scratch``).
+                                         sglang plugin (``p2pweights.engine_side.delta_scratch``).
 ``P2PWEIGHTS_WRITE_DIGESTS``             On an engine host: every rank digests its
                                          published parameters right before each
                                          ``end_weight_update``, so trainers can verify their

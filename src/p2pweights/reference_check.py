@@ -16,8 +16,8 @@ import torch
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.errors import EngineError
-from p2pweights.integrity.checker import checksums_by_rank
 from p2pweights.replica.registry import config_path
+from p2pweights.verification.checker import checksums_by_rank
 
 __all__ = [
     "EngineClient",

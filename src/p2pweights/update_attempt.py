@@ -32,14 +32,9 @@ import torch
 
 from p2pweights.adapters.owned import owned_names, shard_ranges
 from p2pweights.collective import Collective
-from p2pweights.connection import Connection, not_connected
 from p2pweights.engines.calls import ControlCalls
-from p2pweights.engines.update_session import updating_version
+from p2pweights.engines.update_state import updating_version
 from p2pweights.errors import ConfigError, TransferError
-from p2pweights.integrity.checker import CheckerShare
-from p2pweights.integrity.checksums import StagedChecksums
-from p2pweights.integrity.staged import with_shares
-from p2pweights.integrity.update_checks import UpdateChecks
 from p2pweights.plan.byte_plan import BytePlan
 from p2pweights.plan.owners import Claim, Ownership
 from p2pweights.plan.prepare import check_against_checkpoints, prepare, prepare_owned
@@ -47,7 +42,12 @@ from p2pweights.progress import progress
 from p2pweights.report import DeltaReport, UpdateReport, Verification
 from p2pweights.source.inputs import InputSpec, describe_inputs, described_inputs
 from p2pweights.source.receipts import Receipts, checked_loaders
+from p2pweights.sync_connection import Connection, not_connected
 from p2pweights.transfer.executor import RunHooks, RunResult
+from p2pweights.verification.checker import CheckerShare
+from p2pweights.verification.checksums import StagedChecksums
+from p2pweights.verification.staged import with_shares
+from p2pweights.verification.update_checks import UpdateChecks
 from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)

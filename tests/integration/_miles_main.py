@@ -1,6 +1,6 @@
 """miles' own weight-update driver (after PR 2752), loaded from tests/fixtures/miles-protocol.
 
-``load()`` puts miles' three files (``protocol.py``, ``updater.py``, ``session.py``,
+``load()`` puts miles' three files (``protocol.py``, ``updater.py``, ``sync_session.py``,
 origin in tests/fixtures/miles-protocol/ORIGIN.md) into ``sys.modules`` under their
 miles names, after stubbing the modules they import that are not among them. Each
 stub is listed in ``STUBS`` with why it is one; none of them is on the path p2pweights
@@ -35,10 +35,10 @@ VARIANTS = {
     "radixark-78669cf9": FIXTURES / "radixark-78669cf9",
 }
 """Where each variant's ``protocol.py`` lies (ORIGIN.md); both run under the same
-``updater.py`` and ``session.py``."""
+``updater.py`` and ``sync_session.py``."""
 FILES = {
     "miles.backends.training_utils.weight_update.protocol": "protocol.py",
-    "miles.backends.training_utils.weight_update.session": "session.py",
+    "miles.backends.training_utils.weight_update.session": "sync_session.py",
     "miles.backends.training_utils.weight_update.updater": "updater.py",
 }
 
@@ -52,7 +52,7 @@ STUBS = {
     "miles.backends.training_utils.weight_update.conn_status": "ConnStatusManager: only "
     "reconnect_if_needed reads it (Ray engine-cell snapshots), not called here",
     "miles.backends.training_utils.weight_update.utils": "record_lora_checksums: LoRA only",
-    "miles.utils.async_utils": "the event loop session.py's engine RPCs run on; "
+    "miles.utils.async_utils": "the event loop sync_session.py's engine RPCs run on; "
     "p2pweights' protocol runs the engines' session itself, so they are never called",
     "miles.utils.distributed_utils": "get_gloo_group: made at Megatron's init",
     "miles.utils.lora.utils": "LORA_ADAPTER_NAME: a constant (LoRA only)",

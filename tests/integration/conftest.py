@@ -17,7 +17,7 @@ import pytest
 from _procs import ForkedEngine
 
 from p2pweights.engines.client import EngineClient
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.local_engine import LocalEngine
 from p2pweights.testing import write_model_dir
 

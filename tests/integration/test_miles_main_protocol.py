@@ -1,6 +1,6 @@
 """p2pweights' WeightTransferProtocol driven by miles' own WeightUpdater, into local engines.
 
-miles' ``protocol.py``, ``updater.py`` and ``session.py`` run as they are, from
+miles' ``protocol.py``, ``updater.py`` and ``sync_session.py`` run as they are, from
 tests/fixtures/miles-protocol (ORIGIN.md: Proximal-Labs/miles ``44f6bec`` for
 ``protocol.py``, sii-avalanche/miles ``4d412b5`` for the other two; both forks of
 radixark/miles after PR 2752). ``_miles_main.STUBS`` lists what is stubbed and why:

@@ -32,7 +32,7 @@ from p2pweights import (
 )
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.inspect import inspect_engine, render_inspection
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 
 pytestmark = pytest.mark.integration
 

@@ -30,7 +30,7 @@ from p2pweights.config import MooncakeConfig, NixlConfig, SyncConfig
 from p2pweights.errors import EngineError
 from p2pweights.local_engine import LocalEngine
 from p2pweights.local_engine.process import free_port
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 from p2pweights.testing import write_model_dir
 from p2pweights.transports import Write, create_transport
 from p2pweights.wire.delta import SCRATCH_NAME

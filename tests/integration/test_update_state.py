@@ -31,7 +31,7 @@ from p2pweights import (
     WeightSyncSession,
 )
 from p2pweights.engines.client import EngineClient
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.testing import synthetic_weights
 
 pytestmark = pytest.mark.integration

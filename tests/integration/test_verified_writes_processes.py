@@ -13,7 +13,7 @@ from _bit_exact import assert_bit_exact, seed_weights
 
 from p2pweights import MooncakeConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
 from p2pweights.engines.client import EngineClient
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 
 pytestmark = pytest.mark.integration
 

@@ -52,7 +52,7 @@ from p2pweights import (
     WeightSyncSession,
 )
 from p2pweights.engines.client import EngineClient
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import EngineError
 from p2pweights.report import UpdateReport
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir

@@ -264,7 +264,7 @@ def test_a_wrong_byte_over_sglangs_own_mooncake_publication_fails_the_update(
     before its end. One byte written wrong over Mooncake after the update's writes fails
     the update, naming engine, rank and parameter, and leaves the server paused and torn;
     after ``abort()`` the next update is verified and bit-exact."""
-    from p2pweights.engines.update_session import UPDATING_PREFIX
+    from p2pweights.engines.update_state import UPDATING_PREFIX
     from p2pweights.errors import TransferError
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "integration"))

@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
-from p2pweights.integrity.checker import CheckerShare, CheckerTarget, check
+from p2pweights.verification.checker import CheckerShare, CheckerTarget, check
 from p2pweights.wire.publication import Runner
 
 URLS = ("http://a", "http://b")

@@ -179,8 +179,8 @@ def _end_update_bound(config: SyncConfig, monkeypatch: pytest.MonkeyPatch) -> ob
     """The bound on end_weight_update that connecting with ``config`` gives the engines."""
     import torch
 
-    from p2pweights.connection import Connection
     from p2pweights.engines.fleet import Fleet
+    from p2pweights.sync_connection import Connection
 
     given = []
 

@@ -15,7 +15,7 @@ import pytest
 from p2pweights.engines.calls import CallLog, ControlCall, ControlCalls
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, Fleet
-from p2pweights.engines.update_session import UPDATING_PREFIX, AbortReport, EngineUpdate, Phase
+from p2pweights.engines.update_state import UPDATING_PREFIX, AbortReport, EngineUpdate, Phase
 from p2pweights.errors import EngineError, EngineStateError, EngineUnreachable
 from p2pweights.report import EngineReport, UpdateReport
 

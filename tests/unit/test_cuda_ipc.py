@@ -220,11 +220,11 @@ def test_a_parameter_outside_the_segments_is_refused() -> None:
 
 def test_staging_on_another_gpu_than_the_transport_is_warned(caplog) -> None:
     config = SyncConfig(transport=CudaIpcConfig(device=0))
-    with caplog.at_level("WARNING", logger="p2pweights.session"):
+    with caplog.at_level("WARNING", logger="p2pweights.sync_session"):
         assert staging_device_for(config.transport, "cuda:1") == torch.device("cuda", 1)
     assert "crosses GPUs twice" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="p2pweights.session"):
+    with caplog.at_level("WARNING", logger="p2pweights.sync_session"):
         staging_device_for(config.transport, "cuda:0")
     assert caplog.text == ""
 

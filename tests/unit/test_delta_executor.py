@@ -10,7 +10,7 @@ import torch
 from test_executor import CopyingTransport, _engine
 
 from p2pweights.config import DeltaConfig
-from p2pweights.engine_rank.delta_apply import DeltaReceiver
+from p2pweights.engine_side.delta_apply import DeltaReceiver
 from p2pweights.plan.byte_plan import aligned, build_byte_plan
 from p2pweights.testing.loaders import FnLoader
 from p2pweights.transfer.buffers import staged_bytes

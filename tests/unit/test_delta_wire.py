@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pweights.engine_rank.delta_apply import DeltaReceiver, apply
+from p2pweights.engine_side.delta_apply import DeltaReceiver, apply
 from p2pweights.errors import TransferError
 from p2pweights.wire.delta import (
     ENTRY_HEADER_BYTES,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from p2pweights.engine_rank import steps
-from p2pweights.engine_rank.steps import BeforeEnd, RankSide
+from p2pweights.engine_side import steps
+from p2pweights.engine_side.steps import BeforeEnd, RankSide
 from p2pweights.wire.digest import digest
 
 

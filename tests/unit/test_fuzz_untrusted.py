@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from p2pweights.engine_rank.delta_apply import DeltaReceiver, apply
+from p2pweights.engine_side.delta_apply import DeltaReceiver, apply
 from p2pweights.errors import EngineError, TransferError, TransportError
 from p2pweights.transports.cuda_ipc import check_mapped, check_segments
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, encode, pack_payload

@@ -18,7 +18,7 @@ from test_session_sequence import (  # the fixture is used by name
 )
 
 from p2pweights import WeightSyncSession
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import ConfigError, InputChangedError
 from p2pweights.source.receipts import CheckedLoader, Receipts
 

@@ -1,6 +1,6 @@
 """Digests taken as writes land (``SyncConfig.digest_as_written``): the sender flags each
 parameter once its writes into an engine rank landed (``wire.landed``), the rank digests
-it while the rest is written (``engine_rank.landed``), and only the last flush's
+it while the rest is written (``engine_side.landed``), and only the last flush's
 parameters are read inside ``end_weight_update``.
 
 The engine side on its own, then whole updates against test_verified_writes' fake
@@ -17,7 +17,7 @@ from test_session_sequence import FakeEngine, _holds, _tensors
 from test_verified_writes import DigestClient, DigestEngine, engines  # noqa: F401
 
 from p2pweights import DeltaConfig, SyncConfig, TransferError, WeightSyncSession
-from p2pweights.engine_rank.steps import RankSide
+from p2pweights.engine_side.steps import RankSide
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.wire.digest import digests
 from p2pweights.wire.landed import LANDED_NAME, flag_bytes, flag_names
@@ -192,7 +192,7 @@ def test_delta_updates_write_no_flags(flagging):
 @pytest.mark.parametrize(("entries", "kept"), [(0, True), (3, False)])
 def test_a_delta_applied_at_the_end_voids_the_early_digests(entries, kept):
     """A full update's header (no entries) changes nothing; a delta's entries do."""
-    from p2pweights.engine_rank.steps import BeforeEnd, record_digests
+    from p2pweights.engine_side.steps import BeforeEnd, record_digests
 
     params = _params()
     record = {"delta": {"entries": entries}}

@@ -32,19 +32,19 @@ LAYERS = [  # bottom first
     ["wire"],  # what crosses between the sides: pure data and codecs
     ["transports", "source", "adapters"],
     ["replica"],  # sglang knowledge, shared by both sides
-    ["engine_rank", "engines", "delta"],
-    ["sglang_plugin", "local_engine", "plan", "integrity"],
+    ["engine_side", "engines", "delta"],
+    ["sglang_plugin", "local_engine", "plan", "verification"],
     ["transfer"],
-    ["collective", "connection"],
+    ["collective", "sync_connection"],
     ["update_attempt"],
-    ["session"],
+    ["sync_session"],
     ["integrations", "doctor", "planner", "reference_check", "testing"],
-    ["verify"],  # the old name of reference_check, re-exporting it
+    ["verify", "session"],  # old names (reference_check, sync_session) re-exporting them
     ["demo"],
     ["cli"],
 ]
-TRAINER_SIDE = {"engines", "delta", "plan", "integrity", "transfer"}
-ENGINE_SIDE = {"engine_rank", "sglang_plugin", "local_engine"}
+TRAINER_SIDE = {"engines", "delta", "plan", "verification", "transfer"}
+ENGINE_SIDE = {"engine_side", "sglang_plugin", "local_engine"}
 
 ROOT = Path(p2pweights.__file__).parent
 

@@ -114,6 +114,15 @@ def test_moved_names_still_import_with_a_warning(name: str) -> None:
     assert name not in p2pweights.__all__
 
 
+def test_the_old_session_module_still_imports_with_a_warning() -> None:
+    """``p2pweights.session`` became ``p2pweights.sync_session`` (issue 42); the old module
+    re-exports the session for one release and warns naming the new one."""
+    sys.modules.pop("p2pweights.session", None)
+    with pytest.warns(DeprecationWarning, match="p2pweights.sync_session"):
+        old = importlib.import_module("p2pweights.session")
+    assert old.WeightSyncSession is p2pweights.WeightSyncSession
+
+
 def _documented_imports() -> set[tuple[str, str]]:
     """(module, name) for every ``from p2pweights... import X`` and ``p2pweights.a.b`` in
     the README and docs/."""

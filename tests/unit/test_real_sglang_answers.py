@@ -258,8 +258,8 @@ def test_connect_takes_sglangs_own_mooncake_publication_from_a_gpu_server(
 def test_connect_takes_the_nixl_plugins_vram_publication_from_a_gpu_server(
     replay: dict[str, dict[str, Any]],
 ) -> None:
-    from p2pweights.integrity.check import serves_digests
     from p2pweights.replica.registry import replica_for
+    from p2pweights.verification.check import serves_digests
 
     recorded = answers("gpu-qwen3-nixl", GPU_ANSWERS)
     url = "http://gpu-nixl.test:30000"
@@ -285,9 +285,9 @@ def test_the_cuda_ipc_plugins_publication_from_a_gpu_server_is_read_as_its_trans
     allocation agree on its start, and the engine is on the trainer's host (the colocated
     trainer's, as it was). Opening the handles needs the GPU that made them: the GPU
     suite does that part."""
-    from p2pweights.integrity.check import serves_digests
     from p2pweights.replica.registry import replica_for
     from p2pweights.transports import cuda_ipc
+    from p2pweights.verification.check import serves_digests
 
     recorded = answers("tp1-cuda-ipc", GPU_ANSWERS)
     info = recorded["publications"][0]["remote_instance_transfer_engine_info"]
@@ -343,8 +343,8 @@ def test_a_gpu_engine_is_checked_with_sglangs_gpu_hash_and_a_cpu_one_with_sha256
     "cuda" for the GPU server (the sender then hashes its slots on CUDA with sglang's
     kernel), "cpu" for the CPU one (sha256). A trainer without CUDA cannot compute the GPU
     hash: the engine is updated unverified under "auto", refused under "always"."""
-    from p2pweights.integrity import checker
-    from p2pweights.integrity.check import WriteCheck
+    from p2pweights.verification import checker
+    from p2pweights.verification.check import WriteCheck
 
     gpu_url, cpu_url = "http://gpu-mooncake.test:30000", "http://tp1.test:30000"
     replay[gpu_url] = answers("gpu-qwen3-mooncake-device", GPU_ANSWERS)
@@ -394,7 +394,7 @@ def test_the_same_staged_bytes_hash_as_the_cpu_server_with_sha256_not_as_the_gpu
     hashes of one staging buffer for a CPU engine (sha256) are the CPU server's answer, and
     none is the GPU server's: a sender hashing on the wrong device would fail every
     parameter (the slow case below gets the GPU server's with sglang's GPU kernel)."""
-    from p2pweights.integrity.checksums import StagedChecksums
+    from p2pweights.verification.checksums import StagedChecksums
     from p2pweights.wire.publication import Runner
 
     buffer, slots = staged("tp1", ANSWERS, seed=13)
@@ -417,7 +417,7 @@ _GPU_HASH = textwrap.dedent(
     import json, os
     os.environ["TRITON_INTERPRET"] = "1"  # before sglang's kernel module is imported
     import torch
-    from p2pweights.integrity.checksums import StagedChecksums
+    from p2pweights.verification.checksums import StagedChecksums
     from p2pweights.wire.publication import Runner
 
     class OnCuda(torch.Tensor):

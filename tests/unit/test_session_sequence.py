@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from p2pweights import ConfigError, SyncConfig, TrainerTopology, TransferError, WeightSyncSession
-from p2pweights import connection as connection_module
+from p2pweights import sync_connection as connection_module
 from p2pweights import update_attempt as update_attempt_module
 from p2pweights.engines import fleet as fleet_module
 from p2pweights.engines.calls import CallLog
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import EngineError, EngineUnreachable, LayoutMismatchError, P2PWeightsError
 from p2pweights.plan import prepare as prepare_module
 from p2pweights.source.checkpoint_format import AS_GIVEN

@@ -29,7 +29,7 @@ from test_session_sequence import (  # the fixture is used by name
 
 from p2pweights import ConfigError, TransferError, WeightSyncSession
 from p2pweights.engines import fleet as fleet_module
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import SessionBusyError
 
 URL = "http://e0"

@@ -123,7 +123,7 @@ def test_a_reworded_sglang_answer_is_reported(monkeypatch: pytest.MonkeyPatch) -
     message = str(info.value)
     assert repr(sglang_texts.ALREADY_OPEN.text) in message
     assert "SchedulerWeightUpdaterManager.begin_weight_update" in message
-    assert "engines.update_session" in message
+    assert "engines.update_state" in message
     assert repr(sglang_texts.NOT_OPEN.text) not in message  # only what is missing
 
 

@@ -175,7 +175,7 @@ def test_the_plugin_s_digest_record_carries_the_engine_s_weight_version(monkeypa
     import torch
 
     from p2pweights import sglang_plugin as plugin
-    from p2pweights.engine_rank.steps import RankSide
+    from p2pweights.engine_side.steps import RankSide
     from p2pweights.replica.sglang import facade
 
     model = torch.nn.Linear(2, 2)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from p2pweights.errors import ConfigError
-from p2pweights.integrity.check import WriteCheck
-from p2pweights.integrity.checker import CheckerTarget
+from p2pweights.verification.check import WriteCheck
+from p2pweights.verification.checker import CheckerTarget
 
 
 def test_early_digests_are_refused_with_shared_parameters():

@@ -26,7 +26,7 @@ from p2pweights import (
     TrainerTopology,
     WeightSyncSession,
 )
-from p2pweights import connection as connection_module
+from p2pweights import sync_connection as connection_module
 from p2pweights.adapters.torch_distributed import stage_ranks
 from p2pweights.update_attempt import UpdateAttempt
 

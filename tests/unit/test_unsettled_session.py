@@ -16,8 +16,8 @@ from test_session_sequence import (  # the fixture is used by name
 )
 
 from p2pweights import TransferError, WeightSyncSession
-from p2pweights import connection as connection_module
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights import sync_connection as connection_module
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import UnsettledWrite
 
 STUCK, GOOD = "http://stuck", "http://good"

@@ -12,10 +12,10 @@ import torch
 
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.sender import DeltaSender, FullHeaders
-from p2pweights.engine_rank import delta_apply as apply_module
-from p2pweights.engine_rank.delta_apply import DeltaReceiver, apply
-from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME, scratch_bytes
-from p2pweights.engine_rank.steps import RankSide
+from p2pweights.engine_side import delta_apply as apply_module
+from p2pweights.engine_side.delta_apply import DeltaReceiver, apply
+from p2pweights.engine_side.delta_scratch import SCRATCH_NAME, scratch_bytes
+from p2pweights.engine_side.steps import RankSide
 from p2pweights.errors import ConfigError, EngineError, TransferError
 from p2pweights.wire.delta import ENTRY_HEADER_BYTES, HEADER_BYTES, PayloadHeader, pack_header
 from p2pweights.wire.publication import RankPublication, WeightRegion, parse_publication

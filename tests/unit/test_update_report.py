@@ -22,13 +22,13 @@ from p2pweights.config import MooncakeConfig
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectOptions
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import EngineError
 from p2pweights.report import DeltaReport, EngineReport, UpdateReport
 
 engines = test_verified_writes.engines  # the fixture: fake engines, digesting or not
 CONFIG = SyncConfig(buffer_bytes="1MiB")
-CHECK_LOGGER = "p2pweights.integrity.check"
+CHECK_LOGGER = "p2pweights.verification.check"
 
 
 def _plugin_engine(url: str) -> FakeEngine:
@@ -281,7 +281,7 @@ def test_engine_report_of_a_rank_that_does_not_drive_the_engines():
 
 
 def test_an_engine_rank_written_without_a_digest_is_not_counted_as_verified():
-    from p2pweights.integrity.check import WriteCheck
+    from p2pweights.verification.check import WriteCheck
 
     check = WriteCheck(engines={"http://e0": object()})  # type: ignore[dict-item]
     written = {("http://e0", 0), ("http://e0", 1)}
@@ -330,7 +330,7 @@ def test_a_fleet_summary_groups_engines_by_what_happened_to_them():
 def test_the_protocol_reported_is_the_one_the_transport_writes_over(engines, monkeypatch):
     from test_session_sequence import FakeTransport
 
-    from p2pweights import connection as connection_module
+    from p2pweights import sync_connection as connection_module
 
     class TcpTransport(FakeTransport):
         @property

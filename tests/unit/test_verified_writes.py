@@ -1,5 +1,5 @@
 """Verified writes against fake engines that record digests as the local engine and the
-plugin do (``p2pweights.engine_rank.steps``): a byte changed after the writes fails the update
+plugin do (``p2pweights.engine_side.steps``): a byte changed after the writes fails the update
 and leaves that engine torn and paused, abort keeps it so, the next update converges.
 
 The fakes are test_session_sequence's (sglang's update rules, a fake transport that
@@ -24,11 +24,11 @@ from test_session_sequence import (  # the fake engines, client, replica and tra
 )
 
 from p2pweights import SyncConfig, TrainerTopology, TransferError, WeightSyncSession
-from p2pweights import connection as connection_module
+from p2pweights import sync_connection as connection_module
 from p2pweights import update_attempt as update_attempt_module
-from p2pweights.engine_rank.steps import RankSide
+from p2pweights.engine_side.steps import RankSide
 from p2pweights.engines import fleet as fleet_module
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import EngineError
 from p2pweights.plan import prepare as prepare_module
 from p2pweights.wire.digest import SCHEME
@@ -198,7 +198,7 @@ def test_a_digest_that_cannot_be_hashed_fails_the_update_and_leaves_the_engine_t
     """The sender hashes its digests on a thread of its own while the engines end: a
     failure there fails the verify step, the engine stays paused and torn through
     ``abort()``, and the next update repairs it."""
-    from p2pweights.integrity.staged import StagedDigests
+    from p2pweights.verification.staged import StagedDigests
 
     engine = engines.setdefault("http://e0", DigestEngine("http://e0"))
     original = StagedDigests.into
@@ -298,7 +298,7 @@ def test_an_engine_of_another_digest_scheme_is_not_verified_and_refused_on_alway
 
 
 def test_engines_without_digests_are_skipped_on_auto_and_refused_on_always(engines, caplog):
-    caplog.set_level(logging.INFO, logger="p2pweights.integrity.check")
+    caplog.set_level(logging.INFO, logger="p2pweights.verification.check")
     plain = engines.setdefault("http://plain", FakeEngine("http://plain"))
     with WeightSyncSession(CONFIG) as session:
         session.connect(["http://plain"])
@@ -353,7 +353,7 @@ def test_the_senders_sums_are_settled_before_any_engine_ends_its_session(engines
     """A direct load's sums still run when its copies are done; they must be taken before
     an engine ends its session (its postprocess may rewrite weights in place) and before a
     failed update may unmap its memory: every run settles them as it finishes."""
-    from p2pweights.integrity.staged import StagedDigests
+    from p2pweights.verification.staged import StagedDigests
 
     engine = engines.setdefault("http://e0", DigestEngine("http://e0"))
     open_at_settle: list[bool] = []
@@ -376,7 +376,7 @@ def test_a_direct_loads_sums_run_after_its_copies_on_a_stream_of_their_own():
     """``StagedDigests.add`` (what a direct load left in an engine's memory): the sums read
     what the copies queued before them wrote, on a stream of their own, so that waiting
     for the copies does not wait for the sums; ``settle`` waits for them."""
-    from p2pweights.integrity.staged import StagedDigests
+    from p2pweights.verification.staged import StagedDigests
     from p2pweights.wire.digest import digest
 
     source = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")

@@ -21,9 +21,9 @@ from test_verified_writes import DigestEngine, engines  # noqa: F401  (the fixtu
 
 from p2pweights import DeltaConfig, NixlConfig, SyncConfig, TransferError, WeightSyncSession
 from p2pweights.engines import fleet as fleet_module
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import EngineError
-from p2pweights.integrity.checker import CheckerTarget, check, checksums_by_rank
+from p2pweights.verification.checker import CheckerTarget, check, checksums_by_rank
 
 pytest.importorskip("sglang", reason="the sender hashes with sglang's own function")
 

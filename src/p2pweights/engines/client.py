@@ -163,7 +163,7 @@ class EngineClient:
         self, rank: int, runner: str = "target", bootstrap_port: int | None = None
     ) -> dict[str, Any]:
         """The record engine rank ``rank``'s ``runner`` took before its last
-        ``end_weight_update`` (``p2pweights.engine_rank.steps``: ``update``, ``digests``, ...),
+        ``end_weight_update`` (``p2pweights.engine_side.steps``: ``update``, ``digests``, ...),
         as the engine sent it: ``integrity.records`` reads what it holds.
 
         Asked as ``?rank=R&role=p2pweights-digests`` (and ``&runner=draft`` for a draft).

@@ -13,7 +13,7 @@ from p2pweights.engines.calls import ControlCalls
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.endpoint import EngineEndpoint
-from p2pweights.engines.update_session import (
+from p2pweights.engines.update_state import (
     UPDATING_PREFIX,
     AbortReport,
     EngineUpdate,

@@ -12,7 +12,7 @@ from typing import Any
 
 from p2pweights.engines.client import EngineClient
 from p2pweights.engines.fleet import num_engine_ranks
-from p2pweights.engines.update_session import UPDATING_PREFIX
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import EngineError
 from p2pweights.replica.speculative import has_model_draft
 

@@ -38,7 +38,7 @@ from p2pweights.errors import ConfigError
 from p2pweights.integrations import FrameworkMismatchError
 from p2pweights.integrations.miles_args import missing_module, update_metrics
 from p2pweights.integrations.streamed_update import StreamedUpdate
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 
 logger = logging.getLogger(__name__)
 

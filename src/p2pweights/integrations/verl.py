@@ -61,7 +61,7 @@ from verl.workers.rollout.replica import RolloutMode
 from p2pweights.config import SyncConfig
 from p2pweights.errors import ConfigError
 from p2pweights.report import UpdateReport
-from p2pweights.session import WeightSyncSession
+from p2pweights.sync_session import WeightSyncSession
 
 __all__ = [
     "BACKEND",

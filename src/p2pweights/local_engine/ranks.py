@@ -25,8 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from p2pweights import environment
-from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME, new_scratch
-from p2pweights.engine_rank.steps import RankSide
+from p2pweights.engine_side.delta_scratch import SCRATCH_NAME, new_scratch
+from p2pweights.engine_side.steps import RankSide
 from p2pweights.errors import ConfigError
 from p2pweights.replica.ranks import RankSpec
 from p2pweights.replica.sglang import facade
@@ -190,7 +190,7 @@ class _Runner:
         self.side = RankSide(
             spec.tp_rank, role, write_digests=environment.write_digests(default=True)
         )
-        # What the runner recorded at its last begin or before its last end (``engine_rank.steps``).
+        # What the runner recorded at its last begin or before its last end (``engine_side.steps``).
         self.digest_record: dict[str, Any] = {"update": 0, "role": role, "digests": None}
         # Test only: a parameter one byte of which changes after the writes (one-shot).
         self.corrupt_at_end: str | None = None

@@ -98,7 +98,7 @@ def create_app(server_info: dict[str, Any], ranks: list[EngineRank]) -> FastAPI:
         return answer
 
     def digest_record(rank: int, runner: str) -> Any:
-        """The record a rank's runner took before its last end (``engine_rank.steps``)."""
+        """The record a rank's runner took before its last end (``engine_side.steps``)."""
         if not 0 <= rank < len(ranks) or runner not in ranks[rank].runners:
             return _error(400, f"rank {rank} has no {runner!r} runner")
         record = ranks[rank].runners[runner].digest_record

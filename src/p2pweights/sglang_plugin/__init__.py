@@ -48,7 +48,7 @@ This plugin registers six, the first three where sglang's Mooncake publishing li
    session (see 6.).
 6. BEFORE the runner's ``end_weight_update`` (each TP rank): the writes are in and
    sglang's postprocess (which may repack or move the weights) has not run. The rank
-   runs ``p2pweights.engine_rank.steps``'s before-end steps on its published parameters and
+   runs ``p2pweights.engine_side.steps``'s before-end steps on its published parameters and
    PUTs the record (a digest of every parameter, this session's number) to the
    bootstrap server under the role ``p2pweights-digests``; writers compare it with
    what they staged (``SyncConfig.verify_writes``). Publications say
@@ -88,7 +88,7 @@ __all__ = ["HOOK_TARGETS", "register", "register_cuda_ipc"]
 # a NIXL agent whose registrations writers use; dropping it would deregister the weights.
 _published: dict[int, Any] = {}
 _sides: dict[int, Any] = {}
-"""``engine_rank.steps.RankSide`` of each published runner, by id of the model runner."""
+"""``engine_side.steps.RankSide`` of each published runner, by id of the model runner."""
 _bootstrap_server: Any = None
 _asked: set[str] = set()
 """The backends the entry points sglang loaded in this process asked to publish for."""
@@ -156,7 +156,7 @@ def publish_after_initialize(_result: Any, runner: Any, *_args: Any, **_kwargs: 
     if getattr(runner, "is_draft_worker", False):
         logger.info("p2pweights: not publishing the draft model's weights")
         return
-    from p2pweights.engine_rank.steps import RankSide
+    from p2pweights.engine_side.steps import RankSide
     from p2pweights.replica.sglang import facade
 
     if publishing_backend() == "cuda_ipc":

@@ -16,7 +16,7 @@ so is one saying ``"backend": "cuda_ipc"`` (the plugin's CUDA IPC publication,
 ``ipc_publish``), and one of either that says only why the rank could not publish
 (``"error"``).
 
-It also keeps each rank's write-digest record (``p2pweights.engine_rank.steps``): a PUT with
+It also keeps each rank's write-digest record (``p2pweights.engine_side.steps``): a PUT with
 ``"role": "p2pweights-digests"`` is stored apart from the rank's publication and
 answered at ``GET /get_transfer_engine_info?rank=R&role=p2pweights-digests`` as
 ``{"rank": R, "role": "p2pweights-digests", "remote_instance_transfer_engine_info":

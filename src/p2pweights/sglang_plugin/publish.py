@@ -98,7 +98,7 @@ class LivePublication:
         self.epoch = -1
         self._publisher: Publisher | None = None
         self._storage: Storage = {}
-        # The delta scratch region (``p2pweights.engine_rank.delta_scratch``), published with the
+        # The delta scratch region (``p2pweights.engine_side.delta_scratch``), published with the
         # weights under its reserved name; allocated once, kept across publications.
         self.scratch: torch.Tensor | None = None
         # The flags senders set as each parameter's writes land (``wire.landed``),
@@ -132,7 +132,7 @@ class LivePublication:
     def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
         import torch
 
-        from p2pweights.engine_rank.delta_scratch import SCRATCH_NAME, new_scratch
+        from p2pweights.engine_side.delta_scratch import SCRATCH_NAME, new_scratch
         from p2pweights.wire.landed import LANDED_NAME
 
         if self.scratch is None and self.epoch < 0:  # once, at the first publication
@@ -238,7 +238,7 @@ class LivePublication:
         return moved
 
     def put_record(self, record: dict[str, Any]) -> None:
-        """PUT this rank's write-digest record (``engine_rank.steps``) to the bootstrap server.
+        """PUT this rank's write-digest record (``engine_side.steps``) to the bootstrap server.
 
         Not raised: an exception here would take the engine's scheduler down; a writer
         that finds no record for its update fails that update instead."""

@@ -56,8 +56,6 @@ import torch
 from p2pweights.config import DeltaConfig
 from p2pweights.delta.sender import DeltaRun, DeltaSender, DeltaSummary, FullHeaders
 from p2pweights.errors import TransferError, UnsettledWrite, some_of
-from p2pweights.integrity.checksums import StagedChecksums
-from p2pweights.integrity.staged import StagedDigests
 from p2pweights.plan.byte_plan import BytePlan, GroupPlan, TargetWrites
 from p2pweights.transfer.buffers import StagingBuffer, StagingBuffers
 from p2pweights.transfer.intra_op import one_intra_op_thread
@@ -70,6 +68,8 @@ from p2pweights.transfer.writers import (
     closed_writer,
 )
 from p2pweights.transports.base import Transport, Write, quarantine
+from p2pweights.verification.checksums import StagedChecksums
+from p2pweights.verification.staged import StagedDigests
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, pack_header
 from p2pweights.wire.landed import LANDED_NAME, flag_names
 from p2pweights.wire.publication import RankPublication, Runner

@@ -9,7 +9,7 @@ parameter names (``flag_names``), zeroed by the rank when an update session open
 every write of a parameter into the rank has completed, the sender writes ``1`` into its
 byte (never ``0``: several trainer ranks may write one engine rank, each flagging only
 its own parameters). The rank reads the flags while its session is open and digests each
-parameter once it is flagged (``engine_rank.landed``).
+parameter once it is flagged (``engine_side.landed``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ that reason, so no writer uses an earlier publication of the rank.
 
 A dict publication saying ``"write_digests": true`` comes from an engine rank that
 records, before every ``end_weight_update``, a digest of each published parameter
-(``p2pweights.engine_rank.steps``), read with ``EngineClient.write_digests``.
+(``p2pweights.engine_side.steps``), read with ``EngineClient.write_digests``.
 """
 
 from __future__ import annotations

@@ -38,13 +38,13 @@ ALREADY_OPEN = SglangText(
     "already open",
     _UPDATER,
     "SchedulerWeightUpdaterManager.begin_weight_update",
-    "engines.update_session (a begin_weight_update answered for a session left open)",
+    "engines.update_state (a begin_weight_update answered for a session left open)",
 )
 NOT_OPEN = SglangText(
     "no weight-update session is open",
     _UPDATER,
     "SchedulerWeightUpdaterManager.end_weight_update",
-    "engines.update_session (an end_weight_update answered for a session already closed)",
+    "engines.update_state (an end_weight_update answered for a session already closed)",
 )
 REDACTED = SglangText(
     "<redacted>",

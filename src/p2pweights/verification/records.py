@@ -1,7 +1,7 @@
 """The trainer's reading of an engine rank's write-digest record.
 
 An engine rank takes a record right before its ``end_weight_update``
-(``engine_rank.steps``: ``{"update": n, "role": ..., "digests": {param: hex} | None,
+(``engine_side.steps``: ``{"update": n, "role": ..., "digests": {param: hex} | None,
 "error": str | None, "digest_scheme", "digest_s", "digested_early", ...}``). The trainer
 finds it in the end's answer where the engine carried it (the local engine, to the
 trainer rank that ended the session: ``EngineUpdate.end_records``), else reads it from

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from p2pweights.engine_rank.before_end import BeforeEnd
-from p2pweights.engine_rank.delta_scratch import apply_delta as apply_payload
-from p2pweights.engine_rank.delta_scratch import clear_payload
-from p2pweights.engine_rank.landed import EarlyDigests
+from p2pweights.engine_side.before_end import BeforeEnd
+from p2pweights.engine_side.delta_scratch import apply_delta as apply_payload
+from p2pweights.engine_side.delta_scratch import clear_payload
+from p2pweights.engine_side.landed import EarlyDigests
 from p2pweights.wire.landed import LANDED_NAME
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def record_digests(context: BeforeEnd) -> None:
 
 def apply_delta(context: BeforeEnd) -> None:
     """A delta payload the sender wrote into the rank's scratch region, applied to the
-    parameters (``engine_rank.delta_scratch``); later steps see them without the region."""
+    parameters (``engine_side.delta_scratch``); later steps see them without the region."""
     apply_payload(context)
 
 

@@ -1,4 +1,4 @@
-"""The context one engine rank's before-end steps share (``engine_rank.steps``).
+"""The context one engine rank's before-end steps share (``engine_side.steps``).
 
 Its own module so that both the steps' sequence (``steps``) and the steps that live
 beside what they act on (``delta_scratch.apply_delta``) import it from below.
@@ -30,6 +30,6 @@ class BeforeEnd:
     """The engine digests its weights for the trainers (``P2PWEIGHTS_WRITE_DIGESTS``)."""
     early: dict[str, str] = field(default_factory=dict)
     """Digests taken while the session was open, of parameters whose writes the sender
-    said had landed (``engine_rank.landed``)."""
+    said had landed (``engine_side.landed``)."""
     record: dict[str, Any] = field(default_factory=dict)
     """What the rank publishes once the steps ran (JSON-serializable)."""

@@ -1,7 +1,7 @@
 """The trainer side of verified writes: which engines can be checked, and the check.
 
 After ``end_weight_update`` each trainer rank reads, at once, the record every engine
-rank it wrote took right before its end (``p2pweights.engine_rank.steps``; the trainer
+rank it wrote took right before its end (``p2pweights.engine_side.steps``; the trainer
 rank that ended the sessions finds them in the local engine's answer to that end, and
 reads none) and compares the digest of each parameter it staged for that rank
 (``RunResult.digests``) with the rank's digest of the same parameter. A record belongs
@@ -30,11 +30,11 @@ from p2pweights.config import SyncConfig
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
 from p2pweights.errors import ConfigError, EngineError, TransferError, some_of
-from p2pweights.integrity import checker as weights_checker
-from p2pweights.integrity import records
-from p2pweights.integrity.checker import CheckerShare, CheckerTarget
-from p2pweights.integrity.records import UNNAMED_SCHEME
 from p2pweights.report import EngineRankKey, EngineReport, Verification
+from p2pweights.verification import checker as weights_checker
+from p2pweights.verification import records
+from p2pweights.verification.checker import CheckerShare, CheckerTarget
+from p2pweights.verification.records import UNNAMED_SCHEME
 from p2pweights.wire.digest import SCHEME
 from p2pweights.wire.publication import Runner
 
@@ -121,7 +121,7 @@ class WriteCheck:
     """Engine URL -> engine checked by write digests."""
     checker: dict[str, CheckerTarget] = field(default_factory=dict)
     """Engine URL -> engine that records no digests, checked through sglang's
-    ``/weights_checker`` before its end (``integrity.checker``)."""
+    ``/weights_checker`` before its end (``verification.checker``)."""
     last_update: dict[Runner, int] = field(default_factory=dict)
     engine_digest_s: float = 0.0
     """The longest an engine rank took for its digests in the last check."""

@@ -7,7 +7,7 @@ session is open (``WeightUpdater.check_weights`` is not gated on ``begin``), so 
 asked after every trainer rank's writes landed and before ``end_weight_update``: the
 parameters then hold exactly the reload-layout bytes the writes put there, not yet
 re-laid by sglang's postprocess. Each trainer rank compares the hash of every parameter
-it wrote with the same hash of what it staged (``integrity.checksums``).
+it wrote with the same hash of what it staged (``verification.checksums``).
 
 What the check sees: every written parameter's bytes on every rank, as one hash of the
 whole parameter (sha256 on a CPU engine, sglang's 64-bit GPU hash on a GPU one): a

@@ -26,8 +26,8 @@ import logging
 from collections.abc import Callable, Mapping
 
 from p2pweights.engines.fleet import Fleet
-from p2pweights.integrity.check import Mismatch, WriteCheck
-from p2pweights.integrity.checker import CheckerShare
+from p2pweights.verification.check import Mismatch, WriteCheck
+from p2pweights.verification.checker import CheckerShare
 from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Each engine rank (the local engine's, or an sglang TP rank with the p2pweights p
 publishes, beside its weights and registered with the same transport publisher, a
 scratch region under the reserved name ``SCRATCH_NAME``. A sender writing a delta puts
 the rank's payload there (``wire.delta``); ``apply_delta`` is a before-end step
-(``engine_rank.steps.BEFORE_END_STEPS``, ahead of the digest) that applies it to the rank's
+(``engine_side.steps.BEFORE_END_STEPS``, ahead of the digest) that applies it to the rank's
 parameters right before ``end_weight_update`` re-processes them, so the write check
 digests the applied bytes. The scratch region is never a parameter: it is taken out of
 what the later steps see.
@@ -23,8 +23,8 @@ import torch
 
 from p2pweights import environment
 from p2pweights.config import parse_bytes
-from p2pweights.engine_rank.before_end import BeforeEnd
-from p2pweights.engine_rank.delta_apply import DeltaReceiver
+from p2pweights.engine_side.before_end import BeforeEnd
+from p2pweights.engine_side.delta_apply import DeltaReceiver
 from p2pweights.errors import ConfigError
 from p2pweights.wire.delta import HEADER_BYTES, SCRATCH_NAME, read_header
 

@@ -3,13 +3,13 @@
 An engine that records no write digests (released sglang publishing through its own
 Mooncake flag, or the plugin started with ``P2PWEIGHTS_WRITE_DIGESTS=0``) still answers
 ``/weights_checker`` ``{"action": "checksum"}`` with one hash per parameter per rank
-(``integrity.checker``). To compare, the sender hashes the bytes it staged for each
+(``verification.checker``). To compare, the sender hashes the bytes it staged for each
 parameter with sglang's own function (``facade.weights_checker_hash``) on the kind of
 device the engine holds it on: sglang hashes a CPU tensor with sha256 and a CUDA one
 with its own Triton kernel, and the two answers differ for the same bytes. For a GPU
 engine the sender therefore hashes on CUDA: a slot staged in host memory is copied to
 the trainer's current GPU first (a trainer without CUDA cannot check a GPU engine this
-way; ``integrity.checker`` says so at connect).
+way; ``verification.checker`` says so at connect).
 
 The executor calls ``add_spans`` once per flushed staging buffer (after its writes were
 handed to the writers, before the buffer is refilled) and ``add`` for what a direct load

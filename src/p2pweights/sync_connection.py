@@ -19,9 +19,8 @@ import torch
 from p2pweights.config import SyncConfig
 from p2pweights.engines.endpoint import EngineEndpoint
 from p2pweights.engines.fleet import ConnectedEngine, ConnectOptions, Fleet
-from p2pweights.engines.update_session import AbortReport, EngineUpdate
+from p2pweights.engines.update_state import AbortReport, EngineUpdate
 from p2pweights.errors import ConfigError, TransferError
-from p2pweights.integrity.check import WriteCheck
 from p2pweights.plan.byte_plan import BytePlan
 from p2pweights.plan.prepare import (
     Prepared,
@@ -34,6 +33,7 @@ from p2pweights.replica.registry import ReplicaHandle, replica_for
 from p2pweights.source.expected import ExpectedCheckpoint
 from p2pweights.transfer.executor import TransferExecutor
 from p2pweights.transports import create_transport
+from p2pweights.verification.check import WriteCheck
 
 logger = logging.getLogger(__name__)
 
