@@ -19,6 +19,7 @@ import pytest
 from _bit_exact import assert_bit_exact, seed_weights
 from _procs import warm_context
 
+from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.local_engine import free_port
 
 pytestmark = pytest.mark.integration
@@ -75,8 +76,10 @@ def _trainer(rank, size, port, urls, wrong_url, folder, out, gos) -> None:
                     report = session.update(weights)
                     result = {url: report.engines[url].verified_by for url in urls}
                 except Exception as exc:
-                    result = (type(exc).__name__, str(exc))
-                    session.abort()
+                    # what the failure left the engine in, then what abort() says of it
+                    version = EngineClient(wrong_url).weight_version()
+                    left_paused = list(session.abort().left_paused)
+                    result = (type(exc).__name__, str(exc), version, left_paused)
                 finally:
                     update_attempt_module.UpdateAttempt._verify_before_end = checked  # type: ignore[method-assign]
                 out.put((step, rank, written, result, dict(calls)))
@@ -125,8 +128,12 @@ def test_two_trainer_ranks_ask_each_checker_once_and_both_fail_on_a_wrong_byte(
             if step == "wrong":
                 for rank, (_, result, _) in seen.items():
                     assert isinstance(result, tuple), (rank, result)
-                    kind, message = result
+                    kind, message, version, left_paused = result
                     assert kind == "TransferError", message
+                    # never resumed with bytes nobody verified: still paused at the marker
+                    assert version == f"{UPDATING_PREFIX}2", (rank, version)
+                    if rank == 0:  # the leader drives the engines' sessions
+                        assert left_paused == [wrong_url], left_paused
                     assert f"engine {wrong_url} rank 1" in message and PARAM in message, message
                     assert "/weights_checker" in message
             else:

@@ -87,12 +87,28 @@ def _run_ranks(
         share = CheckerShare(gather_for(me), (0, me)) if shared else None
         found[me] = check(targets, staged[me], share)
 
-    threads = [threading.Thread(target=rank, args=(me,)) for me in range(len(staged))]
+    _in_threads(rank, len(staged))
+    return calls, found
+
+
+def _in_threads(rank: Callable[[int], None], size: int) -> list[BaseException | None]:
+    """Run ``rank(me)`` for every rank at once; what each raised (None: returned). Every
+    thread must finish: one left waiting in a gather is a hang the test reports."""
+    raised: list[BaseException | None] = [None] * size
+
+    def run(me: int) -> None:
+        try:
+            rank(me)
+        except BaseException as exc:  # the test inspects it
+            raised[me] = exc
+
+    threads = [threading.Thread(target=run, args=(me,)) for me in range(size)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=20)
-    return calls, found
+    assert not any(thread.is_alive() for thread in threads), "a rank is left waiting"
+    return raised
 
 
 def test_two_ranks_writing_the_same_engines_ask_each_checker_once():
@@ -150,13 +166,48 @@ def test_a_checker_that_cannot_answer_fails_every_rank_that_wrote_it():
     def rank(me: int) -> None:
         found[me] = check(targets, _staged("http://a", me), CheckerShare(gather_for(me), (0, me)))
 
-    threads = [threading.Thread(target=rank, args=(me,)) for me in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=20)
+    assert _in_threads(rank, 2) == [None, None]
     assert broken.weights_checker_calls == 1  # asked once; the others were not left waiting
     for me in range(2):
         ((runner, problem),) = found[me]
         assert runner == ("http://a", me, "target")
         assert "checksum could not be read" in problem and "connection reset" in problem
+
+
+def test_an_interrupted_asker_shares_the_failure_then_re_raises():
+    """Ctrl-C (or a preemption's SystemExit) on the rank asking the checker: the other
+    rank still gets an answer from the second gather instead of waiting there, and the
+    interrupted rank raises the interrupt itself once the gather is done."""
+    calls: Counter[str] = Counter()
+    targets = _targets(calls)
+    client = targets["http://a"].engine.client
+
+    def interrupted(action: str, **options: object) -> dict:
+        raise KeyboardInterrupt
+
+    client.weights_checker = interrupted  # type: ignore[method-assign]
+    gather_for = _all_gather(2)
+    found: list[list[tuple[Runner, str]]] = [[], []]
+
+    def rank(me: int) -> None:
+        found[me] = check(targets, _staged("http://a", me), CheckerShare(gather_for(me), (0, me)))
+
+    raised = _in_threads(rank, 2)
+    assert isinstance(raised[0], KeyboardInterrupt) and raised[1] is None
+    ((runner, problem),) = found[1]
+    assert runner == ("http://a", 1, "target") and "KeyboardInterrupt" in problem
+
+
+def test_one_engine_failing_its_call_names_only_that_engine():
+    """A checker call that fails with an unexpected error is that engine's answer; the
+    other engine this rank asked is compared as usual."""
+    calls: Counter[str] = Counter()
+    targets = _targets(calls)
+
+    def broken(action: str, **options: object) -> dict:
+        raise RuntimeError("connection reset")
+
+    targets["http://b"].engine.client.weights_checker = broken  # type: ignore[method-assign]
+    staged = {**_staged("http://a", 0), **_staged("http://b", 0)}
+    ((runner, problem),) = check(targets, staged)
+    assert runner == ("http://b", 0, "target") and "connection reset" in problem

@@ -34,7 +34,7 @@ import torch
 
 from p2pweights.engines.concurrency import concurrently
 from p2pweights.engines.fleet import ConnectedEngine
-from p2pweights.errors import EngineError, some_of
+from p2pweights.errors import EngineError, TransferError, some_of
 from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
@@ -209,24 +209,36 @@ def _asked(targets: Mapping[str, CheckerTarget], asks: Sequence[Ask]) -> dict[As
 def _shared(
     targets: Mapping[str, CheckerTarget], needed: list[Ask], share: CheckerShare
 ) -> dict[Ask, Answer]:
-    """Every answer any rank needs, each asked by the lowest rank that needs it. Nothing
-    between the two gathers raises (a call that fails is answered by why), so no rank is
-    left waiting in the second."""
-    wanted = cast(list[tuple[tuple[int, int], list[Ask]]], share.gather((share.me, needed)))
+    """Every answer any rank needs, each asked by the lowest rank that needs it. Every
+    rank reaches the second gather whatever its calls did: a call that fails is answered
+    by why, and an interrupt (Ctrl-C, a preemption's ``SystemExit``) is shared as a
+    failed answer first and re-raised after, so no rank is left waiting in it."""
+    wanted = cast(list[tuple[Sequence[int], list[Ask]]], share.gather((share.me, needed)))
     asker: dict[Ask, tuple[int, int]] = {}
-    for who, asks in sorted(wanted):
-        for url, role in asks:  # a gather may hand a pair back as a list
-            asker.setdefault((url, role), who)
-    mine = [ask for ask in needed if asker.get(ask) == share.me]
+    for who, asks in sorted(wanted, key=lambda entry: tuple(entry[0])):
+        for url, role in asks:  # a gather that does not keep tuples hands back lists
+            asker.setdefault((url, role), (int(who[0]), int(who[1])))
+    mine = [ask for ask in needed if asker.get(ask) == tuple(share.me)]
+    interrupted: BaseException | None = None
     try:
         answered = _asked(targets, mine)
-    except Exception as exc:  # answered as a failed call: the others must not hang
+    except BaseException as exc:  # answered as failed calls: the others must not hang
         answered = {
             ask: f"its /weights_checker checksum could not be read ({exc!r})" for ask in mine
         }
+        if not isinstance(exc, Exception):
+            interrupted = exc
     merged: dict[Ask, Answer] = {}
     for answers in cast(list[dict[Ask, Answer]], share.gather(answered)):
         merged.update(answers)
+    if interrupted is not None:
+        raise interrupted
+    missing = [ask for ask in needed if ask not in merged]
+    if missing:
+        raise TransferError(
+            f"no trainer rank asked /weights_checker of {some_of([repr(a) for a in missing])} "
+            f"(the session's gather must keep what it gathers; torch_gather does)"
+        )
     return merged
 
 
@@ -261,3 +273,5 @@ def _ask(engine: ConnectedEngine, role: str) -> list[dict[str, str]] | str:
         return checksums_by_rank(engine.url, answer)
     except EngineError as exc:
         return f"its /weights_checker checksum could not be read ({exc})"
+    except Exception as exc:  # this engine's failure alone, not the other engines' calls
+        return f"its /weights_checker checksum could not be read ({exc!r})"
