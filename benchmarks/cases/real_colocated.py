@@ -11,7 +11,11 @@ attention), the trainer's bf16 tensors on the same GPU. Side by side, update by 
 * ``update_weights_from_tensor``: what verl's and slime's colocated modes call, over
   HTTP with the tensors shared by CUDA IPC handles (``MultiprocessingSerializer``, as
   slime does), inside the pause / begin / end / continue session sglang 0.5.23 requires
-  for it; the wall time of those five calls is its pause.
+  for it; the wall time of those five calls is its pause. On the ``cuda_ipc`` and
+  ``nixl`` paths the server runs the p2pweights plugin, whose hooks also run in this
+  session (a digest of every weight before its end, two short PUTs), so there the
+  baseline carries that cost too; the ``mooncake`` path's server runs no plugin and is
+  the clean baseline (run it beside the others: ``--paths mooncake cuda_ipc``).
 
 Needs the GPU relay's packages (scripts/gpu_sglang/device.sh stage3 runs it).
 """
@@ -72,19 +76,23 @@ def _sglang_update(url: str, tensors: list[tuple[str, torch.Tensor]], version: s
 
     started = time.perf_counter()
     post("/pause_generation", {"mode": "retract"})  # as p2pweights pauses by default
-    post("/begin_weight_update", {"selector": "all"})
-    post(
-        "/update_weights_from_tensor",
-        {
-            "serialized_named_tensors": [
-                MultiprocessingSerializer.serialize(tensors, output_str=True)
-            ],
-            "flush_cache": True,
-            "weight_version": version,
-        },
-    )
-    post("/end_weight_update", {})
-    post("/continue_generation", {"torch_empty_cache": False})
+    try:
+        post("/begin_weight_update", {"selector": "all"})
+        try:
+            post(
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": [
+                        MultiprocessingSerializer.serialize(tensors, output_str=True)
+                    ],
+                    "flush_cache": True,
+                    "weight_version": version,
+                },
+            )
+        finally:  # a failed update still ends the session, so the next method can begin
+            post("/end_weight_update", {})
+    finally:
+        post("/continue_generation", {"torch_empty_cache": False})
     return time.perf_counter() - started
 
 

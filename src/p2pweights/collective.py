@@ -148,10 +148,6 @@ class Collective:
             return union_of_stages([(c.owner[0], c.specs) for c in claims]), Ownership({})
         return ownership_of(claims)
 
-    def sum_lanes(self, own: object) -> list[object]:
-        """Every rank's partial digests (owner sends), gathered; ``[own]`` alone."""
-        return self.gather(own)
-
     def gather(self, own: object) -> list[object]:
         """Every sending rank's ``own``, in one order on every rank; ``[own]`` without
         ``gather`` (each rank then acts on its own alone)."""

@@ -475,7 +475,7 @@ class UpdateAttempt:
         if prepared is None or prepared.owned is None:
             return hashed.result()
         assert run is not None
-        return with_shares(hashed.result, lambda: run.partial_digests, self.collective.sum_lanes)
+        return with_shares(hashed.result, lambda: run.partial_digests, self.collective.gather)
 
     def _checks(self) -> UpdateChecks:
         """This update's write checks (``integrity.update_checks``)."""

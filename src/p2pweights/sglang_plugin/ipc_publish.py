@@ -53,6 +53,10 @@ class IpcLivePublication(LivePublication):
         # a withdrawal (``close``) that could not be put: the stale handles are still served
         self._withdrawal_owed = False
 
+    def publish(self, model: nn.Module, moved: list[str] | None = None) -> None:
+        super().publish(model, moved)
+        self._withdrawal_owed = False  # a newer publication replaced the stale handles
+
     def _register(
         self, model: nn.Module, extra: dict[str, torch.Tensor]
     ) -> tuple[Publisher, dict[str, Any]]:

@@ -32,7 +32,7 @@ from p2pweights.wire.publication import Runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LEFT_OPEN", "Step", "UpdateChecks"]
+__all__ = ["Step", "UpdateChecks"]
 
 Step = Callable[[str, Callable[[], None]], None]
 """Runs a named check so that every trainer rank agrees on it (``Collective.step``)."""
@@ -65,8 +65,7 @@ class UpdateChecks:
         # a first update the engines' own weight check (``verify_with_weight_checker``)
         # still has to pass: no engine is whole before it did
         self.weight_check_pending = weight_check_pending
-        self.wrong: set[str] = set()
-        """The engines whose digest check failed, or may have (``after_end``)."""
+        self.wrong: set[str] = set()  # the engines whose digest check failed, or may have
 
     def before_end(self, staged: Staged, step: Step, share: CheckerShare | None = None) -> None:
         """Every rank compares the ``/weights_checker`` checksums of what it wrote
