@@ -390,3 +390,24 @@ def test_parameters_two_owners_share_are_refused_where_a_share_cannot_be_verifie
     assert not (client.engine_state() or {}).get("paused")
     assert client.weights_checker("checksum") == before  # no byte written
     client.close()
+
+
+def test_a_lone_sender_handing_a_slice_is_refused(model_dir, shared_engines):
+    """One sending rank with half the rows of each tensor (``hf_named_tensors(model)``
+    under FSDP2 in a session of one sender gives this): refused, naming a tensor and its
+    rows, instead of sending zeros for the other half."""
+    from p2pweights import ConfigError, MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+    from p2pweights.engines.client import EngineClient
+
+    folder = model_dir("qwen3-tiny")
+    (engine,) = shared_engines(folder, [1], seed=0)
+    version = EngineClient(engine.url).weight_version()
+    held, shards = _sliced(str(folder), 81, 0, 2, overlap=False)
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        with pytest.raises(ConfigError, match="it is the only sending trainer rank") as refused:
+            session.update(owned_tensors(held, shards=shards))
+    assert "holds only rows 0.." in str(refused.value) and "nothing was sent" in str(refused.value)
+    assert EngineClient(engine.url).weight_version() == version

@@ -1,8 +1,10 @@
 """A transformers model's weights as the checkpoint names them, gathered bucket by bucket.
 
 ``hf_named_tensors(model)`` yields what ``save_pretrained`` would write: the model's
-persistent state (parameters and persistent buffers) with tied weights once, full
-tensors (FSDP2 / DTensor shards gathered), under checkpoint names. transformers 5 keeps
+persistent state (parameters and persistent buffers) with tied weights once, under
+checkpoint names. Under FSDP2 it hands each rank's own shards by default (owner sends,
+``owned``: nothing is gathered); ``owned=False``, or a model owner sends cannot take,
+gives full tensors (FSDP2 / DTensor shards gathered), as below. transformers 5 keeps
 some weights in another form than its checkpoints (a MoE layer's experts fused into
 ``mlp.experts.gate_up_proj``); they are turned back with transformers' own
 ``revert_weight_conversion``, the reverse of what loading applied, which is what
@@ -45,9 +47,10 @@ def hf_named_tensors(
     *,
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
-    owned: bool = False,
+    owned: bool | None = None,
 ) -> HfNamedTensors | OwnedTensors:
-    """(checkpoint name, full tensor) pairs of a transformers ``model``, plain or FSDP2.
+    """(checkpoint name, tensor) pairs of a transformers ``model``, plain or FSDP2: under
+    FSDP2 each rank's own shards by default (owner sends), else full tensors.
 
     Under FSDP2 (``fully_shard``, DTensor parameters) this is a collective: every rank
     of the mesh must iterate it to the end. Tensors come on the device the parameters
@@ -61,18 +64,39 @@ def hf_named_tensors(
             a number or a size such as ``"512MiB"``.
         dtype: Cast floating-point tensors to this, bucket by bucket, before gathering
             (e.g. fp32 master weights to the engine's bf16). Default: as they are.
-        owned: Gather nothing: under FSDP2 each rank hands its own slice of every sharded
-            parameter (``Shard(0)`` / ``Shard(1)`` of a one-dimensional mesh) and writes
-            the bytes its rows make (owner sends, ``plan.owners``); other tensors are sent
-            whole by every rank. Models whose weights transformers converts on save
-            (transformers 5's fused experts) are refused for now.
+        owned: Gather nothing (owner sends, ``plan.owners``): under FSDP2 each rank hands
+            its own slice of every sharded parameter (``Shard(0)`` / ``Shard(1)`` of a
+            one-dimensional mesh) and writes the bytes its rows make; other tensors are
+            sent whole by every rank. ``False``: gather every tensor whole first (the
+            path before owner sends). ``None`` (the default): owner sends where the model
+            can give them (every DTensor ``Shard(d)`` on a one-dimensional mesh, and no
+            weight transformers converts on save), else gathered; a plain model (whole
+            tensors on every rank) is sent gathered, as it was. ``True`` refuses models
+            owner sends cannot take: transformers 5's fused experts, other placements.
 
     Returns:
         An iterator of ``(checkpoint name, tensor)`` pairs for ``WeightSyncSession.update``.
     """
+    if owned is None:
+        owned = _shards_only(model)
     if owned:
         return _local_shards(model, dtype)
     return HfNamedTensors(model, parse_bytes(bucket_bytes), dtype)
+
+
+def _shards_only(model: torch.nn.Module) -> bool:
+    """Whether owner sends can take ``model`` as it is: some parameter is a DTensor, every
+    DTensor is ``Shard(d)`` on a one-dimensional mesh, and transformers converts nothing
+    on save (its fused experts need whole tensors)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dtensors = [t for t in _checkpoint_state(model).values() if isinstance(t, DTensor)]
+    if not dtensors or _reverse_transforms(model) is not None:
+        return False
+    return all(
+        t.device_mesh.ndim == 1 and all(isinstance(p, Shard) for p in t.placements)
+        for t in dtensors
+    )
 
 
 def _local_shards(model: torch.nn.Module, dtype: torch.dtype | None) -> OwnedTensors:
