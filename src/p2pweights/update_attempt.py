@@ -210,9 +210,11 @@ class UpdateAttempt:
             if self.subset is not None:
                 connection.prepared.source.check_subset(self.subset)
             was = connection.prepared.owned_inputs
-            if self.subset is not None:  # a partial update owns what it sends of them
+            held = connection.prepared.owned_shards
+            if self.subset is not None:  # a partial update owns and holds what it sends
                 was = was & self.subset
-            if shards and shards != connection.prepared.owned_shards:
+                held = {name: found for name, found in held.items() if name in self.subset}
+            if shards and shards != held:
                 raise ConfigError(
                     f"{self.rank_name} holds other slices than at the first update; the "
                     f"holders are planned once: connect() again to plan new ones"

@@ -411,3 +411,85 @@ def test_a_lone_sender_handing_a_slice_is_refused(model_dir, shared_engines):
             session.update(owned_tensors(held, shards=shards))
     assert "holds only rows 0.." in str(refused.value) and "nothing was sent" in str(refused.value)
     assert EngineClient(engine.url).weight_version() == version
+
+
+PARTIAL_SEEDS = {"first": 57, "partial": 58}
+
+
+def _trained(name: str) -> bool:
+    return name.startswith("model.layers.1.mlp.") or name == "model.norm.weight"
+
+
+def _partial_trainer(rank, size, port, urls, folder, gos, out) -> None:
+    import torch.distributed as dist
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    try:
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect(urls)
+            for go, (step, seed) in zip(gos, PARTIAL_SEEDS.items(), strict=True):
+                held, shards = _sliced(folder, seed, rank, size, overlap=False)
+                subset = None
+                if step == "partial":
+                    held = [(n, t) for n, t in held if _trained(n)]
+                    shards = {n: s for n, s in shards.items() if _trained(n)}
+                    subset = set(shards)
+                try:
+                    report = session.update(owned_tensors(held, shards=shards), subset=subset)
+                    result = dict(report.bytes_by_target)
+                except Exception as exc:
+                    result = (type(exc).__name__, str(exc))
+                out.put((step, rank, result))
+                go.wait(timeout=300)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_partial_update_of_sharded_tensors_writes_its_subset_from_the_holders(
+    model_dir, shared_engines
+):
+    """Two FSDP2-style row holders update every tensor, then only one layer's MLP and the
+    final norm (``update(..., subset=...)``), each handing its slices of those alone: every
+    engine rank holds the new values there and the first update's elsewhere."""
+    from _bit_exact import engine_mismatches, seed_weights
+
+    folder = model_dir("qwen3-tiny")
+    engines = shared_engines(folder, [2, 1], seed=0)
+    urls = [e.url for e in engines]
+    size = 2
+    ctx = warm_context()
+    out = ctx.Queue()
+    gos = [ctx.Event() for _ in PARTIAL_SEEDS]
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_partial_trainer, args=(rank, size, port, urls, str(folder), gos, out))
+        for rank in range(size)
+    ]
+    for p in trainers:
+        p.start()
+    written = {}
+    try:
+        for index, step in enumerate(PARTIAL_SEEDS):
+            results = sorted(out.get(timeout=400) for _ in trainers)
+            assert [r[0] for r in results] == [step] * size
+            outcomes = [r[2] for r in results]
+            assert all(isinstance(o, dict) for o in outcomes), outcomes
+            written[step] = sum(sum(o.values()) for o in outcomes)
+            gos[index].set()
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0] * size
+    first, second = seed_weights(folder, 57), seed_weights(folder, 58)
+    mixed = [(n, t) for n, t in second if _trained(n)] + [
+        (n, t) for n, t in first if not _trained(n)
+    ]
+    for engine in engines:
+        assert engine_mismatches(engine.url, lambda: mixed) == {r: [] for r in range(engine.tp)}
+    assert 0 < written["partial"] < written["first"] / 4
