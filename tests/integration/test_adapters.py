@@ -91,7 +91,7 @@ def _assert_bit_exact(url: str, tensors) -> None:
     ("name", "owned"),
     [
         ("qwen3-tiny", False),  # asked for: gathered
-        ("qwen3-moe-tiny", None),  # the default, where transformers fuses experts: gathered
+        ("qwen3-moe-tiny", False),
     ],
 )
 def test_fsdp2_model_updates_a_tp2_engine_bit_exact(
@@ -130,14 +130,22 @@ def test_fsdp2_model_updates_a_tp2_engine_bit_exact(
     assert any(n.endswith("experts.0.gate_proj.weight") for n, _ in first) == ("moe" in name)
 
 
-@pytest.mark.parametrize("owned", [True, None])
+@pytest.mark.parametrize(
+    ("name", "owned"),
+    [
+        ("qwen3-tiny", True),
+        ("qwen3-tiny", None),  # the default
+        ("qwen3-moe-tiny", None),  # experts fused by transformers: each rank's own, owned
+    ],
+)
 def test_fsdp2_shards_are_sent_by_their_holders_with_no_gather(
-    owned, model_dir, shared_engines, tmp_path
+    name, owned, model_dir, shared_engines, tmp_path
 ):
     """``hf_named_tensors(model)`` (by default) and ``owned=True``: each rank hands its
     FSDP2 shards (no ``full_tensor()``) and writes the bytes its rows make into both
-    engine ranks."""
-    name = "qwen3-tiny"
+    engine ranks. Under transformers 5 a MoE layer's experts are one fused parameter;
+    FSDP2 cuts it along the experts, so each rank sends the checkpoint tensors of its own
+    experts, owned."""
     (engine,) = shared_engines(model_dir(name), [2], seed=0)
     reference = _model(name)
     first = _checkpoint(reference, tmp_path / "first")

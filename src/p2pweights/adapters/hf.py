@@ -69,10 +69,13 @@ def hf_named_tensors(
             one-dimensional mesh) and writes the bytes its rows make; other tensors are
             sent whole by every rank. ``False``: gather every tensor whole first (the
             path before owner sends). ``None`` (the default): owner sends where the model
-            can give them (every DTensor ``Shard(d)`` on a one-dimensional mesh, and no
-            weight transformers converts on save), else gathered; a plain model (whole
-            tensors on every rank) is sent gathered, as it was. ``True`` refuses models
-            owner sends cannot take: transformers 5's fused experts, other placements.
+            can give them (every DTensor ``Shard(d)`` on a one-dimensional mesh; where
+            transformers converts weights on save, such as transformers 5's fused
+            experts, ``Shard(0)``), else gathered; a plain model (whole tensors on every
+            rank) is sent gathered, as it was. With fused experts cut along the experts,
+            each rank sends the checkpoint tensors of its own experts (owned). ``True``
+            refuses what owner sends cannot take: other placements, or a converted
+            checkpoint tensor made from several ranks' rows.
 
     Returns:
         An iterator of ``(checkpoint name, tensor)`` pairs for ``WeightSyncSession.update``.
@@ -86,51 +89,109 @@ def hf_named_tensors(
 
 def _shards_only(model: torch.nn.Module) -> bool:
     """Whether owner sends can take ``model`` as it is: some parameter is a DTensor, every
-    DTensor is ``Shard(d)`` on a one-dimensional mesh, and transformers converts nothing
-    on save (its fused experts need whole tensors)."""
+    DTensor is ``Shard(d)`` on a one-dimensional mesh, and where transformers converts
+    weights on save (fused experts) every DTensor is ``Shard(0)`` (FSDP2's default: whole
+    experts on each rank)."""
     from torch.distributed.tensor import DTensor, Shard
 
     dtensors = [t for t in _checkpoint_state(model).values() if isinstance(t, DTensor)]
-    if not dtensors or _reverse_transforms(model) is not None:
+    if not dtensors:
         return False
+    dims = {0} if _reverse_transforms(model) is not None else None
     return all(
-        t.device_mesh.ndim == 1 and all(isinstance(p, Shard) for p in t.placements)
+        t.device_mesh.ndim == 1
+        and all(isinstance(p, Shard) and (dims is None or p.dim in dims) for p in t.placements)
         for t in dtensors
     )
 
 
 def _local_shards(model: torch.nn.Module, dtype: torch.dtype | None) -> OwnedTensors:
-    """Each parameter's local slice (a DTensor's ``to_local()``), described as a shard."""
+    """Each parameter's local slice (a DTensor's ``to_local()``), described as a shard;
+    where transformers converts weights on save, the checkpoint tensors made wholly from
+    this rank's rows (its experts), owned."""
+    reverse = _reverse_transforms(model)
+    state = _checkpoint_state(model)
+    pairs: list[tuple[str, torch.Tensor]] = []
+    owned: set[str] = set()
+    shards: dict[str, tuple[int, int, int]] = {}
+    for unit in _conversion_units(list(state), reverse):
+        local = {name: _local_slice(name, state[name], dtype) for name in unit}
+        if reverse is None or _unconverted(model, unit, state):
+            for name, (tensor, shard) in local.items():
+                pairs.append((name, tensor))
+                if shard is not None:
+                    shards[name] = shard
+            continue
+        if all(shard is None for _, shard in local.values()):  # whole on every rank
+            pairs.extend(_reverted(model, {n: t for n, (t, _) in local.items()}).items())
+            continue
+        values = _reverted(model, {n: _padded(t, s, state[n]) for n, (t, s) in local.items()})
+        marks = _reverted(
+            model,
+            {
+                n: _padded(torch.ones_like(t, dtype=torch.int8), s, state[n])
+                for n, (t, s) in local.items()
+            },
+        )
+        for name, tensor in values.items():
+            if bool(marks[name].all()):  # made of this rank's rows alone: its own
+                pairs.append((name, tensor))
+                owned.add(name)
+            elif bool(marks[name].any()):
+                raise ConfigError(
+                    f"hf_named_tensors(model, owned=True): checkpoint tensor {name!r} is made "
+                    f"from rows of several ranks ({sorted(unit)[:2]} converted on save); "
+                    f"shard them along their first (expert) dim, or use owned=False"
+                )
+    return OwnedTensors(pairs, owned, shards)
+
+
+def _local_slice(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """A parameter's local slice and its (dim, start, full size); None for a plain tensor."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if _reverse_transforms(model) is not None:
-        raise ConfigError(
-            "hf_named_tensors(model, owned=True): transformers converts this model's weights "
-            "when it saves them (e.g. fused experts), which needs whole tensors; use owned=False"
-        )
-    pairs, shards = [], {}
-    for name, tensor in _checkpoint_state(model).items():
-        local = tensor.detach()
-        if isinstance(local, DTensor):
-            placements = [p for p in local.placements if isinstance(p, Shard)]
-            if local.device_mesh.ndim != 1 or len(placements) != len(local.placements):
-                raise ConfigError(
-                    f"hf_named_tensors(model, owned=True): parameter {name!r} is placed "
-                    f"{local.placements} on a {local.device_mesh.ndim}-d mesh; only Shard(d) "
-                    f"on one mesh dimension is sent by owner"
-                )
-            shape, offset = compute_local_shape_and_global_offset(
-                local.shape, local.device_mesh, local.placements
+    local = tensor.detach()
+    shard = None
+    if isinstance(local, DTensor):
+        placements = [p for p in local.placements if isinstance(p, Shard)]
+        if local.device_mesh.ndim != 1 or len(placements) != len(local.placements):
+            raise ConfigError(
+                f"hf_named_tensors(model, owned=True): parameter {name!r} is placed "
+                f"{local.placements} on a {local.device_mesh.ndim}-d mesh; only Shard(d) "
+                f"on one mesh dimension is sent by owner"
             )
-            dim = placements[0].dim
-            shards[name] = (dim, offset[dim], local.shape[dim])
-            local = local.to_local()
-            assert tuple(local.shape) == tuple(shape)
-        if dtype is not None:
-            local = _cast(local, dtype)
-        pairs.append((name, local))
-    return OwnedTensors(pairs, (), shards)
+        shape, offset = compute_local_shape_and_global_offset(
+            local.shape, local.device_mesh, local.placements
+        )
+        dim = placements[0].dim
+        shard = (dim, offset[dim], local.shape[dim])
+        local = local.to_local()
+        assert tuple(local.shape) == tuple(shape)
+    if dtype is not None:
+        local = _cast(local, dtype)
+    return local, shard
+
+
+def _padded(
+    local: torch.Tensor, shard: tuple[int, int, int] | None, like: torch.Tensor
+) -> torch.Tensor:
+    """``local`` in a zero tensor of ``like``'s full shape, at its shard's place."""
+    if shard is None:
+        return local
+    dim, start, _ = shard
+    full = torch.zeros(tuple(like.shape), dtype=local.dtype, device=local.device)
+    full.narrow(dim, start, local.shape[dim]).copy_(local)
+    return full
+
+
+def _unconverted(model: Any, unit: Sequence[str], state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether saving leaves ``unit``'s tensors as they are (same names and shapes)."""
+    meta = {n: torch.empty(tuple(state[n].shape), device="meta") for n in unit}
+    out = _reverted(model, meta)
+    return out.keys() == meta.keys() and all(out[n].shape == meta[n].shape for n in meta)
 
 
 class HfNamedTensors(Iterator[tuple[str, torch.Tensor]]):
