@@ -135,7 +135,8 @@ def _local_shards(model: torch.nn.Module, dtype: torch.dtype | None) -> OwnedTen
         )
         for name, tensor in values.items():
             if bool(marks[name].all()):  # made of this rank's rows alone: its own
-                pairs.append((name, tensor))
+                # a copy: a view would keep the whole padded tensor alive
+                pairs.append((name, tensor.clone()))
                 owned.add(name)
             elif bool(marks[name].any()):
                 raise ConfigError(
