@@ -2,8 +2,10 @@
 stand-in for megatron-bridge (megatron-core and megatron-bridge are not installed here).
 
 Two gloo trainer processes play one pipeline stage of tensor parallelism 2 over a dense
-Qwen3: the row-parallel linear weights (``o_proj``, ``down_proj``) are each rank's half of
-the columns and the vocabulary-parallel ones (embedding, lm head) its half of the rows,
+Qwen3, and over a Qwen3-MoE with expert parallelism 2 as well (each rank's experts' fc2,
+a local view, owned; their fc1, which fuses gate and up, through the export). The
+row-parallel linear weights (``o_proj``, ``down_proj``) are each rank's half of the
+columns and the vocabulary-parallel ones (embedding, lm head) its half of the rows,
 described as megatron-bridge's ``local_hf_params`` describes them (``LocalHFParam``: a
 local view, its global shape, shard group and dim); the norms are replicated views; the
 fused QKV and gate/up have no local view, so they go through the (stand-in) bridge's
@@ -18,6 +20,7 @@ parallel state; those need megatron-core and megatron-bridge (test_megatron_brid
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ from p2pweights.testing import synthetic_weights
 pytestmark = pytest.mark.integration
 
 SEEDS = (191, 192)
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,8 @@ class _View:  # megatron-bridge's LocalHFParam
 
 
 class _Mapping:
-    def __init__(self, name: str, views, tp_rank: int):
-        self.hf_param, self.views, self.tp_rank, self.is_expert = name, views, tp_rank, False
+    def __init__(self, name: str, views, tp_rank: int, is_expert: bool = False):
+        self.hf_param, self.views, self.tp_rank, self.is_expert = name, views, tp_rank, is_expert
 
     def local_hf_params(self, weight, *, global_param_name, megatron_module):
         if self.views is None:
@@ -96,6 +100,16 @@ def _tasks(folder: str, seed: int, rank: int, size: int):
     whole = dict(synthetic_weights(folder, seed=seed, dtype=torch.bfloat16))
     tasks = []
     for name, tensor in whole.items():
+        expert = _EXPERT.search(name)
+        if expert is not None:  # EP: this rank's experts; fc2 (down) a local view
+            if name.endswith("down_proj.weight"):
+                if int(expert.group(1)) % size != rank:
+                    continue  # another EP rank's expert: no task here
+                view = _View(name, tensor, tensor.shape, "replicated", None)
+                tasks.append(_Task(name, _Mapping(name, [view], 0, is_expert=True)))
+            else:  # fc1 fuses gate and up: the bridge's export (gathered over EP)
+                tasks.append(_Task(name, _Mapping(name, None, rank)))
+            continue
         dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else None
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             dim = 0
@@ -130,7 +144,11 @@ def _trainer(rank, size, port, urls, folder, gos, out) -> None:
                 pairs = export.named_tensors(owned=True)
                 try:
                     report = session.update(pairs)
-                    result = (sorted(pairs.shards()), dict(report.bytes_by_target))
+                    result = (
+                        sorted(pairs.shards()),
+                        dict(report.bytes_by_target),
+                        sorted(pairs.owned()),
+                    )
                 except Exception as exc:
                     result = ("error", f"{type(exc).__name__}: {exc}")
                 out.put((seed, rank, result))
@@ -139,8 +157,10 @@ def _trainer(rank, size, port, urls, folder, gos, out) -> None:
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_shards_are_sent_by_their_megatron_ranks(model_dir, shared_engines):
-    folder = model_dir("qwen3-tiny")
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_tensor_parallel_shards_are_sent_by_their_megatron_ranks(name, model_dir, shared_engines):
+    """Qwen3-MoE: also expert parallelism 2, each rank's experts' ``down_proj`` owned."""
+    folder = model_dir(name)
     engines = shared_engines(folder, [2, 1], seed=0)
     urls = [e.url for e in engines]
     size, ctx, port = 2, warm_context(), free_port()
@@ -161,6 +181,11 @@ def test_tensor_parallel_shards_are_sent_by_their_megatron_ranks(model_dir, shar
             shards = outcomes[0][0]
             assert any(n.endswith("o_proj.weight") for n in shards), shards  # sent as shards
             assert not any(n.endswith("q_proj.weight") for n in shards), shards  # exported
+            owned = [o[2] for o in outcomes]
+            if "moe" in name:  # each rank its own experts' down_proj, no two the same
+                assert owned[0] and owned[1] and not set(owned[0]) & set(owned[1]), owned
+            else:
+                assert owned == [[], []]
             every = {(e.url, r) for e in engines for r in range(e.tp)}
             assert set().union(*(o[1] for o in outcomes)) == every, outcomes
             assert_bit_exact(engines, folder, seed)
