@@ -16,12 +16,15 @@ after the outer step's own ``agree``, instead of being wrapped again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from p2pweights import errors
 from p2pweights.errors import ConfigError, P2PWeightsError, TransferError
 from p2pweights.plan.owners import Claim, Ownership, ownership_of
 from p2pweights.source.inputs import InputSpec
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Collective"]
 
@@ -147,6 +150,39 @@ class Collective:
         if not any(c.owned or c.shards for c in claims):  # no owners: the stages' rules, as before
             return union_of_stages([(c.owner[0], c.specs) for c in claims]), Ownership({})
         return ownership_of(claims)
+
+    def gathered_tensor(
+        self, name: str, tensor: torch.Tensor, held: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, int]:
+        """HF tensor ``name`` whole, from every holder's slice (owner sends' fallback for a
+        tensor its holders cannot write alone, ``plan.owners``), and the bytes this rank
+        received. ``tensor``: this rank's input, whole-shaped with its slice ``held``
+        (dim, start, stop). One all-gather (of CPU copies of the slices) among the sending
+        ranks, which must all hold a slice and reach this tensor in the same order."""
+        import torch
+
+        if self._gather is None:
+            raise ConfigError(f"gathering HF tensor {name!r} needs gather= on the session")
+        dim, start, stop = held
+        mine = tensor.narrow(dim, start, stop - start).detach().to("cpu", copy=True)
+        entries = cast(
+            list[tuple[str, tuple[int, int, int], torch.Tensor]],
+            self._gather((name, held, mine)),
+        )
+        names = sorted({entry[0] for entry in entries})
+        if names != [name]:
+            raise ConfigError(
+                f"{self.rank_name}: the sending ranks reached different sharded HF tensors "
+                f"({names[:3]}) when gathering one; yield the tensors in the same order on "
+                f"every rank"
+            )
+        whole = torch.empty_like(tensor)
+        received = 0
+        for _, (_, first, last), part in entries:
+            whole.narrow(dim, first, last - first).copy_(part)
+            if first != start:
+                received += part.numel() * part.element_size()
+        return whole, received
 
     def gather(self, own: object) -> list[object]:
         """Every sending rank's ``own``, in one order on every rank; ``[own]`` without

@@ -217,9 +217,9 @@ class UpdateReport:
     any such mapping (tuple keys too), held as an ``EngineRankBytes``."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds per stage: control_plane, probe (first update only) or check_inputs, convert
-    (e.g. fp8 quantization, when an engine needs it), load (into buffers), wait (on
-    writes), delta_compare, digest and verify_writes / engine_digest (write digests),
-    verify (the engines' weight check)."""
+    (e.g. fp8 quantization, when an engine needs it), gather (owner sends' one-tensor
+    gathers), load (into buffers), wait (on writes), delta_compare, digest and
+    verify_writes / engine_digest (write digests), verify (the engines' weight check)."""
     seconds: float = 0.0
     """Wall seconds of the whole ``update()`` call."""
     engines: dict[str, EngineReport] = field(default_factory=dict)
@@ -239,8 +239,19 @@ class UpdateReport:
     (``SyncConfig.verify_finite_inputs``; off by default: on a CPU the check costs tens
     of percent of an update). False: they reached the engines unchecked."""
 
+    gathered_bytes_by_tensor: Mapping[str, int] = field(default_factory=dict)
+    """Owner sends: HF name -> bytes this trainer rank received all-gathering the other
+    holders' slices of a sharded tensor it could not write from its own slice (its loaders
+    mix holders' rows, or quantize fp8 blocks across them); every other tensor is written
+    by its owners, with no gather. Empty without such tensors."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "bytes_by_target", EngineRankBytes.of(self.bytes_by_target))
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes this trainer rank received in owner sends' one-tensor gathers."""
+        return sum(self.gathered_bytes_by_tensor.values())
 
     @property
     def bytes_written(self) -> int:
@@ -273,7 +284,8 @@ class UpdateReport:
         ``delta_fraction``, ``delta_sent_bytes``, ``delta_params``, ``full_params``,
         ``unchanged_params`` (with ``SyncConfig.delta``);
         ``control_calls``, ``control_call_s``; ``inputs_checked_finite`` (1 or 0);
-        ``subset_size`` (a partial update's declared tensors); and
+        ``subset_size`` (a partial update's declared tensors); ``gathered_bytes`` (owner
+        sends' one-tensor gathers, received by this rank); and
         ``<stage>_s`` for each stage timed
         (``stage_seconds``: ``load_s``, ``wait_s``, ...)."""
         values: dict[str, float | int] = {
@@ -287,6 +299,7 @@ class UpdateReport:
             "control_calls": self.num_control_calls,
             "control_call_s": float(self.control_call_seconds),
             "inputs_checked_finite": int(self.inputs_checked_finite),
+            "gathered_bytes": self.gathered_bytes,
         }
         if self.bytes_by_target:
             busiest = max(self.bytes_by_target.values())
@@ -334,6 +347,8 @@ class UpdateReport:
             "control_call_seconds": self.control_call_seconds,
             "subset_size": self.subset_size,
             "inputs_checked_finite": self.inputs_checked_finite,
+            "gathered_bytes": self.gathered_bytes,
+            "gathered_bytes_by_tensor": dict(self.gathered_bytes_by_tensor),
             "metrics": self.metrics(prefix=""),
         }
 

@@ -89,6 +89,7 @@ class UpdateAttempt:
         self.receipts = Receipts()  # the inputs as received (``source.receipts``)
         self.stages: dict[str, float] = {}
         self.last_run: RunResult | None = None
+        self.gathered_bytes: dict[str, int] = {}  # HF name -> bytes received gathering it
 
     @property
     def leader(self) -> bool:
@@ -105,6 +106,8 @@ class UpdateAttempt:
         if self.config.num_senders > 1:  # before any is read: an iterator may gather
             self.collective.same_input_kind(named_tensors)
         # alone, a rank owns everything it sends: nothing to plan by owner
+        if self.config.num_senders == 1:
+            self._refuse_lone_slices(named_tensors)
         owned = owned_names(named_tensors) if self.config.num_senders > 1 else frozenset()
         shards = shard_ranges(named_tensors) if self.config.num_senders > 1 else {}
         tensors, described = read_input(named_tensors, first, self.receipts)
@@ -127,9 +130,15 @@ class UpdateAttempt:
                     exc.args = (f"{exc.args[0]}. {_LEFT_RUNNING}",)
                 raise
         _, prepared = connection.ready()
+        gathered = prepared.owned.gathered if prepared.owned is not None else frozenset()
+        gathers = bool(gathered)
+        if gathers:  # owner sends' one-tensor gathers run as the input is read
+            tensors = self._gathering(tensors, gathered, prepared.owned_shards)
         # Streamed into several ranks, the input may run collectives as it is read: the
         # ranks open together before reading it, not each at its own first flush.
-        stream_first = self.config.stage_before_pause and (whole or self.config.num_senders == 1)
+        stream_first = self.config.stage_before_pause and (
+            (whole and not gathers) or self.config.num_senders == 1
+        )
         if not stream_first:
             with self._timed("control_plane"):
                 self.collective.step("open", self._open)
@@ -155,6 +164,37 @@ class UpdateAttempt:
         connection.next_version = _next_version_after(self.version, connection.next_version)
         return self._report(result, time.perf_counter() - started)
 
+    def _refuse_lone_slices(self, named_tensors: object) -> None:
+        """A lone sender must send whole tensors: a slice (``shards()``) would reach the
+        engines as its tensor, zero outside it."""
+        specs = getattr(named_tensors, "specs", None)
+        full = dict(specs()) if callable(specs) else {}
+        for name, (dim, start, stop) in sorted(shard_ranges(named_tensors).items()):
+            size = full[name][0][dim] if name in full else stop
+            if (start, stop) != (0, size):
+                raise ConfigError(
+                    f"{self.rank_name} holds only rows {start}..{stop} (dim {dim}) of HF "
+                    f"tensor {name!r}, but it is the only sending trainer rank: make every "
+                    f"holder a sender (WeightSyncSession.from_torch_distributed), or send "
+                    f"whole tensors (hf_named_tensors(model, owned=False)); nothing was sent"
+                )
+
+    def _gathering(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        gathered: frozenset[str],
+        held: Mapping[str, tuple[int, int, int]],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``tensors``, with each sharded tensor its holders cannot write alone
+        (``OwnedPlan.gathered``) whole, all-gathered from every holder's slice as it is
+        read; the bytes received, per tensor, in ``self.gathered_bytes``."""
+        for name, tensor in tensors:
+            if name in gathered and isinstance(tensor, torch.Tensor):
+                with self._timed("gather"):
+                    tensor, received = self.collective.gathered_tensor(name, tensor, held[name])
+                self.gathered_bytes[name] = received
+            yield name, tensor
+
     def _prepare(
         self,
         tensors: list[tuple[str, torch.Tensor]] | None,
@@ -170,9 +210,11 @@ class UpdateAttempt:
             if self.subset is not None:
                 connection.prepared.source.check_subset(self.subset)
             was = connection.prepared.owned_inputs
-            if self.subset is not None:  # a partial update owns what it sends of them
+            held = connection.prepared.owned_shards
+            if self.subset is not None:  # a partial update owns and holds what it sends
                 was = was & self.subset
-            if shards and shards != connection.prepared.owned_shards:
+                held = {name: found for name, found in held.items() if name in self.subset}
+            if shards and shards != held:
                 raise ConfigError(
                     f"{self.rank_name} holds other slices than at the first update; the "
                     f"holders are planned once: connect() again to plan new ones"
@@ -259,8 +301,12 @@ class UpdateAttempt:
             buffer_bytes=self.config.buffer_bytes,
             finite=self.config.verify_finite_inputs,
         )
-        if any(group.partial for group in prepared.plan.groups.values()):
-            connection.write_check.refuse_shared_parameters(self.config.digest_as_written)
+        shared = next((g for g in prepared.plan.groups.values() if g.partial), None)
+        if shared is not None:
+            connection.write_check.refuse_shared_parameters(
+                self.config.digest_as_written,
+                f"parameter {shared.slots[0].param!r} of HF tensors {sorted(shared.hf_names)[:3]}",
+            )
         me = (self.config.pipeline_stage, self.config.trainer_rank)
         prepared.owned_inputs = frozenset(n for n, o in ownership.owners.items() if o == me)
         prepared.owned_shards = {
@@ -532,6 +578,7 @@ class UpdateAttempt:
             control_call_seconds=calls.wall_seconds,
             subset_size=None if self.subset is None else len(self.subset),
             inputs_checked_finite=self.config.verify_finite_inputs,
+            gathered_bytes_by_tensor=dict(self.gathered_bytes),
         )
 
     @contextmanager

@@ -40,7 +40,7 @@ def _shift(model) -> None:
             param.add_(SHIFT)
 
 
-def _trainer(rank: int, port: int, name: str, url: str, go, out, owned: bool = False) -> None:
+def _trainer(rank: int, port: int, name: str, url: str, go, out, owned: bool | None) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -60,13 +60,14 @@ def _trainer(rank: int, port: int, name: str, url: str, go, out, owned: bool = F
         with WeightSyncSession.from_torch_distributed(config) as session:
             session.connect([url])
             pairs = hf_named_tensors(model, bucket_bytes="256KiB", owned=owned)
+            kind = type(pairs).__name__  # owner sends or gathered
             reports.append(session.update(pairs))
             out.put(("updated", rank))
             go.wait(timeout=240)  # the test checks the engine in between
             _shift(model)
             pairs = hf_named_tensors(model, bucket_bytes="256KiB", owned=owned)
             reports.append(session.update(pairs))
-        out.put(("done", rank, [sorted(r.bytes_by_target) for r in reports]))
+        out.put(("done", rank, [sorted(r.bytes_by_target) for r in reports], kind))
     except BaseException as exc:
         out.put(("error", rank, repr(exc)))
         raise
@@ -86,8 +87,16 @@ def _assert_bit_exact(url: str, tensors) -> None:
     assert engine_mismatches(url, lambda: tensors) == {0: [], 1: []}
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
-def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, shared_engines, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "owned"),
+    [
+        ("qwen3-tiny", False),  # asked for: gathered
+        ("qwen3-moe-tiny", False),
+    ],
+)
+def test_fsdp2_model_updates_a_tp2_engine_bit_exact(
+    name, owned, model_dir, shared_engines, tmp_path
+):
     (engine,) = shared_engines(model_dir(name), [2], seed=0)
     reference = _model(name)  # the same weights, unsharded
     first = _checkpoint(reference, tmp_path / "first")
@@ -98,7 +107,8 @@ def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, shared_engi
     go, out = ctx.Event(), ctx.Queue()
     port = free_port()
     trainers = [
-        ctx.Process(target=_trainer, args=(r, port, name, engine.url, go, out)) for r in (0, 1)
+        ctx.Process(target=_trainer, args=(r, port, name, engine.url, go, out, owned))
+        for r in (0, 1)
     ]
     for p in trainers:
         p.start()
@@ -111,6 +121,7 @@ def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, shared_engi
         for p in trainers:
             p.join(timeout=60)
     assert [d[0] for d in done] == ["done", "done"], done
+    assert [d[3] for d in done] == ["HfNamedTensors"] * 2
     # the two ranks split the engine's two ranks, every update
     written = sorted(t for d in done for t in d[2][1])
     assert written == [(engine.url, 0), (engine.url, 1)]
@@ -119,10 +130,22 @@ def test_fsdp2_model_updates_a_tp2_engine_bit_exact(name, model_dir, shared_engi
     assert any(n.endswith("experts.0.gate_proj.weight") for n, _ in first) == ("moe" in name)
 
 
-def test_fsdp2_shards_are_sent_by_their_holders_with_no_gather(model_dir, shared_engines, tmp_path):
-    """``hf_named_tensors(model, owned=True)``: each rank hands its FSDP2 shards (no
-    ``full_tensor()``) and writes the bytes its rows make into both engine ranks."""
-    name = "qwen3-tiny"
+@pytest.mark.parametrize(
+    ("name", "owned"),
+    [
+        ("qwen3-tiny", True),
+        ("qwen3-tiny", None),  # the default
+        ("qwen3-moe-tiny", None),  # experts fused by transformers: each rank's own, owned
+    ],
+)
+def test_fsdp2_shards_are_sent_by_their_holders_with_no_gather(
+    name, owned, model_dir, shared_engines, tmp_path
+):
+    """``hf_named_tensors(model)`` (by default) and ``owned=True``: each rank hands its
+    FSDP2 shards (no ``full_tensor()``) and writes the bytes its rows make into both
+    engine ranks. Under transformers 5 a MoE layer's experts are one fused parameter;
+    FSDP2 cuts it along the experts, so each rank sends the checkpoint tensors of its own
+    experts, owned."""
     (engine,) = shared_engines(model_dir(name), [2], seed=0)
     reference = _model(name)
     first = _checkpoint(reference, tmp_path / "first")
@@ -133,7 +156,7 @@ def test_fsdp2_shards_are_sent_by_their_holders_with_no_gather(model_dir, shared
     go, out = ctx.Event(), ctx.Queue()
     port = free_port()
     trainers = [
-        ctx.Process(target=_trainer, args=(r, port, name, engine.url, go, out, True))
+        ctx.Process(target=_trainer, args=(r, port, name, engine.url, go, out, owned))
         for r in (0, 1)
     ]
     for p in trainers:
@@ -150,5 +173,6 @@ def test_fsdp2_shards_are_sent_by_their_holders_with_no_gather(model_dir, shared
     assert [d[0] for d in done] == ["done", "done"], done
     for d in done:  # each holder writes its share of both engine ranks
         assert d[2][1] == [(engine.url, 0), (engine.url, 1)]
+        assert d[3] == "OwnedTensors"
     assert [p.exitcode for p in trainers] == [0, 0]
     _assert_bit_exact(engine.url, second)

@@ -218,3 +218,278 @@ def test_row_shards_are_written_by_their_holders(model_dir, shared_engines):
         for p in trainers:
             p.join(timeout=60)
     assert [p.exitcode for p in trainers] == [0] * size
+
+
+GATHER_STEPS = {"first": 61, "second": 62}
+
+
+def _ep_and_rows(folder: str, seed: int, rank: int, size: int, num_experts: int):
+    """Expert parallelism for the routed experts (owned whole), FSDP2's ``Shard(0)`` rows
+    for every other tensor."""
+    held, owned = _held(folder, seed, rank, size, num_experts)
+    pairs, shards = [], {}
+    for name, tensor in held:
+        if name in owned:
+            pairs.append((name, tensor))
+            continue
+        rows = tensor.shape[0]
+        chunk = -(-rows // size)
+        start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        pairs.append((name, tensor[start:stop].clone()))
+        shards[name] = (0, start, rows)
+    return pairs, owned, shards
+
+
+def _gather_trainer(rank, size, port, urls, folder, num_experts, gos, out) -> None:
+    import torch.distributed as dist
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    try:
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect(urls)
+            for go, (step, seed) in zip(gos, GATHER_STEPS.items(), strict=True):
+                pairs, owned, shards = _ep_and_rows(folder, seed, rank, size, num_experts)
+                try:
+                    report = session.update(owned_tensors(pairs, owned, shards=shards))
+                    result = {
+                        "targets": dict(report.bytes_by_target),
+                        "gathered": dict(report.gathered_bytes_by_tensor),
+                        "metric": report.metrics()["p2pweights/gathered_bytes"],
+                        "dict": report.to_dict()["gathered_bytes"],
+                    }
+                except Exception as exc:
+                    result = {"error": (type(exc).__name__, str(exc))}
+                out.put((step, rank, result))
+                go.wait(timeout=300)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_tensor_an_fp8_engine_quantizes_is_gathered_alone(model_dir, shared_engines):
+    """Two ranks hold a block-fp8 DeepSeek-V3 as EP (routed experts) plus FSDP2 rows (the
+    rest). A sharded weight the engine takes quantized has 128 x 128 blocks across both
+    holders' rows: it is all-gathered for that tensor alone and sent by the normal path;
+    the report counts those bytes, per tensor. Experts and the bf16 tensors (norms,
+    embeddings) are written by their owners: no byte of them is gathered."""
+    folder = model_dir("deepseek-v3-fp8-tiny")
+    engines = shared_engines(folder, [(2, {"ep_size": 2}), 1], seed=0)
+    urls = [e.url for e in engines]
+    size = 2
+    ctx = warm_context()
+    out = ctx.Queue()
+    gos = [ctx.Event() for _ in GATHER_STEPS]
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_gather_trainer, args=(rank, size, port, urls, str(folder), 8, gos, out))
+        for rank in range(size)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        for index, (step, seed) in enumerate(GATHER_STEPS.items()):
+            results = sorted(out.get(timeout=400) for _ in trainers)
+            assert [r[0] for r in results] == [step] * size
+            outcomes = [r[2] for r in results]
+            assert all("error" not in o for o in outcomes), outcomes
+            every = {(e.url, r) for e in engines for r in range(e.tp)}
+            assert set().union(*(o["targets"] for o in outcomes)) == every, outcomes
+            assert_bit_exact(engines, folder, seed)
+            for o in outcomes:
+                gathered = o["gathered"]
+                assert gathered and all(v > 0 for v in gathered.values()), gathered
+                assert o["metric"] == o["dict"] == sum(gathered.values())
+                assert not any(_EXPERT.search(n) for n in gathered), gathered  # experts: 0
+                # the linear weights the engine takes in fp8 (q_a_proj, kv_a_proj_with_mqa,
+                # ...): not norms, embeddings, the router or the lm head (bf16 there)
+                assert all("_proj" in n and n.endswith(".weight") for n in gathered), gathered
+                assert "model.embed_tokens.weight" not in gathered
+            # each rank received the other's rows of the same tensors
+            assert outcomes[0]["gathered"].keys() == outcomes[1]["gathered"].keys()
+            gos[index].set()
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0] * size
+
+
+def _refused_trainer(rank, size, port, urls, folder, digest_as_written, out) -> None:
+    import torch.distributed as dist
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    config = SyncConfig(
+        transport=MooncakeConfig(protocol="tcp"),
+        buffer_bytes="1MiB",
+        digest_as_written=digest_as_written,
+    )
+    try:
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect(urls)
+            held, owned = _held(folder, 71, rank, size, 8)
+            try:
+                session.update(owned_tensors(held, owned))
+                out.put((rank, None))
+            except Exception as exc:
+                out.put((rank, (type(exc).__name__, str(exc))))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("guard", ["digest_as_written", "weights_checker"])
+def test_parameters_two_owners_share_are_refused_where_a_share_cannot_be_verified(
+    guard, model_dir, shared_engines
+):
+    """On a TP 1 engine a layer's fused experts are written in shares by both expert
+    owners. ``digest_as_written`` (a parameter digested once its flag lands, perhaps before
+    the other owner's share) and an engine verified only by sglang's ``/weights_checker``
+    (whose hash cannot be made from shares) cannot check such a parameter: the first
+    update is refused on every rank, naming the parameter and its HF tensors, before the
+    engine is paused or any byte is written."""
+    from p2pweights.engines.client import EngineClient
+
+    folder = model_dir("qwen3-moe-tiny")
+    env = {"P2PWEIGHTS_WRITE_DIGESTS": "0"} if guard == "weights_checker" else {}
+    (engine,) = shared_engines(folder, [1], seed=0, env=env)
+    client = EngineClient(engine.url)
+    version = client.weight_version()
+    before = client.weights_checker("checksum")
+    size, ctx, port = 2, warm_context(), free_port()
+    out = ctx.Queue()
+    trainers = [
+        ctx.Process(
+            target=_refused_trainer,
+            args=(rank, size, port, [engine.url], str(folder), guard == "digest_as_written", out),
+        )
+        for rank in range(size)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        outcomes = [out.get(timeout=400)[1] for _ in trainers]
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0] * size
+    for outcome in outcomes:
+        assert outcome is not None, "the update was not refused"
+        kind, message = outcome
+        assert kind == "ConfigError", message
+        assert guard.replace("weights_checker", "/weights_checker") in message, message
+        assert ".mlp.experts" in message and "nothing was sent" in message, message
+    assert client.weight_version() == version
+    assert not (client.engine_state() or {}).get("paused")
+    assert client.weights_checker("checksum") == before  # no byte written
+    client.close()
+
+
+def test_a_lone_sender_handing_a_slice_is_refused(model_dir, shared_engines):
+    """One sending rank with half the rows of each tensor (``hf_named_tensors(model)``
+    under FSDP2 in a session of one sender gives this): refused, naming a tensor and its
+    rows, instead of sending zeros for the other half."""
+    from p2pweights import ConfigError, MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+    from p2pweights.engines.client import EngineClient
+
+    folder = model_dir("qwen3-tiny")
+    (engine,) = shared_engines(folder, [1], seed=0)
+    version = EngineClient(engine.url).weight_version()
+    held, shards = _sliced(str(folder), 81, 0, 2, overlap=False)
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    with WeightSyncSession(config) as session:
+        session.connect([engine.url])
+        with pytest.raises(ConfigError, match="it is the only sending trainer rank") as refused:
+            session.update(owned_tensors(held, shards=shards))
+    assert "holds only rows 0.." in str(refused.value) and "nothing was sent" in str(refused.value)
+    assert EngineClient(engine.url).weight_version() == version
+
+
+PARTIAL_SEEDS = {"first": 57, "partial": 58}
+
+
+def _trained(name: str) -> bool:
+    return name.startswith("model.layers.1.mlp.") or name == "model.norm.weight"
+
+
+def _partial_trainer(rank, size, port, urls, folder, gos, out) -> None:
+    import torch.distributed as dist
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import owned_tensors
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+    try:
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect(urls)
+            for go, (step, seed) in zip(gos, PARTIAL_SEEDS.items(), strict=True):
+                held, shards = _sliced(folder, seed, rank, size, overlap=False)
+                subset = None
+                if step == "partial":
+                    held = [(n, t) for n, t in held if _trained(n)]
+                    shards = {n: s for n, s in shards.items() if _trained(n)}
+                    subset = set(shards)
+                try:
+                    report = session.update(owned_tensors(held, shards=shards), subset=subset)
+                    result = dict(report.bytes_by_target)
+                except Exception as exc:
+                    result = (type(exc).__name__, str(exc))
+                out.put((step, rank, result))
+                go.wait(timeout=300)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_partial_update_of_sharded_tensors_writes_its_subset_from_the_holders(
+    model_dir, shared_engines
+):
+    """Two FSDP2-style row holders update every tensor, then only one layer's MLP and the
+    final norm (``update(..., subset=...)``), each handing its slices of those alone: every
+    engine rank holds the new values there and the first update's elsewhere."""
+    from _bit_exact import engine_mismatches, seed_weights
+
+    folder = model_dir("qwen3-tiny")
+    engines = shared_engines(folder, [2, 1], seed=0)
+    urls = [e.url for e in engines]
+    size = 2
+    ctx = warm_context()
+    out = ctx.Queue()
+    gos = [ctx.Event() for _ in PARTIAL_SEEDS]
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_partial_trainer, args=(rank, size, port, urls, str(folder), gos, out))
+        for rank in range(size)
+    ]
+    for p in trainers:
+        p.start()
+    written = {}
+    try:
+        for index, step in enumerate(PARTIAL_SEEDS):
+            results = sorted(out.get(timeout=400) for _ in trainers)
+            assert [r[0] for r in results] == [step] * size
+            outcomes = [r[2] for r in results]
+            assert all(isinstance(o, dict) for o in outcomes), outcomes
+            written[step] = sum(sum(o.values()) for o in outcomes)
+            gos[index].set()
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0] * size
+    first, second = seed_weights(folder, 57), seed_weights(folder, 58)
+    mixed = [(n, t) for n, t in second if _trained(n)] + [
+        (n, t) for n, t in first if not _trained(n)
+    ]
+    for engine in engines:
+        assert engine_mismatches(engine.url, lambda: mixed) == {r: [] for r in range(engine.tp)}
+    assert 0 < written["partial"] < written["first"] / 4

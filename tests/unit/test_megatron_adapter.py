@@ -35,6 +35,7 @@ class FakeTask:  # the fields of megatron-bridge's WeightConversionTask the adap
     param_name: str
     mapping: FakeMapping
     megatron_module: object | None = None
+    param_weight: object | None = None
 
 
 def test_stage_tasks_keep_this_stages_parameters():
@@ -171,3 +172,94 @@ def test_export_plans_once_and_exports_every_update(per_stage, parallel_state):
     )
     assert bridge.calls[1][2] is (not per_stage)  # adapters merge across stages only
     assert export.stage_config().num_pipeline_stages == (4 if per_stage else 1)
+
+
+@dataclass(frozen=True)
+class FakeView:  # megatron-bridge's LocalHFParam
+    name: str
+    weight: torch.Tensor
+    global_weight_shape: torch.Size
+    shard_group: str
+    shard_dim: int | None
+
+
+class FakeLocalMapping(FakeMapping):
+    """A mapping with megatron-bridge's ``local_hf_params`` (no collective, no transform)."""
+
+    def __init__(self, hf_param, views=None, is_expert=False, tp_rank=0):
+        super().__init__(hf_param)
+        self.views, self.is_expert, self.tp_rank = views, is_expert, tp_rank
+
+    def local_hf_params(self, weight, *, global_param_name, megatron_module):
+        if self.views is None:
+            raise ValueError(f"{global_param_name}: cannot be represented as local HF views")
+        return self.views
+
+
+@pytest.fixture
+def replicas(parallel_state):
+    """One data-parallel replica per stage (settable): owner sends' precondition."""
+    sizes = {"dp": 1, "edp": 1}
+    parallel_state.get_data_parallel_world_size = lambda with_context_parallel=False: sizes["dp"]
+    parallel_state.get_expert_data_parallel_world_size = lambda: sizes["edp"]
+    return sizes
+
+
+def _owned_tasks():
+    o_proj = torch.arange(8, dtype=torch.bfloat16).reshape(4, 2)  # TP rank 1's columns
+    expert = torch.ones(3, 2, dtype=torch.bfloat16)
+    norm = torch.full((4,), 2.0, dtype=torch.bfloat16)
+    o_name = "model.layers.0.self_attn.o_proj.weight"
+    e_name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    return [
+        FakeTask(
+            "o",
+            FakeLocalMapping(
+                o_name, [FakeView(o_name, o_proj, torch.Size([4, 4]), "tp", 1)], tp_rank=1
+            ),
+            megatron_module="here",
+        ),
+        FakeTask(
+            "e",
+            FakeLocalMapping(
+                e_name,
+                [FakeView(e_name, expert, torch.Size([3, 2]), "replicated", None)],
+                is_expert=True,
+            ),
+            megatron_module="here",
+        ),
+        FakeTask(
+            "n",
+            FakeLocalMapping(
+                "model.norm.weight",
+                [FakeView("model.norm.weight", norm, torch.Size([4]), "replicated", None)],
+            ),
+            megatron_module="here",
+        ),
+        FakeTask("qkv", FakeLocalMapping("qkv"), megatron_module="here"),  # interleaved: export
+    ]
+
+
+def test_owned_export_hands_local_shards_and_own_experts_and_exports_the_rest(replicas):
+    tasks = _owned_tasks()
+    bridge = FakeBridge(tasks)
+    export = MegatronExport(bridge, object())
+    pairs = export.named_tensors(owned=True)
+    o_name = "model.layers.0.self_attn.o_proj.weight"
+    e_name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    assert pairs.owned() == {e_name}
+    assert pairs.shards() == {o_name: (1, 2, 4)}
+    got = dict(pairs)
+    assert set(got) == {o_name, e_name, "model.norm.weight", "model.embed_tokens.weight"}
+    assert torch.equal(got[o_name][:, 2:], tasks[0].mapping.views[0].weight)  # at its columns
+    assert not got[o_name][:, :2].any()  # zero elsewhere (the other TP rank's)
+    # only the task with no local view went through the bridge's gathered export
+    assert [t.param_name for t in bridge.calls[1][1]] == ["qkv"]
+
+
+@pytest.mark.parametrize("replica", ["dp", "edp"])
+def test_owned_export_refuses_data_parallel_replicas(replica, replicas):
+    replicas[replica] = 2
+    export = MegatronExport(FakeBridge(_owned_tasks()), object())
+    with pytest.raises(ConfigError, match="data-parallel"):
+        export.named_tensors(owned=True)

@@ -215,3 +215,18 @@ def test_owned_tensors_yields_a_slice_as_its_whole_tensor_zero_elsewhere() -> No
     assert full[:2].abs().sum() == 0 and full[2:4].eq(1).all() and full[4:].abs().sum() == 0
     with pytest.raises(ConfigError, match="passes its full size"):
         owned_tensors([(ATTN, torch.ones(2, 3))], shards={ATTN: (0, 4, 5)})
+
+
+def test_a_gathered_tensor_is_assembled_from_every_holders_slice() -> None:
+    from p2pweights.collective import Collective
+
+    full = torch.arange(12, dtype=torch.bfloat16).reshape(4, 3)
+    padded = torch.zeros_like(full)
+    padded[:1] = full[:1]  # this rank holds row 0; the other rows 1..3
+    other = ("w", (0, 1, 4), full[1:].clone())
+    collective = Collective("trainer rank 0", gather=lambda mine: [mine, other])
+    whole, received = collective.gathered_tensor("w", padded, (0, 0, 1))
+    assert torch.equal(whole, full) and received == 9 * 2  # the other rank's 9 bf16 elements
+    astray = Collective("trainer rank 0", gather=lambda mine: [mine, ("v", (0, 1, 4), full[1:])])
+    with pytest.raises(ConfigError, match="reached different sharded HF tensors"):
+        astray.gathered_tensor("w", padded, (0, 0, 1))

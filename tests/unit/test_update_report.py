@@ -393,6 +393,7 @@ def _full_report() -> UpdateReport:
         ),
         num_control_calls=9,
         control_call_seconds=0.125,
+        gathered_bytes_by_tensor={"model.layers.0.self_attn.q_proj.weight": 96},
     )
 
 
@@ -409,6 +410,7 @@ def test_metrics_are_flat_numbers_under_stable_documented_names():
         "p2pweights/control_calls": 9,
         "p2pweights/control_call_s": 0.125,
         "p2pweights/inputs_checked_finite": 0,
+        "p2pweights/gathered_bytes": 96,
         "p2pweights/max_engine_rank_bytes": 3_000,
         "p2pweights/max_engine_rank_gb_per_s": 3_000 / 2.0 / 1e9,
         "p2pweights/paused_s_max": 0.75,
@@ -436,6 +438,8 @@ def test_the_report_is_json_able_and_keeps_every_fact():
     report = _full_report()
     data = json.loads(json.dumps(report.to_dict()))
     assert data["version"] == "7" and data["bytes_written"] == 6_000
+    assert data["gathered_bytes"] == 96
+    assert data["gathered_bytes_by_tensor"] == {"model.layers.0.self_attn.q_proj.weight": 96}
     assert data["bytes_by_target"] == [
         {"url": "http://a", "engine_rank": 0, "bytes": 3_000},
         {"url": "http://a", "engine_rank": 1, "bytes": 1_000},

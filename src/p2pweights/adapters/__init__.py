@@ -1,8 +1,9 @@
 """Glue between trainers and p2pweights sessions.
 
 * ``hf_named_tensors(model)``: a transformers model (plain or FSDP2) as the checkpoint's
-  (name, full tensor) pairs ``WeightSyncSession.update`` takes; ``owned=True``: each
-  rank's FSDP2 shards, written by their holders with no gather.
+  (name, tensor) pairs ``WeightSyncSession.update`` takes: under FSDP2 each rank's own
+  shards by default, written by their holders with no gather; ``owned=False``: full
+  tensors, gathered first.
 * ``owned_tensors(pairs, owned=names)``: what one trainer rank holds, with the tensors
   it owns alone (its experts under expert parallelism): owner sends, no gather.
 * ``torch_agree`` / ``torch_gather``: the collectives a multi-rank session needs, over a

@@ -1,8 +1,10 @@
 """A transformers model's weights as the checkpoint names them, gathered bucket by bucket.
 
 ``hf_named_tensors(model)`` yields what ``save_pretrained`` would write: the model's
-persistent state (parameters and persistent buffers) with tied weights once, full
-tensors (FSDP2 / DTensor shards gathered), under checkpoint names. transformers 5 keeps
+persistent state (parameters and persistent buffers) with tied weights once, under
+checkpoint names. Under FSDP2 it hands each rank's own shards by default (owner sends,
+``owned``: nothing is gathered); ``owned=False``, or a model owner sends cannot take,
+gives full tensors (FSDP2 / DTensor shards gathered), as below. transformers 5 keeps
 some weights in another form than its checkpoints (a MoE layer's experts fused into
 ``mlp.experts.gate_up_proj``); they are turned back with transformers' own
 ``revert_weight_conversion``, the reverse of what loading applied, which is what
@@ -45,9 +47,10 @@ def hf_named_tensors(
     *,
     bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
-    owned: bool = False,
+    owned: bool | None = None,
 ) -> HfNamedTensors | OwnedTensors:
-    """(checkpoint name, full tensor) pairs of a transformers ``model``, plain or FSDP2.
+    """(checkpoint name, tensor) pairs of a transformers ``model``, plain or FSDP2: under
+    FSDP2 each rank's own shards by default (owner sends), else full tensors.
 
     Under FSDP2 (``fully_shard``, DTensor parameters) this is a collective: every rank
     of the mesh must iterate it to the end. Tensors come on the device the parameters
@@ -61,52 +64,135 @@ def hf_named_tensors(
             a number or a size such as ``"512MiB"``.
         dtype: Cast floating-point tensors to this, bucket by bucket, before gathering
             (e.g. fp32 master weights to the engine's bf16). Default: as they are.
-        owned: Gather nothing: under FSDP2 each rank hands its own slice of every sharded
-            parameter (``Shard(0)`` / ``Shard(1)`` of a one-dimensional mesh) and writes
-            the bytes its rows make (owner sends, ``plan.owners``); other tensors are sent
-            whole by every rank. Models whose weights transformers converts on save
-            (transformers 5's fused experts) are refused for now.
+        owned: Gather nothing (owner sends, ``plan.owners``): under FSDP2 each rank hands
+            its own slice of every sharded parameter (``Shard(0)`` / ``Shard(1)`` of a
+            one-dimensional mesh) and writes the bytes its rows make; other tensors are
+            sent whole by every rank. ``False``: gather every tensor whole first (the
+            path before owner sends). ``None`` (the default): owner sends where the model
+            can give them (every DTensor ``Shard(d)`` on a one-dimensional mesh; where
+            transformers converts weights on save, such as transformers 5's fused
+            experts, ``Shard(0)``), else gathered; a plain model (whole tensors on every
+            rank) is sent gathered, as it was. With fused experts cut along the experts,
+            each rank sends the checkpoint tensors of its own experts (owned). ``True``
+            refuses what owner sends cannot take: other placements, or a converted
+            checkpoint tensor made from several ranks' rows.
 
     Returns:
         An iterator of ``(checkpoint name, tensor)`` pairs for ``WeightSyncSession.update``.
     """
+    if owned is None:
+        owned = _shards_only(model)
     if owned:
         return _local_shards(model, dtype)
     return HfNamedTensors(model, parse_bytes(bucket_bytes), dtype)
 
 
+def _shards_only(model: torch.nn.Module) -> bool:
+    """Whether owner sends can take ``model`` as it is: some parameter is a DTensor, every
+    DTensor is ``Shard(d)`` on a one-dimensional mesh, and where transformers converts
+    weights on save (fused experts) every DTensor is ``Shard(0)`` (FSDP2's default: whole
+    experts on each rank)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dtensors = [t for t in _checkpoint_state(model).values() if isinstance(t, DTensor)]
+    if not dtensors:
+        return False
+    dims = {0} if _reverse_transforms(model) is not None else None
+    return all(
+        t.device_mesh.ndim == 1
+        and all(isinstance(p, Shard) and (dims is None or p.dim in dims) for p in t.placements)
+        for t in dtensors
+    )
+
+
 def _local_shards(model: torch.nn.Module, dtype: torch.dtype | None) -> OwnedTensors:
-    """Each parameter's local slice (a DTensor's ``to_local()``), described as a shard."""
+    """Each parameter's local slice (a DTensor's ``to_local()``), described as a shard;
+    where transformers converts weights on save, the checkpoint tensors made wholly from
+    this rank's rows (its experts), owned."""
+    reverse = _reverse_transforms(model)
+    state = _checkpoint_state(model)
+    pairs: list[tuple[str, torch.Tensor]] = []
+    owned: set[str] = set()
+    shards: dict[str, tuple[int, int, int]] = {}
+    for unit in _conversion_units(list(state), reverse):
+        local = {name: _local_slice(name, state[name], dtype) for name in unit}
+        if reverse is None or _unconverted(model, unit, state):
+            for name, (tensor, shard) in local.items():
+                pairs.append((name, tensor))
+                if shard is not None:
+                    shards[name] = shard
+            continue
+        if all(shard is None for _, shard in local.values()):  # whole on every rank
+            pairs.extend(_reverted(model, {n: t for n, (t, _) in local.items()}).items())
+            continue
+        values = _reverted(model, {n: _padded(t, s, state[n]) for n, (t, s) in local.items()})
+        marks = _reverted(
+            model,
+            {
+                n: _padded(torch.ones_like(t, dtype=torch.int8), s, state[n])
+                for n, (t, s) in local.items()
+            },
+        )
+        for name, tensor in values.items():
+            if bool(marks[name].all()):  # made of this rank's rows alone: its own
+                # a copy: a view would keep the whole padded tensor alive
+                pairs.append((name, tensor.clone()))
+                owned.add(name)
+            elif bool(marks[name].any()):
+                raise ConfigError(
+                    f"hf_named_tensors(model, owned=True): checkpoint tensor {name!r} is made "
+                    f"from rows of several ranks ({sorted(unit)[:2]} converted on save); "
+                    f"shard them along their first (expert) dim, or use owned=False"
+                )
+    return OwnedTensors(pairs, owned, shards)
+
+
+def _local_slice(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """A parameter's local slice and its (dim, start, full size); None for a plain tensor."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if _reverse_transforms(model) is not None:
-        raise ConfigError(
-            "hf_named_tensors(model, owned=True): transformers converts this model's weights "
-            "when it saves them (e.g. fused experts), which needs whole tensors; use owned=False"
-        )
-    pairs, shards = [], {}
-    for name, tensor in _checkpoint_state(model).items():
-        local = tensor.detach()
-        if isinstance(local, DTensor):
-            placements = [p for p in local.placements if isinstance(p, Shard)]
-            if local.device_mesh.ndim != 1 or len(placements) != len(local.placements):
-                raise ConfigError(
-                    f"hf_named_tensors(model, owned=True): parameter {name!r} is placed "
-                    f"{local.placements} on a {local.device_mesh.ndim}-d mesh; only Shard(d) "
-                    f"on one mesh dimension is sent by owner"
-                )
-            shape, offset = compute_local_shape_and_global_offset(
-                local.shape, local.device_mesh, local.placements
+    local = tensor.detach()
+    shard = None
+    if isinstance(local, DTensor):
+        placements = [p for p in local.placements if isinstance(p, Shard)]
+        if local.device_mesh.ndim != 1 or len(placements) != len(local.placements):
+            raise ConfigError(
+                f"hf_named_tensors(model, owned=True): parameter {name!r} is placed "
+                f"{local.placements} on a {local.device_mesh.ndim}-d mesh; only Shard(d) "
+                f"on one mesh dimension is sent by owner"
             )
-            dim = placements[0].dim
-            shards[name] = (dim, offset[dim], local.shape[dim])
-            local = local.to_local()
-            assert tuple(local.shape) == tuple(shape)
-        if dtype is not None:
-            local = _cast(local, dtype)
-        pairs.append((name, local))
-    return OwnedTensors(pairs, (), shards)
+        shape, offset = compute_local_shape_and_global_offset(
+            local.shape, local.device_mesh, local.placements
+        )
+        dim = placements[0].dim
+        shard = (dim, offset[dim], local.shape[dim])
+        local = local.to_local()
+        assert tuple(local.shape) == tuple(shape)
+    if dtype is not None:
+        local = _cast(local, dtype)
+    return local, shard
+
+
+def _padded(
+    local: torch.Tensor, shard: tuple[int, int, int] | None, like: torch.Tensor
+) -> torch.Tensor:
+    """``local`` in a zero tensor of ``like``'s full shape, at its shard's place."""
+    if shard is None:
+        return local
+    dim, start, _ = shard
+    full = torch.zeros(tuple(like.shape), dtype=local.dtype, device=local.device)
+    full.narrow(dim, start, local.shape[dim]).copy_(local)
+    return full
+
+
+def _unconverted(model: Any, unit: Sequence[str], state: Mapping[str, torch.Tensor]) -> bool:
+    """Whether saving leaves ``unit``'s tensors as they are (same names and shapes)."""
+    meta = {n: torch.empty(tuple(state[n].shape), device="meta") for n in unit}
+    out = _reverted(model, meta)
+    return out.keys() == meta.keys() and all(out[n].shape == meta[n].shape for n in meta)
 
 
 class HfNamedTensors(Iterator[tuple[str, torch.Tensor]]):

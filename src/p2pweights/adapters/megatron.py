@@ -15,6 +15,11 @@ By default it also broadcasts every pipeline stage's parameters to every rank.
   ranks are one sender group (``num_pipeline_stages=1``). Needed for LoRA adapters to
   be merged into the exported weights (the bridge gathers adapters across stages).
 
+``named_tensors(owned=True)`` (owner sends, ``MegatronExport.owned_views``) skips the
+gather where megatron-bridge can describe a parameter as a local HF view
+(``MegatronParamMapping.local_hf_params``, in newer bridges): tensor-parallel shards go
+as shard descriptions, experts as owned tensors; the rest is exported as above.
+
 Every rank of the Megatron job must iterate the export to the end (it is collective
 within each stage). A model the bridge has no mapping for needs a bridge of its own
 (megatron-bridge's ``MegatronModelBridge.register_bridge`` and
@@ -44,6 +49,7 @@ from typing import Any
 
 import torch
 
+from p2pweights.adapters.owned import OwnedTensors
 from p2pweights.config import SyncConfig, TrainerTopology
 from p2pweights.errors import ConfigError
 
@@ -85,23 +91,107 @@ class MegatronExport:
         return stage_config(config, per_stage=self.per_stage)
 
     def named_tensors(
-        self, *, cpu: bool = False, dtype: torch.dtype | None = None
+        self, *, cpu: bool = False, dtype: torch.dtype | None = None, owned: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, full tensor) pairs, for ``WeightSyncSession.update``.
 
         ``cpu`` moves each tensor to host memory as it is exported; ``dtype`` casts
         floating-point tensors (e.g. fp32 norm weights to the checkpoint's bf16).
+        ``owned``: owner sends (``owned_views``): each rank hands its own tensor-parallel
+        shards and experts where the bridge describes them as local HF views, and only
+        the other parameters go through the bridge's gathered export.
         """
+        if owned:
+            return self.owned_views(cpu=cpu, dtype=dtype)
+        return self._exported(self._tasks, cpu, dtype)
+
+    def owned_views(self, *, cpu: bool = False, dtype: torch.dtype | None = None) -> OwnedTensors:
+        """This rank's parameters as owner sends take them, with no gather where the bridge
+        can say so: megatron-bridge's ``local_hf_params`` (newer bridges) describes a
+        parameter whose HF tensor is a plain split of the local one (row- / column-parallel
+        linear layers: ``Shard(1)`` / ``Shard(0)``; a replicated one; an expert): a
+        tensor-parallel shard goes as an explicit shard description, an expert (held by
+        this rank alone) as owned, a replicated tensor whole. Parameters it cannot describe
+        (fused QKV and gate/up interleavings, transposes) are exported gathered, as by
+        ``named_tensors()``, and sent whole by every rank of the stage (they are exported
+        here, before the update, and held until it ends).
+
+        Needs one data-parallel replica per pipeline stage (data- and expert-data-parallel
+        size 1): replicas would claim the same shards. Raises ``ConfigError`` otherwise.
+        """
+        _one_replica()
+        pairs: list[tuple[str, torch.Tensor]] = []
+        owned: set[str] = set()
+        shards: dict[str, tuple[int, int, int]] = {}
+        rest = []
+        for task in self._tasks:
+            views = _local_views(task)
+            if views is None:
+                rest.append(task)
+                continue
+            for view in views:
+                name = self.rename(view.name) if self.rename is not None else view.name
+                if name is None:
+                    continue
+                tensor = view.weight.detach()
+                tensor = tensor.to("cpu") if cpu else tensor
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                pairs.append((name, tensor))
+                if view.shard_dim is not None:
+                    dim = view.shard_dim
+                    start = task.mapping.tp_rank * tensor.shape[dim]
+                    shards[name] = (dim, start, int(view.global_weight_shape[dim]))
+                elif getattr(task.mapping, "is_expert", False):
+                    owned.add(name)
+        if rest:
+            pairs.extend(self._exported(rest, cpu, dtype))
+        return OwnedTensors(pairs, owned, shards)
+
+    def _exported(
+        self, tasks: Sequence[Any], cpu: bool, dtype: torch.dtype | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         exported = self.bridge.export_hf_weights(
             self.model,
             cpu=cpu,
             show_progress=False,
-            conversion_tasks=self._tasks,
+            conversion_tasks=list(tasks),
             merge_adapter_weights=not self.per_stage,
         )
         if self.per_stage:
             exported = stepped(exported, one_pipeline_stage)
         return renamed(((name, tensor) for name, tensor in exported), self.rename, dtype)
+
+
+def _local_views(task: Any) -> Sequence[Any] | None:
+    """The bridge's local HF views of a task's parameter; None where it has none (an
+    older bridge, or a mapping that needs its conversion: interleavings, transposes)."""
+    local = getattr(task.mapping, "local_hf_params", None)
+    if local is None:
+        return None
+    try:
+        views = local(
+            task.param_weight,
+            global_param_name=getattr(task, "global_param_name", task.param_name),
+            megatron_module=task.megatron_module,
+        )
+    except ValueError:
+        return None
+    return views or None
+
+
+def _one_replica() -> None:
+    from megatron.core import parallel_state
+
+    data = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    expert = getattr(parallel_state, "get_expert_data_parallel_world_size", lambda: 1)()
+    if data > 1 or expert > 1:
+        raise ConfigError(
+            f"MegatronExport owner sends need one data-parallel replica per pipeline stage "
+            f"(data-parallel size {data}, expert-data-parallel size {expert}): replicas hold "
+            f"the same shards and experts, and each byte must have one owner; use "
+            f"named_tensors() (gathered), or send from one replica's ranks"
+        )
 
 
 def stage_tasks(tasks: Sequence[Any]) -> list[Any]:

@@ -44,8 +44,10 @@ def torch_agree(group: Any = None) -> Callable[[bool], bool]:
 def torch_gather(group: Any = None) -> Callable[[object], list[object]]:
     """``gather(obj)``: every rank's ``obj`` in ``group`` rank order (``all_gather_object``).
 
-    The session uses it at the first update (what each rank sends) and when a step failed
-    (each rank's error), never on the path of a successful later update.
+    The session uses it at the first update (what each rank sends), when a step failed
+    (each rank's error), and, under owner sends, to all-gather the slices of a sharded
+    tensor its holders cannot write alone (``plan.owners``; CPU copies of the slices,
+    one tensor at a time); otherwise never on the path of a successful later update.
 
     Args:
         group: The ``torch.distributed`` group of every sending trainer rank (default:

@@ -18,7 +18,13 @@ The plan (``plan_owned``), per replica (one per engine layout) and parameter gro
   writes only the byte ranges they write (``Replica.written_spans``, found on meta);
   bytes no owner's inputs write go with the first owner's (zeros, as sglang's loader
   leaves them); ranges of two owners that overlap are refused, naming the parameter;
-* owned and replicated inputs in one group: refused.
+* owned and replicated inputs in one group: refused;
+* sharded inputs (``Shard(d)`` slices of one tensor on several holders): each holder writes
+  the bytes its rows make (found by loading markers, ``_marker_spans``); where the loaders
+  compute on values across holders' rows (their bytes overlap) or take the tensor
+  quantized (an fp8 block may span two holders), the group's tensors are *gathered*
+  instead: every holder all-gathers each such tensor's slices while reading its input
+  (``OwnedPlan.gathered``), and the group is then planned as a replicated one.
 
 Pure but for the replicas' probes; no transport, no I/O.
 """
@@ -81,6 +87,8 @@ class Ownership:
     owners: Mapping[str, Owner]
     shards: Mapping[str, Mapping[Owner, tuple[int, int, int]]] = field(default_factory=dict)
     """HF name -> each holder's (dim, start, stop): together they tile the tensor."""
+    senders: frozenset[Owner] = frozenset()
+    """Every sending trainer rank that made a claim."""
 
     def owner_of(self, engine_name: str) -> Owner | None:
         """The owner of a loader input (an fp8 weight's scale belongs to its weight's owner)."""
@@ -162,7 +170,7 @@ def ownership_of(claims: Sequence[Claim]) -> tuple[dict[str, InputSpec], Ownersh
                 f"HF tensor {name!r} was sent by pipeline stages {stage} and {other[0]}; each "
                 f"tensor must come from one stage (drop tied copies on all but one)"
             )
-    return union, Ownership(owners, _tiled(claims, union))
+    return union, Ownership(owners, _tiled(claims, union), frozenset(c.owner for c in claims))
 
 
 def _tiled(
@@ -221,8 +229,9 @@ class OwnedPlan:
     groups: dict[Hashable, list[OwnedGroup]]
     assigned: frozenset[Runner]
     """The engine ranks (runners) this rank writes replicated groups to."""
-    gathered_bytes: int = field(default=0)
-    """Bytes of owned tensors this rank would have received in gathers (for the report)."""
+    gathered: frozenset[str] = frozenset()
+    """Sharded HF tensors whose slices every holder all-gathers before staging (their
+    loaders mix holders' rows, or quantize blocks that may span two holders)."""
 
     def build(
         self,
@@ -250,6 +259,7 @@ def plan_owned(
     """
     own_keys = set(assigned_keys)
     out: dict[Hashable, list[OwnedGroup]] = {}
+    gathered: set[str] = set()
     for key in sorted(groups, key=str):
         planned: list[OwnedGroup] = []
         for hf_names, params in groups[key]:
@@ -262,17 +272,17 @@ def plan_owned(
                         f"together; shard them all, or send them all whole"
                     )
                 holders = set().union(*(ownership.holders_of(n) for n in hf_names))
-                if me in holders:
-                    spans = _split(
-                        key,
-                        params,
-                        _marker_spans(
-                            hf_names, params, holders, ownership, engine_specs[key], replicas[key]
-                        ),
-                        {o: set(hf_names) for o in holders},
-                        replicas[key],
-                    )
+                if me not in holders:
+                    continue
+                spans = _holder_spans(
+                    key, hf_names, params, holders, ownership, engine_specs[key], replicas[key]
+                )
+                if spans is not None:
                     planned.append(OwnedGroup(key, hf_names, tuple(params), True, spans[me]))
+                    continue
+                gathered |= _gathered_inputs(hf_names, params, holders, ownership)
+                if key in own_keys:  # whole on every holder now: a replicated group
+                    planned.append(OwnedGroup(key, hf_names, tuple(params), to_all=False))
                 continue
             by_owner: dict[Owner | None, set[str]] = {}
             for name in hf_names:
@@ -296,7 +306,7 @@ def plan_owned(
             spans = _shared_spans(key, params, by_owner, engine_specs[key], replicas[key])
             planned.append(OwnedGroup(key, frozenset(by_owner[me]), tuple(params), True, spans[me]))
         out[key] = planned
-    return OwnedPlan(out, frozenset(assigned))
+    return OwnedPlan(out, frozenset(assigned), frozenset(gathered))
 
 
 def _shared_spans(
@@ -316,6 +326,48 @@ def _shared_spans(
     return _split(key, params, found, owners, replica)
 
 
+def _holder_spans(
+    key: Hashable,
+    names: frozenset[str],
+    params: Sequence[str],
+    holders: Iterable[Owner],
+    ownership: Ownership,
+    specs: Mapping[str, InputSpec],
+    replica: ReplicaHandle,
+) -> dict[Owner, dict[str, Spans]] | None:
+    """Each holder's byte ranges of a sharded group's parameters; None where they cannot
+    be split by holder: the loaders take an input quantized (fp8 blocks may span two
+    holders) or two holders' ranges overlap (the loaders compute across their rows)."""
+    for name in names:
+        held = ownership.shards.get(name, {})
+        if specs[name].dtype.itemsize == 1 or not held:  # quantized, or its scale
+            return None
+        dim = next(iter(held.values()))[0]
+        if max(stop for _, _, stop in held.values()) != specs[name].shape[dim]:
+            return None  # the engine's format reshapes it: rows are not the HF tensor's
+    found = _marker_spans(names, params, holders, ownership, specs, replica)
+    if _overlap(params, found) is not None:
+        return None
+    return _split(key, params, found, {o: set(names) for o in found}, replica)
+
+
+def _gathered_inputs(
+    names: frozenset[str], params: Sequence[str], holders: Iterable[Owner], ownership: Ownership
+) -> set[str]:
+    """The HF tensors (an fp8 scale is its weight's) to gather for a group that cannot be
+    split by holder; refused unless every sending rank holds a slice of each (they all
+    take part in the gather, in input order)."""
+    missing = sorted(ownership.senders - set(holders))
+    if missing:
+        raise ConfigError(
+            f"parameters {list(params)[:4]} cannot be written by their HF tensors' holders "
+            f"(their loaders mix the holders' rows or quantize across them), and gathering "
+            f"{sorted(names)[:3]} needs every sending rank to hold a slice, but "
+            f"{_rank(missing[0])} holds none; send these tensors whole"
+        )
+    return {name if name in ownership.shards else name.removesuffix(SCALE_SUFFIX) for name in names}
+
+
 def _marker_spans(
     names: frozenset[str],
     params: Sequence[str],
@@ -327,15 +379,9 @@ def _marker_spans(
     """Per holder of sharded inputs, the byte ranges of each parameter its slices make:
     the loaders run (on the CPU) on inputs that are 1 in the holder's slices and 0
     elsewhere, into zeroed parameters; the elements left non-zero are its. A loader that
-    mixes slices (or fills constants) makes two holders' ranges overlap: refused."""
+    mixes slices (or fills constants) makes two holders' ranges overlap."""
     import torch
 
-    for name in sorted(names):
-        if specs[name].dtype.itemsize == 1:
-            raise ConfigError(
-                f"HF tensor {name!r} is sharded, but this engine's loaders take it quantized "
-                f"(fp8 blocks may span two holders): send it whole"
-            )
     found: dict[Owner, dict[str, Spans]] = {}
     for owner in sorted(holders):
         inputs = []
@@ -391,14 +437,15 @@ def _split(
         taken: list[tuple[int, int, Owner]] = sorted(
             (start, end, owner) for owner in owners for start, end in found[owner].get(param, ())
         )
-        for (_, end_a, owner_a), (start_b, _, owner_b) in itertools.pairwise(taken):
-            if start_b < end_a:
-                raise ConfigError(
-                    f"parameter {param!r} of replica {key}: bytes written by the HF tensors of "
-                    f"{_rank(owner_a)} and of {_rank(owner_b)} overlap "
-                    f"({sorted(by_owner[owner_a])[:2]}, {sorted(by_owner[owner_b])[:2]}); "
-                    f"owner sends need each byte from one owner: send these tensors whole"
-                )
+        overlap = _overlap([param], found)
+        if overlap is not None:
+            owner_a, owner_b = overlap
+            raise ConfigError(
+                f"parameter {param!r} of replica {key}: bytes written by the HF tensors of "
+                f"{_rank(owner_a)} and of {_rank(owner_b)} overlap "
+                f"({sorted(by_owner[owner_a])[:2]}, {sorted(by_owner[owner_b])[:2]}); "
+                f"owner sends need each byte from one owner: send these tensors whole"
+            )
         holes, at = [], 0
         for start, end, _ in taken:
             if start > at:
@@ -412,6 +459,20 @@ def _split(
                 ranges += holes
             out[owner][param] = _merged(ranges)
     return out
+
+
+def _overlap(
+    params: Sequence[str], found: Mapping[Owner, Mapping[str, Spans]]
+) -> tuple[Owner, Owner] | None:
+    """Two owners whose ranges of one of ``params`` overlap; None if none do."""
+    for param in params:
+        taken = sorted(
+            (start, end, owner) for owner in found for start, end in found[owner].get(param, ())
+        )
+        for (_, end_a, owner_a), (start_b, _, owner_b) in itertools.pairwise(taken):
+            if start_b < end_a:
+                return owner_a, owner_b
+    return None
 
 
 def _merged(ranges: list[tuple[int, int]]) -> Spans:

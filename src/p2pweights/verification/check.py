@@ -195,25 +195,28 @@ class WriteCheck:
         (``SyncConfig.digest_as_written``): the sender flags its writes to them."""
         return frozenset(self.engines) if digest_as_written else frozenset()
 
-    def refuse_shared_parameters(self, digest_as_written: bool) -> None:
+    def refuse_shared_parameters(self, digest_as_written: bool, named: str = "") -> None:
         """Owner sends planned parameters several trainer ranks write in shares: refuse,
         before anything is sent, what no check could verify (``ConfigError``): early
         digests (a share may land after the flag) and engines checked through their
-        ``/weights_checker`` (its hash cannot be made from the shares)."""
+        ``/weights_checker`` (its hash cannot be made from the shares). ``named``: the
+        first such parameter and its HF tensors, for the message."""
+        which = named or "a parameter several owners write"
         if digest_as_written:
             raise ConfigError(
-                "digest_as_written digests a parameter once its flag lands, but a parameter "
-                "several owners write lands in shares from several trainer ranks, so its "
-                "early digest could miss a share; use digest_as_written=False with owned "
-                "tensors that share parameters; nothing was sent"
+                f"digest_as_written digests a parameter once its flag lands, but {which} is "
+                f"written in shares by several owners, which land from several trainer ranks, "
+                f"so its early digest could miss a share; use digest_as_written=False with "
+                f"owned tensors that share parameters; nothing was sent"
             )
         checked = sorted(self.checker)
         if checked:
             raise ConfigError(
                 f"engines {', '.join(checked[:3])} are verified through sglang's "
                 f"/weights_checker, whose hash of a parameter cannot be made from the shares "
-                f"several owners write of it; start them with the p2pweights plugin and write "
-                f"digests (docs/real-sglang.md), or send these tensors whole; nothing was sent"
+                f"several owners write of it ({which}); start them with the p2pweights plugin "
+                f"and write digests (docs/real-sglang.md), or send these tensors whole; "
+                f"nothing was sent"
             )
 
     @property
