@@ -1,7 +1,8 @@
 """A real sglang 0.5.23 server on a GPU taking p2pweights updates: every path, every shape.
 
 Runs only with ``P2PWEIGHTS_REAL_SGLANG_DEVICE=cuda`` on a host with a GPU (the lent GPU
-machine: ``bash scripts/gpu_sglang/device.sh test-gpu``); everywhere else it skips.
+machine: ``bash scripts/gpu_sglang/device.sh stage2``, docs/real-sglang.md); everywhere
+else it skips.
 Each case starts one server of a tiny model with CUDA graphs captured at start (before any
 update), writes three updates in a row over one path, and after each compares every
 rank's weights bit for bit through sglang's own ``/weights_checker`` checksums (the GPU
@@ -17,6 +18,9 @@ The paths:
   no plugin, ``MOONCAKE_PROTOCOL=tcp``); the trainer stages on its GPU, or in pinned host
   memory, and writes over Mooncake.
 * ``nixl``: the p2pweights NIXL plugin publishes the server's VRAM.
+
+And a wrong byte written over sglang's own Mooncake publication after the writes: its
+``/weights_checker`` fails the update (issue 40 on the GPU).
 """
 
 from __future__ import annotations
