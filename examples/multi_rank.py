@@ -2,10 +2,11 @@
 
     python examples/multi_rank.py
 
-Two processes each hold the same model (as FSDP2 ranks would after gathering; with
-FSDP2, ``hf_named_tensors`` gathers the shards itself). ``from_torch_distributed`` makes
-each a sender: the engine's ranks are split between them, rank 0 drives the engine's
-update session, and after each update all ranks agree whether every one succeeded.
+Two processes each hold the same whole model (with FSDP2, ``hf_named_tensors`` hands
+each rank its own shards instead, and each writes the bytes its rows make).
+``from_torch_distributed`` makes each a sender: the engine's ranks are split between
+them, rank 0 drives the engine's update session, and after each update all ranks agree
+whether every one succeeded.
 Under torchrun, the body of ``trainer`` is the whole script.
 """
 

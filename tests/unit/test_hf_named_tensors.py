@@ -115,7 +115,8 @@ def _fsdp_rank(rank: int, port: int, model_name: str, out) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         sharded = type(next(model.parameters())).__name__
-        ours = dict(hf_named_tensors(model, bucket_bytes="256KiB"))
+        # owned=False: the gathered path (the default hands each rank its own shards)
+        ours = dict(hf_named_tensors(model, bucket_bytes="256KiB", owned=False))
         same = sorted(ours) == sorted(expected) and all(
             ours[n].dtype == t.dtype and torch.equal(ours[n], t) for n, t in expected.items()
         )
