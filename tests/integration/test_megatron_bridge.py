@@ -36,7 +36,9 @@ pytestmark = [
 SEED, SHIFT = 81, 0.5
 
 
-def _trainer(rank: int, port: int, tp: int, pp: int, hf_folder: str, url: str, go, out) -> None:
+def _trainer(
+    rank: int, port: int, tp: int, pp: int, hf_folder: str, urls, go, out, owned=False
+) -> None:
     import torch.distributed as dist
     from _megatron_cpu import build_gpt, import_bridge, load_checkpoint
 
@@ -54,6 +56,15 @@ def _trainer(rank: int, port: int, tp: int, pp: int, hf_folder: str, url: str, g
         bridge = auto_bridge.from_hf_pretrained(hf_folder)
         model = build_gpt(bridge, tp, pp)
         load_checkpoint(bridge, model)
+        exported: list[str] = []  # what went through the bridge's gathered export
+        export_hf_weights = bridge.export_hf_weights
+
+        def counted(*args, **kwargs):
+            for name, tensor in export_hf_weights(*args, **kwargs):
+                exported.append(name)
+                yield name, tensor
+
+        bridge.export_hf_weights = counted
         export = MegatronExport(bridge, model)
         config = export.stage_config(
             SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
@@ -66,18 +77,24 @@ def _trainer(rank: int, port: int, tp: int, pp: int, hf_folder: str, url: str, g
                 yield name, tensor
 
         with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect([url])
-            session.update(recorded(export.named_tensors()))
-            out.put(("updated", rank, config.pipeline_stage, sorted(sent)))
+            session.connect(urls)
+            if owned:
+                pairs = export.named_tensors(owned=True)
+                session.update(pairs)
+                sent = [*pairs.owned(), *pairs.shards()]
+            else:
+                session.update(recorded(export.named_tensors()))
+            out.put(("updated", rank, config.pipeline_stage, sorted(sent), sorted(exported)))
             go.wait(timeout=240)  # the test checks the engine in between
             with torch.no_grad():
                 for chunk in model:
                     for param in chunk.parameters():
                         param.add_(SHIFT)
-            report = session.update(export.named_tensors())
-        out.put(("done", rank, sorted(report.bytes_by_target), None))
+            exported.clear()
+            report = session.update(export.named_tensors(owned=owned))
+        out.put(("done", rank, sorted(report.bytes_by_target), None, sorted(exported)))
     except BaseException as exc:
-        out.put(("error", rank, repr(exc), None))
+        out.put(("error", rank, repr(exc), None, None))
         raise
     finally:
         dist.destroy_process_group()
@@ -110,7 +127,7 @@ def test_megatron_model_through_the_bridge_is_bit_exact(tp, pp, checkpoint, engi
     go, out = ctx.Event(), ctx.Queue()
     port = free_port()
     trainers = [
-        ctx.Process(target=_trainer, args=(r, port, tp, pp, str(folder), engine.url, go, out))
+        ctx.Process(target=_trainer, args=(r, port, tp, pp, str(folder), [engine.url], go, out))
         for r in (0, 1)
     ]
     for p in trainers:
@@ -136,3 +153,53 @@ def test_megatron_model_through_the_bridge_is_bit_exact(tp, pp, checkpoint, engi
             p.join(timeout=60)
     assert [p.exitcode for p in trainers] == [0, 0]
     _assert_bit_exact(engine.url, shifted)
+
+
+@pytest.fixture
+def engines(model_dir, shared_engines):
+    return shared_engines(model_dir("qwen3-tiny"), [2, 1], seed=0)
+
+
+def test_owner_sends_skip_the_gather_of_plain_split_weights(checkpoint, engines):
+    """TP 2 with ``owned=True``, into a TP 2 and a TP 1 engine: the row- and column-parallel
+    linear weights (o_proj, down_proj) and the vocabulary-parallel embedding and lm head go
+    as each rank's own shard, the norms whole from every rank; only the fused QKV and
+    gate/up (interleaved in Megatron) pass through the bridge's gathered export."""
+    folder, tensors = checkpoint
+    shifted = [(name, tensor + SHIFT) for name, tensor in tensors]
+    urls = [engine.url for engine in engines]
+    ctx = warm_context()
+    go, out = ctx.Event(), ctx.Queue()
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_trainer, args=(r, port, 2, 1, str(folder), urls, go, out, True))
+        for r in (0, 1)
+    ]
+    for p in trainers:
+        p.start()
+    split = ("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")
+    interleaved = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight")
+    interleaved += ("up_proj.weight",)
+    names = sorted(name for name, _ in tensors)
+    try:
+        updated = sorted(out.get(timeout=240) for _ in trainers)
+        assert [u[0] for u in updated] == ["updated", "updated"], updated
+        for _, _, stage, shards, exported in updated:
+            assert stage == 0
+            assert shards == [n for n in names if n.endswith(split)]
+            # the first update exports them twice: to learn their shapes, then to send them
+            assert exported == sorted(2 * [n for n in names if n.endswith(interleaved)])
+        for engine in engines:
+            mismatches = engine_mismatches(engine.url, lambda: tensors)
+            assert mismatches == {r: [] for r in range(engine.tp)}, (engine.url, mismatches)
+        go.set()
+        done = sorted(out.get(timeout=240) for _ in trainers)
+        assert [d[0] for d in done] == ["done", "done"], done
+        assert [d[4] for d in done] == [[n for n in names if n.endswith(interleaved)]] * 2
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [p.exitcode for p in trainers] == [0, 0]
+    for engine in engines:
+        mismatches = engine_mismatches(engine.url, lambda: shifted)
+        assert mismatches == {r: [] for r in range(engine.tp)}, (engine.url, mismatches)

@@ -84,8 +84,8 @@ def _stub_megatron() -> None:
     state = types.SimpleNamespace(
         get_pipeline_model_parallel_rank=lambda: 0,
         get_pipeline_model_parallel_world_size=lambda: 1,
-        get_data_parallel_world_size=lambda with_context_parallel=False: 1,
-        get_expert_data_parallel_world_size=lambda: 1,
+        get_data_parallel_rank=lambda with_context_parallel=False: 0,
+        get_expert_data_parallel_rank=lambda: 0,
     )
     core = types.ModuleType("megatron.core")
     core.parallel_state = state  # type: ignore[attr-defined]
