@@ -37,7 +37,7 @@ SEED, SHIFT = 81, 0.5
 
 
 def _trainer(
-    rank: int, port: int, tp: int, pp: int, hf_folder: str, urls, go, out, owned=False
+    rank: int, port: int, tp: int, pp: int, hf_folder: str, urls, go, out, owned=False, world=2
 ) -> None:
     import torch.distributed as dist
     from _megatron_cpu import build_gpt, import_bridge, load_checkpoint
@@ -45,7 +45,9 @@ def _trainer(
     from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.adapters.megatron import MegatronExport
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         auto_bridge = import_bridge()
         from megatron.core import parallel_state
@@ -160,11 +162,15 @@ def engines(model_dir, shared_engines):
     return shared_engines(model_dir("qwen3-tiny"), [2, 1], seed=0)
 
 
-def test_owner_sends_skip_the_gather_of_plain_split_weights(checkpoint, engines):
+@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2-dp2"])
+def test_owner_sends_skip_the_gather_of_plain_split_weights(world, checkpoint, engines):
     """TP 2 with ``owned=True``, into a TP 2 and a TP 1 engine: the row- and column-parallel
     linear weights (o_proj, down_proj) and the vocabulary-parallel embedding and lm head go
     as each rank's own shard, the norms whole from every rank; only the fused QKV and
-    gate/up (interleaved in Megatron) pass through the bridge's gathered export."""
+    gate/up (interleaved in Megatron) pass through the bridge's gathered export.
+
+    With two data-parallel replicas (4 ranks) only replica 0's ranks (0 and 1) send shards;
+    replica 1's send the norms and the exported tensors only."""
     folder, tensors = checkpoint
     shifted = [(name, tensor + SHIFT) for name, tensor in tensors]
     urls = [engine.url for engine in engines]
@@ -172,8 +178,8 @@ def test_owner_sends_skip_the_gather_of_plain_split_weights(checkpoint, engines)
     go, out = ctx.Event(), ctx.Queue()
     port = free_port()
     trainers = [
-        ctx.Process(target=_trainer, args=(r, port, 2, 1, str(folder), urls, go, out, True))
-        for r in (0, 1)
+        ctx.Process(target=_trainer, args=(r, port, 2, 1, str(folder), urls, go, out, True, world))
+        for r in range(world)
     ]
     for p in trainers:
         p.start()
@@ -183,10 +189,10 @@ def test_owner_sends_skip_the_gather_of_plain_split_weights(checkpoint, engines)
     names = sorted(name for name, _ in tensors)
     try:
         updated = sorted(out.get(timeout=240) for _ in trainers)
-        assert [u[0] for u in updated] == ["updated", "updated"], updated
-        for _, _, stage, shards, exported in updated:
+        assert [u[0] for u in updated] == ["updated"] * world, updated
+        for _, rank, stage, shards, exported in updated:
             assert stage == 0
-            assert shards == [n for n in names if n.endswith(split)]
+            assert shards == ([n for n in names if n.endswith(split)] if rank < 2 else [])
             # the first update exports them twice: to learn their shapes, then to send them
             assert exported == sorted(2 * [n for n in names if n.endswith(interleaved)])
         for engine in engines:
@@ -194,12 +200,12 @@ def test_owner_sends_skip_the_gather_of_plain_split_weights(checkpoint, engines)
             assert mismatches == {r: [] for r in range(engine.tp)}, (engine.url, mismatches)
         go.set()
         done = sorted(out.get(timeout=240) for _ in trainers)
-        assert [d[0] for d in done] == ["done", "done"], done
-        assert [d[4] for d in done] == [[n for n in names if n.endswith(interleaved)]] * 2
+        assert [d[0] for d in done] == ["done"] * world, done
+        assert [d[4] for d in done] == [[n for n in names if n.endswith(interleaved)]] * world
     finally:
         for p in trainers:
             p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0, 0]
+    assert [p.exitcode for p in trainers] == [0] * world
     for engine in engines:
         mismatches = engine_mismatches(engine.url, lambda: shifted)
         assert mismatches == {r: [] for r in range(engine.tp)}, (engine.url, mismatches)
