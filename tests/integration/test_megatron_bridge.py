@@ -9,6 +9,10 @@ megatron-core's local layer spec, load a checkpoint into it with the bridge
   gathers the TP shards (fused QKV and gate/up split back into the checkpoint's names);
 * PP 2: each pipeline stage exports only its own layers and is its own sender group.
 
+Owner sends (``named_tensors(owned=True)``, TP 2, and TP 2 x DP 2 over four processes)
+into a TP 2 and a TP 1 engine: the plain splits go as each rank's shard, only the
+interleaved tensors through the bridge's export (counted by wrapping it).
+
 After each update every engine rank must be bit-exact with sglang's loader given the
 checkpoint (then the checkpoint plus 0.5, after a 'training step' on the Megatron
 weights). Skipped where megatron-core and megatron-bridge are not installed; on a host
