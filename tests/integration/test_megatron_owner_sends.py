@@ -1,5 +1,6 @@
 """``MegatronExport.named_tensors(owned=True)`` between real trainer processes, with a
-stand-in for megatron-bridge (megatron-core and megatron-bridge are not installed here).
+stand-in for a newer megatron-bridge that has ``local_hf_params`` (the pinned 0.3.1 has
+not; its derived views are tested on real Megatron in test_megatron_bridge.py).
 
 Two gloo trainer processes play one pipeline stage of tensor parallelism 2 over a dense
 Qwen3, and over a Qwen3-MoE with expert parallelism 2 as well (each rank's experts' fc2,
@@ -13,9 +14,8 @@ gathered export, whole on both ranks. Each rank hands ``update()`` what the adap
 of that; every engine rank of a TP 2 and a TP 1 engine must be bit-exact with sglang's own
 ``load_weights`` after two updates.
 
-What this does not test: the real bridge's mappings and their ``local_hf_params`` (which
-parameters it describes, with which global shapes and shard dims) and real Megatron
-parallel state; those need megatron-core and megatron-bridge (test_megatron_bridge.py).
+What this does not test: a real bridge's ``local_hf_params`` (which parameters it
+describes, with which global shapes and shard dims) and real Megatron parallel state.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def _stub_megatron() -> None:
     state = types.SimpleNamespace(
         get_pipeline_model_parallel_rank=lambda: 0,
         get_pipeline_model_parallel_world_size=lambda: 1,
-        get_data_parallel_world_size=lambda with_context_parallel=False: 1,
-        get_expert_data_parallel_world_size=lambda: 1,
+        get_data_parallel_rank=lambda with_context_parallel=False: 0,
+        get_expert_data_parallel_rank=lambda: 0,
     )
     core = types.ModuleType("megatron.core")
     core.parallel_state = state  # type: ignore[attr-defined]

@@ -198,11 +198,11 @@ class FakeLocalMapping(FakeMapping):
 
 @pytest.fixture
 def replicas(parallel_state):
-    """One data-parallel replica per stage (settable): owner sends' precondition."""
-    sizes = {"dp": 1, "edp": 1}
-    parallel_state.get_data_parallel_world_size = lambda with_context_parallel=False: sizes["dp"]
-    parallel_state.get_expert_data_parallel_world_size = lambda: sizes["edp"]
-    return sizes
+    """This rank's data-parallel and expert-data-parallel rank (settable; 0 by default)."""
+    ranks = {"dp": 0, "edp": 0}
+    parallel_state.get_data_parallel_rank = lambda with_context_parallel=False: ranks["dp"]
+    parallel_state.get_expert_data_parallel_rank = lambda: ranks["edp"]
+    return ranks
 
 
 def _owned_tasks():
@@ -253,13 +253,30 @@ def test_owned_export_hands_local_shards_and_own_experts_and_exports_the_rest(re
     assert set(got) == {o_name, e_name, "model.norm.weight", "model.embed_tokens.weight"}
     assert torch.equal(got[o_name][:, 2:], tasks[0].mapping.views[0].weight)  # at its columns
     assert not got[o_name][:, :2].any()  # zero elsewhere (the other TP rank's)
-    # only the task with no local view went through the bridge's gathered export
-    assert [t.param_name for t in bridge.calls[1][1]] == ["qkv"]
+    # only the task with no local view went through the bridge's gathered export: once to
+    # learn its names and shapes (the first update only), then streamed
+    assert [[t.param_name for t in call[1]] for call in bridge.calls[1:]] == [["qkv"]] * 2
+    assert pairs.specs()["model.embed_tokens.weight"] == ((2,), torch.int64)
+    list(export.named_tensors(owned=True))
+    assert len(bridge.calls) == 4  # later updates: the export once
 
 
 @pytest.mark.parametrize("replica", ["dp", "edp"])
-def test_owned_export_refuses_data_parallel_replicas(replica, replicas):
-    replicas[replica] = 2
+def test_other_data_parallel_replicas_hand_only_replicated_and_exported_tensors(replica, replicas):
+    """Replicas hold the same shards and experts: replica 0's ranks send them (dp: the
+    dense shards; edp: the experts); every rank sends the replicated and exported ones."""
+    replicas[replica] = 1
     export = MegatronExport(FakeBridge(_owned_tasks()), object())
-    with pytest.raises(ConfigError, match="data-parallel"):
+    pairs = export.named_tensors(owned=True)
+    o_name = "model.layers.0.self_attn.o_proj.weight"
+    e_name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    assert pairs.shards() == ({} if replica == "dp" else {o_name: (1, 2, 4)})
+    assert pairs.owned() == ({e_name} if replica == "dp" else set())
+    replicated = {"model.norm.weight", "model.embed_tokens.weight"}
+    assert set(dict(pairs)) == replicated | set(pairs.shards()) | pairs.owned()
+
+
+def test_owned_export_needs_one_sender_group_per_stage(replicas):
+    export = MegatronExport(FakeBridge(_owned_tasks()), object(), per_stage=False)
+    with pytest.raises(ConfigError, match="per_stage=True"):
         export.named_tensors(owned=True)

@@ -16,9 +16,12 @@ By default it also broadcasts every pipeline stage's parameters to every rank.
   be merged into the exported weights (the bridge gathers adapters across stages).
 
 ``named_tensors(owned=True)`` (owner sends, ``MegatronExport.owned_views``) skips the
-gather where megatron-bridge can describe a parameter as a local HF view
-(``MegatronParamMapping.local_hf_params``, in newer bridges): tensor-parallel shards go
-as shard descriptions, experts as owned tensors; the rest is exported as above.
+gather where the HF tensor is a plain split of the ranks' local tensors (row- and
+column-parallel linear weights, the vocabulary-parallel embedding and output layer, the
+experts' plain weights; ``megatron_views``): each rank hands its own shard as a shard
+description and its own experts as owned tensors; the rest (fused QKV and gate/up) is
+exported as above. The views come from megatron-bridge's ``local_hf_params`` in newer
+bridges and from the mapping classes in bridge 0.3.
 
 Every rank of the Megatron job must iterate the export to the end (it is collective
 within each stage). A model the bridge has no mapping for needs a bridge of its own
@@ -44,11 +47,13 @@ the update fails with ``InputChangedError`` naming the tensor, never sends other
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from p2pweights.adapters.megatron_views import LocalView, derived_view, derives_views
 from p2pweights.adapters.owned import OwnedTensors
 from p2pweights.config import SyncConfig, TrainerTopology
 from p2pweights.errors import ConfigError
@@ -85,6 +90,10 @@ class MegatronExport:
         self.rename = rename
         tasks = [t for t in bridge.get_conversion_tasks(self.model) if t is not None]
         self._tasks = stage_tasks(tasks) if per_stage else tasks
+        self._rest_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._derives: bool | None = None
+        self._tied = False
+        self._vocab_size: int | None = None
 
     def stage_config(self, config: SyncConfig | None = None) -> SyncConfig:
         """``config`` with this rank's pipeline stage filled in (see ``stage_config``)."""
@@ -106,47 +115,78 @@ class MegatronExport:
         return self._exported(self._tasks, cpu, dtype)
 
     def owned_views(self, *, cpu: bool = False, dtype: torch.dtype | None = None) -> OwnedTensors:
-        """This rank's parameters as owner sends take them, with no gather where the bridge
-        can say so: megatron-bridge's ``local_hf_params`` (newer bridges) describes a
-        parameter whose HF tensor is a plain split of the local one (row- / column-parallel
-        linear layers: ``Shard(1)`` / ``Shard(0)``; a replicated one; an expert): a
-        tensor-parallel shard goes as an explicit shard description, an expert (held by
-        this rank alone) as owned, a replicated tensor whole. Parameters it cannot describe
-        (fused QKV and gate/up interleavings, transposes) are exported gathered, as by
-        ``named_tensors()``, and sent whole by every rank of the stage (they are exported
-        here, before the update, and held until it ends).
+        """This rank's parameters as owner sends take them, with no gather where the HF
+        tensor is a plain split of the local ones (``megatron_views``): a row- or
+        column-parallel linear weight, or the unpadded vocabulary-parallel embedding and
+        output layer, goes as this rank's shard (an explicit shard description), an
+        expert held by this expert-parallel rank as owned, a replicated tensor whole from
+        every rank of the stage. The views come from megatron-bridge's
+        ``local_hf_params`` where the bridge has it, else from the mapping's class (bridge
+        0.3). The other parameters (fused QKV and gate/up interleavings, ...) stream
+        through the bridge's gathered export, as in ``named_tensors()``, and are sent whole
+        by every rank of the stage; the first call exports them once more beforehand, one
+        at a time, to learn their names and shapes (later calls reuse them).
 
-        Needs one data-parallel replica per pipeline stage (data- and expert-data-parallel
-        size 1): replicas would claim the same shards. Raises ``ConfigError`` otherwise.
+        Data-parallel replicas (and context-parallel ranks) hold the same shards: only
+        data-parallel rank 0 hands its shards, and expert-data-parallel rank 0 its
+        experts; the others hand the replicated and exported tensors only (every rank
+        still runs the export, which is collective in its tensor- and expert-parallel
+        groups). Needs ``per_stage=True``; raises ``ConfigError`` otherwise.
         """
-        _one_replica()
+        if not self.per_stage:
+            raise ConfigError(
+                "MegatronExport owner sends need per_stage=True (each pipeline stage its own "
+                "sender group); with per_stage=False use named_tensors(owned=False)"
+            )
+        dense_first, expert_first = _first_replica()
+        views: list[LocalView] = []
+        rest = []
+        for task in self._tasks:
+            found = self._views(task)
+            if found is None:
+                rest.append(task)
+                continue
+            for view in found:
+                if view.expert and not expert_first:
+                    continue
+                if view.shard is not None and not view.expert and not dense_first:
+                    continue
+                views.append(view)
+        if self._rest_specs is None:  # names and shapes of the export, one tensor at a time
+            self._rest_specs = {
+                name: (tuple(tensor.shape), tensor.dtype)
+                for name, tensor in self._exported(rest, cpu, dtype)
+            }
         pairs: list[tuple[str, torch.Tensor]] = []
         owned: set[str] = set()
         shards: dict[str, tuple[int, int, int]] = {}
-        rest = []
-        for task in self._tasks:
-            views = _local_views(task)
-            if views is None:
-                rest.append(task)
+        for view in views:
+            name = self.rename(view.name) if self.rename is not None else view.name
+            if name is None:
                 continue
-            for view in views:
-                name = self.rename(view.name) if self.rename is not None else view.name
-                if name is None:
-                    continue
-                tensor = view.weight.detach()
-                tensor = tensor.to("cpu") if cpu else tensor
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                pairs.append((name, tensor))
-                if view.shard_dim is not None:
-                    dim = view.shard_dim
-                    start = task.mapping.tp_rank * tensor.shape[dim]
-                    shards[name] = (dim, start, int(view.global_weight_shape[dim]))
-                elif getattr(task.mapping, "is_expert", False):
-                    owned.add(name)
-        if rest:
-            pairs.extend(self._exported(rest, cpu, dtype))
-        return OwnedTensors(pairs, owned, shards)
+            tensor = view.tensor.to("cpu") if cpu else view.tensor
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            pairs.append((name, tensor))
+            if view.shard is not None:
+                shards[name] = view.shard
+            elif view.expert:
+                owned.add(name)
+        return OwnedTensors(
+            _Streamed(pairs, self._exported(rest, cpu, dtype), self._rest_specs), owned, shards
+        )
+
+    def _views(self, task: Any) -> list[LocalView] | None:
+        """The task's local HF views (``megatron_views``), or None: the gathered export."""
+        if getattr(task.mapping, "local_hf_params", None) is not None:
+            return _bridge_views(task)
+        if self._derives is None:
+            self._derives = derives_views(self.bridge)
+            self._tied, self._vocab_size = _vocabulary(self.bridge, self.model)
+        if not self._derives:
+            return None
+        view = derived_view(task, tied=self._tied, vocab_size=self._vocab_size)
+        return None if view is None else [view]
 
     def _exported(
         self, tasks: Sequence[Any], cpu: bool, dtype: torch.dtype | None
@@ -163,35 +203,71 @@ class MegatronExport:
         return renamed(((name, tensor) for name, tensor in exported), self.rename, dtype)
 
 
-def _local_views(task: Any) -> Sequence[Any] | None:
-    """The bridge's local HF views of a task's parameter; None where it has none (an
-    older bridge, or a mapping that needs its conversion: interleavings, transposes)."""
-    local = getattr(task.mapping, "local_hf_params", None)
-    if local is None:
-        return None
+def _bridge_views(task: Any) -> list[LocalView] | None:
+    """The bridge's own local HF views of a task's parameter (``local_hf_params``, newer
+    bridges); None where it has none (interleavings, transposes)."""
+    mapping = task.mapping
     try:
-        views = local(
+        found = mapping.local_hf_params(
             task.param_weight,
             global_param_name=getattr(task, "global_param_name", task.param_name),
             megatron_module=task.megatron_module,
         )
     except ValueError:
         return None
+    views = []
+    for view in found or ():
+        tensor = view.weight.detach()
+        shard = None
+        if view.shard_dim is not None:
+            dim = view.shard_dim
+            shard = (dim, mapping.tp_rank * tensor.shape[dim], int(view.global_weight_shape[dim]))
+        views.append(
+            LocalView(view.name, tensor, shard, bool(getattr(mapping, "is_expert", False)))
+        )
     return views or None
 
 
-def _one_replica() -> None:
+def _vocabulary(bridge: Any, model: Sequence[Any]) -> tuple[bool, int | None]:
+    """Whether the model ties its embedding to the output layer, and the checkpoint's
+    vocabulary size (None: unknown)."""
+    config = getattr(getattr(bridge, "hf_pretrained", None), "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for chunk in model:
+        while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
+            chunk = chunk.module
+        tied = tied or bool(getattr(chunk, "share_embeddings_and_output_weights", False))
+    return tied, getattr(config, "vocab_size", None)
+
+
+class _Streamed(Iterator[tuple[str, torch.Tensor]]):
+    """The views, then the gathered export as it streams; ``specs()`` says what comes."""
+
+    def __init__(
+        self,
+        views: list[tuple[str, torch.Tensor]],
+        exported: Iterator[tuple[str, torch.Tensor]],
+        exported_specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    ):
+        self._specs = {name: (tuple(t.shape), t.dtype) for name, t in views}
+        self._specs.update(exported_specs)
+        self._pairs = itertools.chain(views, exported)
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._pairs)
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self._specs)
+
+
+def _first_replica() -> tuple[bool, bool]:
+    """Whether this rank is in data-parallel replica 0 (context-parallel ranks included),
+    and in expert-data-parallel replica 0: those send the shards and experts."""
     from megatron.core import parallel_state
 
-    data = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    expert = getattr(parallel_state, "get_expert_data_parallel_world_size", lambda: 1)()
-    if data > 1 or expert > 1:
-        raise ConfigError(
-            f"MegatronExport owner sends need one data-parallel replica per pipeline stage "
-            f"(data-parallel size {data}, expert-data-parallel size {expert}): replicas hold "
-            f"the same shards and experts, and each byte must have one owner; use "
-            f"named_tensors() (gathered), or send from one replica's ranks"
-        )
+    dense = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    expert = getattr(parallel_state, "get_expert_data_parallel_rank", lambda: 0)()
+    return dense == 0, expert == 0
 
 
 def stage_tasks(tasks: Sequence[Any]) -> list[Any]:
