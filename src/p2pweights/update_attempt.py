@@ -110,6 +110,9 @@ class UpdateAttempt:
             self._refuse_lone_slices(named_tensors)
         owned = owned_names(named_tensors) if self.config.num_senders > 1 else frozenset()
         shards = shard_ranges(named_tensors) if self.config.num_senders > 1 else {}
+        whole = getattr(named_tensors, "whole_tensors", None)
+        if shards and callable(whole):  # slices are yielded as held unless asked for whole
+            named_tensors = whole()
         tensors, described = read_input(named_tensors, first, self.receipts)
         given = tensors if isinstance(tensors, list) else None
         whole = given is not None  # checked whole in prepare, not again as it streams

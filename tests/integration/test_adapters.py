@@ -17,6 +17,7 @@ from _bit_exact import engine_mismatches
 from _procs import warm_context
 from safetensors.torch import load_file
 
+from p2pweights.engines.client import EngineClient
 from p2pweights.local_engine import free_port
 from p2pweights.testing import model_config
 
@@ -176,3 +177,65 @@ def test_fsdp2_shards_are_sent_by_their_holders_with_no_gather(
         assert d[3] == "OwnedTensors"
     assert [p.exitcode for p in trainers] == [0, 0]
     _assert_bit_exact(engine.url, second)
+
+
+def _wrapping_trainer(rank: int, port: int, name: str, url: str, out) -> None:
+    """A trainer that wraps ``hf_named_tensors(model)`` in a plain generator (a filter or a
+    rename would): the owner-sends declarations do not survive the wrapper."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+    from p2pweights.adapters import hf_named_tensors
+    from p2pweights.errors import P2PWeightsError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = _model(name)
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
+        with WeightSyncSession.from_torch_distributed(config) as session:
+            session.connect([url])
+            wrapped = ((n, t) for n, t in hf_named_tensors(model, bucket_bytes="256KiB"))
+            try:
+                session.update(wrapped)
+                out.put(("written", rank, ""))
+            except P2PWeightsError as exc:
+                out.put(("refused", rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_owner_sends_wrapped_in_a_plain_generator_are_refused_not_written(
+    model_dir, shared_engines
+):
+    """Under FSDP2 ``hf_named_tensors(model)`` hands each rank its own slices. A plain
+    generator around it drops what says they are slices; each rank's tensors are then its
+    slices alone (not zero-padded to the full shape), so the first update's shape check
+    refuses them before any byte, instead of writing one rank's zeros over another's rows."""
+    name = "qwen3-tiny"
+    (engine,) = shared_engines(model_dir(name), [2], seed=0)
+    client = EngineClient(engine.url)
+    version = client.weight_version()
+    before = client.weights_checker("checksum")
+    ctx = warm_context()
+    out = ctx.Queue()
+    port = free_port()
+    trainers = [
+        ctx.Process(target=_wrapping_trainer, args=(r, port, name, engine.url, out)) for r in (0, 1)
+    ]
+    for p in trainers:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=240) for _ in trainers)
+    finally:
+        for p in trainers:
+            p.join(timeout=60)
+    assert [g[0] for g in got] == ["refused", "refused"], got
+    assert all("shape" in g[2] for g in got), got
+    assert client.weight_version() == version  # not paused, not written
+    assert client.weights_checker("checksum")["ranks"] == before["ranks"]

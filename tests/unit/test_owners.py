@@ -207,11 +207,15 @@ def test_slices_that_tile_their_tensor_are_its_holders() -> None:
     assert ownership.owner_of(ATTN) is None and bool(ownership)
 
 
-def test_owned_tensors_yields_a_slice_as_its_whole_tensor_zero_elsewhere() -> None:
+def test_owned_tensors_yields_a_slice_as_held_and_whole_only_when_asked() -> None:
+    """Iterated as is (a plain generator around it, say), a slice keeps its own shape, so
+    the session's shape check refuses it; the session asks for whole tensors."""
     wrapped = owned_tensors([(ATTN, torch.ones(2, 3))], shards={ATTN: (0, 2, 5)})
     assert wrapped.specs() == {ATTN: ((5, 3), torch.float32)}
     assert wrapped.shards() == {ATTN: (0, 2, 4)}
-    ((_, full),) = list(wrapped)
+    ((_, held),) = list(owned_tensors([(ATTN, torch.ones(2, 3))], shards={ATTN: (0, 2, 5)}))
+    assert held.shape == (2, 3)
+    ((_, full),) = list(wrapped.whole_tensors())
     assert full[:2].abs().sum() == 0 and full[2:4].eq(1).all() and full[4:].abs().sum() == 0
     with pytest.raises(ConfigError, match="passes its full size"):
         owned_tensors([(ATTN, torch.ones(2, 3))], shards={ATTN: (0, 4, 5)})

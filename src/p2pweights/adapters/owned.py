@@ -27,7 +27,14 @@ tensor of ``full size`` there (``Shard(0)`` / ``Shard(1)`` of FSDP2 or torch TP)
 
 class OwnedTensors(Iterator[tuple[str, torch.Tensor]]):
     """(HF name, tensor) pairs, with the names this rank owns (``owned()``) and the slices
-    it holds of sharded ones (``shards()``; yielded as full tensors, zero elsewhere)."""
+    it holds of sharded ones (``shards()``).
+
+    A slice is yielded as it is held, not in its tensor's full shape: only the session,
+    which reads ``shards()``, asks for full tensors (``whole_tensors()``: each slice at its
+    place, zero elsewhere, as the loaders take them). So a plain generator wrapped around
+    this (a filter, a rename), which drops what says the tensors are slices, hands the
+    session tensors of the wrong shape, refused before any byte, instead of full-shaped
+    ones that would be written as if every rank held them whole."""
 
     def __init__(
         self,
@@ -75,11 +82,18 @@ class OwnedTensors(Iterator[tuple[str, torch.Tensor]]):
             self._ranges[name] = (dim, start, stop)
             self._specs[name] = ((*shape[:dim], full, *shape[dim + 1 :]), dtype)
         self._pairs = iter(named_tensors)
+        self._whole = False
+
+    def whole_tensors(self) -> OwnedTensors:
+        """From now on yield each slice in its tensor's full shape, zero elsewhere (what the
+        session, which knows they are slices, stages); this same iterator."""
+        self._whole = True
+        return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
         name, tensor = next(self._pairs)
         found = self._ranges.get(name)
-        if found is None:
+        if found is None or not self._whole:
             return name, tensor
         dim, start, stop = found
         full = torch.zeros(self._specs[name][0], dtype=tensor.dtype, device=tensor.device)
