@@ -156,6 +156,8 @@ class RealServer:
         self.tp = tp
         self.port = free_port()
         self.bootstrap_port = free_port()
+        while self.bootstrap_port == self.port:  # two asks may get the same free port
+            self.bootstrap_port = free_port()
         self.log_path = log_path
         self.nixl = nixl
         self.mooncake = mooncake
