@@ -46,6 +46,7 @@ from p2pweights.plan.byte_plan import (
     target_writes,
 )
 from p2pweights.replica.registry import ReplicaHandle
+from p2pweights.replica.sglang.spans import merged
 from p2pweights.source.fp8_block import SCALE_SUFFIX
 from p2pweights.source.inputs import InputSpec
 from p2pweights.wire.publication import RankPublication, Runner
@@ -457,7 +458,7 @@ def _split(
             ranges = list(found[owner].get(param, ()))
             if owner == owners[0]:
                 ranges += holes
-            out[owner][param] = _merged(ranges)
+            out[owner][param] = merged(ranges)
     return out
 
 
@@ -473,16 +474,6 @@ def _overlap(
             if start_b < end_a:
                 return owner_a, owner_b
     return None
-
-
-def _merged(ranges: list[tuple[int, int]]) -> Spans:
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(r for r in ranges if r[1] > r[0]):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return tuple(out)
 
 
 def build_owned_plan(
