@@ -182,6 +182,16 @@ def test_import_loads_no_heavy_dependency() -> None:
     assert _loaded_after("import p2pweights") == []
 
 
+def test_a_session_loads_no_sglang_until_it_connects() -> None:
+    """Making and closing a session (what a trainer does at start-up, on every rank) loads
+    torch but neither sglang nor transformers: sglang's import costs seconds and changes
+    the process's warning filters. A module-level import of an sglang module from the
+    trainer side (plan.owners once did) shows here."""
+    loaded = _loaded_after("import p2pweights\np2pweights.WeightSyncSession().close()")
+    assert "torch" in loaded
+    assert not {"sglang", "transformers"} & set(loaded), loaded
+
+
 def test_cli_help_loads_no_heavy_dependency() -> None:
     """``p2pweights --help`` (and each command's help) starts without torch or sglang."""
     for argv in (["--help"], ["plan", "--help"], ["doctor", "--help"], ["engine", "--help"]):

@@ -45,8 +45,8 @@ from p2pweights.plan.byte_plan import (
     aligned,
     target_writes,
 )
+from p2pweights.replica.base import merged
 from p2pweights.replica.registry import ReplicaHandle
-from p2pweights.replica.sglang.spans import merged
 from p2pweights.source.fp8_block import SCALE_SUFFIX
 from p2pweights.source.inputs import InputSpec
 from p2pweights.wire.publication import RankPublication, Runner

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from p2pweights.source.fp8_regions import Read
     from p2pweights.source.inputs import InputSpec, ParamGroup
 
-__all__ = ["ParamLayout", "Replica", "bytes_spanned"]
+__all__ = ["ParamLayout", "Replica", "bytes_spanned", "merged"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,16 @@ def bytes_spanned(shape: Sequence[int], stride: Sequence[int], element_size: int
         return 0
     last = sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
     return (last + 1) * element_size
+
+def merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted ranges with overlapping or touching ones joined; empty ones dropped."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return tuple(out)
 
 
 class Replica(Protocol):

@@ -18,11 +18,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from p2pweights.errors import ConfigError
+from p2pweights.replica.base import merged
 from p2pweights.replica.sglang.compat import api_error
 from p2pweights.replica.sglang.probe import Probed, written_arguments
 from p2pweights.source.inputs import InputSpec
 
-__all__ = ["Spans", "merged", "written_spans"]
+__all__ = ["Spans", "written_spans"]
 
 Spans = dict[str, tuple[tuple[int, int], ...]]
 """Parameter name -> sorted, disjoint ``[start, end)`` byte ranges written in it."""
@@ -49,17 +50,6 @@ def written_spans(replica: Probed, inputs: Mapping[str, InputSpec]) -> Spans:
             f"(first: {sorted(inputs)[:3]}): {exc}"
         ) from exc
     return {name: merged(ranges) for name, ranges in watcher.ranges.items()}
-
-
-def merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Sorted ranges with overlapping or touching ones joined; empty ones dropped."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(r for r in ranges if r[1] > r[0]):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return tuple(out)
 
 
 class _SpanWatcher(TorchDispatchMode):
