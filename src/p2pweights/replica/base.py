@@ -43,6 +43,7 @@ def bytes_spanned(shape: Sequence[int], stride: Sequence[int], element_size: int
     last = sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
     return (last + 1) * element_size
 
+
 def merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """Sorted ranges with overlapping or touching ones joined; empty ones dropped."""
     out: list[tuple[int, int]] = []
