@@ -16,6 +16,12 @@ CASES = [
         "verify_cost",
     ),
     Case(
+        "checker-real",
+        "verify_checker_real",
+        "a real sglang server on this CPU: /weights_checker, write digests and no check",
+        "verify_checker_real_cpu",
+    ),
+    Case(
         "digest",
         "verify_digest",
         "the write digest's GB/s, whole and per staging batch",

@@ -479,3 +479,34 @@ def test_direct_loads_queued_before_the_engines_open_land_where_the_new_plan_say
     assert all(not t.any() for t in old.values()), "a load landed in the old (freed) memory"
     for name, value in source.items():
         assert torch.equal(new[name].view(torch.uint8), value.view(torch.uint8)), name
+
+
+def test_the_first_buffer_is_hashed_before_the_engines_open():
+    """With staging before the pause, the first buffer is loaded while the engines still
+    generate; its weight-checker hashes and write digests are taken then too, before
+    ``before_writes`` pauses and opens them, so they cost the pause nothing. Later
+    buffers are hashed while their writes run (the engines are open by then)."""
+    from p2pweights.verification.checksums import StagedChecksums
+
+    source = _params(7)
+    engine = {n: torch.zeros_like(t) for n, t in source.items()}
+    target = _engine("http://e", 0, engine)
+    checksums = StagedChecksums({"http://e": "cpu"})
+    seen: dict[str, object] = {}
+
+    def opening() -> None:
+        seen["hashed"] = set(checksums.found.get(("http://e", 0, "target"), {}))
+        seen["written"] = [t.any().item() for t in engine.values()]
+
+    hooks = RunHooks(before_writes=opening, checksums=checksums, digest_staged=True)
+    buffer_bytes = 4 * aligned(_nbytes(source["p11"]))  # 4 KiB: p0-p4 (768 B each) first
+    _, result = _run(CopyingTransport(), buffer_bytes, source, [target], hooks=hooks)
+    assert not result.failures and result.num_flushes == 3
+    first = {f"p{i}" for i in range(5)}
+    assert seen["hashed"] == first, "the first buffer is hashed before the engines open"
+    assert not any(seen["written"]), "nothing reaches an engine before it opens"
+    from p2pweights.replica.sglang import facade
+
+    expected = {n: facade.weights_checker_hash(t.view(torch.uint8)) for n, t in source.items()}
+    assert result.checksums == {("http://e", 0, "target"): expected}
+    assert result.digests == {("http://e", 0, "target"): {n: digest(t) for n, t in source.items()}}

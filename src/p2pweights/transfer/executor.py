@@ -642,12 +642,30 @@ class _Run:
         placed, self._placed = self._placed, []
         self._load_staged(buffer, placed)  # phase 1: no engine touched yet
         digested = self._compare_before_open(buffer, placed)  # while the engines generate
+        # The buffer that opens the engines is hashed before it does, while they still
+        # generate (its writes then start later, but the pause is shorter by the hashing);
+        # any later one while its writes run. Delta entries replace slot bytes when placed:
+        # there the slots were digested before (``_compare_before_open``).
+        early = not self._opened and self._delta is None
+        if early:
+            self._hash_staged(buffer, placed, digested)
         plan = self._open()  # phase 2: every later phase of this flush runs against ``plan``
         self._place(buffer)  # phase 3
         self._write(buffer, placed, plan)  # phase 4
-        if self._hooks.digest_staged and not digested:  # while the writers send the same bytes
+        if not early:  # while the writers send the same bytes; before the buffer is refilled
+            self._hash_staged(buffer, placed, digested)
+        self._load_direct(plan)  # while the writers send the staged bytes
+        self.result.num_flushes += 1
+        return self._settle_other()  # phase 5
+
+    def _hash_staged(
+        self, buffer: StagingBuffer, placed: Sequence[_Placed], digested: bool
+    ) -> None:
+        """The write digests (unless ``digested`` already) and weight-checker hashes of the
+        slots staged in ``buffer``, as the run's hooks ask."""
+        if self._hooks.digest_staged and not digested:
             self._digest(buffer, placed)
-        if self._hooks.checksums:  # likewise; before the buffer is refilled
+        if self._hooks.checksums:
             self._hooks.checksums.add_spans(
                 buffer.tensor,
                 (
@@ -656,9 +674,6 @@ class _Run:
                     for slot in p.group.slots
                 ),
             )
-        self._load_direct(plan)  # while the writers send the staged bytes
-        self.result.num_flushes += 1
-        return self._settle_other()  # phase 5
 
     def _load_staged(self, buffer: StagingBuffer, placed: Sequence[_Placed]) -> None:
         """The loaders fill the staged groups' bytes in ``buffer`` (plan-free: slot offsets);
