@@ -47,7 +47,9 @@ NAME = "verify_checker_real"
 MODES = {"off": ("off", False), "checker": ("always", False), "digests": ("always", True)}
 """Mode -> (``verify_writes``, whether its server records write digests)."""
 EXPECTED = {"off": (), "checker": ("weights_checker",), "digests": ("write_digests",)}
-PARTS = ("digest", "engine_digest", "verify_writes")
+PARTS = ("checksum", "verify_checker", "digest", "engine_digest", "verify_writes")
+"""Stages of the report each check adds: the checker's (the sender's hashes, the
+``/weights_checker`` call) and the digests' (the sender's, the engine's, the compare)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

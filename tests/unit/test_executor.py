@@ -481,32 +481,53 @@ def test_direct_loads_queued_before_the_engines_open_land_where_the_new_plan_say
         assert torch.equal(new[name].view(torch.uint8), value.view(torch.uint8)), name
 
 
-def test_the_first_buffer_is_hashed_before_the_engines_open():
+@pytest.mark.parametrize("paused_before", [False, True], ids=["staged-first", "paused-first"])
+def test_the_first_buffer_is_hashed_before_the_engines_open(
+    paused_before: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With staging before the pause, the first buffer is loaded while the engines still
     generate; its weight-checker hashes and write digests are taken then too, before
     ``before_writes`` pauses and opens them, so they cost the pause nothing. Later
-    buffers are hashed while their writes run (the engines are open by then)."""
+    buffers are hashed while their writes run (the engines are open by then), as is
+    every buffer where the engines were paused before the run (``paused_before``):
+    hashing first would only hold back the writes inside the pause."""
+    from p2pweights.replica.sglang import facade
+    from p2pweights.transfer import executor as executor_module
     from p2pweights.verification.checksums import StagedChecksums
 
     source = _params(7)
     engine = {n: torch.zeros_like(t) for n, t in source.items()}
     target = _engine("http://e", 0, engine)
     checksums = StagedChecksums({"http://e": "cpu"})
+    digested: list[str] = []
+    digest_spans = executor_module._Run._digest
+
+    def spy(self, buffer, placed):  # type: ignore[no-untyped-def]
+        digested.extend(slot.param for p in placed for slot in p.group.slots)
+        return digest_spans(self, buffer, placed)
+
+    monkeypatch.setattr(executor_module._Run, "_digest", spy)
     seen: dict[str, object] = {}
 
     def opening() -> None:
         seen["hashed"] = set(checksums.found.get(("http://e", 0, "target"), {}))
+        seen["digested"] = set(digested)
         seen["written"] = [t.any().item() for t in engine.values()]
 
-    hooks = RunHooks(before_writes=opening, checksums=checksums, digest_staged=True)
+    hooks = RunHooks(
+        before_writes=opening,
+        checksums=checksums,
+        digest_staged=True,
+        paused_before=paused_before,
+    )
     buffer_bytes = 4 * aligned(_nbytes(source["p11"]))  # 4 KiB: p0-p4 (768 B each) first
     _, result = _run(CopyingTransport(), buffer_bytes, source, [target], hooks=hooks)
     assert not result.failures and result.num_flushes == 3
-    first = {f"p{i}" for i in range(5)}
+    first = set() if paused_before else {f"p{i}" for i in range(5)}
     assert seen["hashed"] == first, "the first buffer is hashed before the engines open"
+    assert seen["digested"] == first, "and digested"
     assert not any(seen["written"]), "nothing reaches an engine before it opens"
-    from p2pweights.replica.sglang import facade
-
+    assert sorted(digested) == sorted(source), "each slot digested once"
     expected = {n: facade.weights_checker_hash(t.view(torch.uint8)) for n, t in source.items()}
     assert result.checksums == {("http://e", 0, "target"): expected}
     assert result.digests == {("http://e", 0, "target"): {n: digest(t) for n, t in source.items()}}

@@ -26,7 +26,9 @@ Each flush runs in phases, each against the plan it is given (``_Run._flush``):
    plan) or queued for a direct load (with the views of the plan current then); the
    loaders fill the staged bytes; deltas are compared. No engine is touched.
 2. open: the first flush calls ``before_writes``; the plan it returns (or the current
-   one) is the plan of every later phase of this flush and of the run.
+   one) is the plan of every later phase of this flush and of the run. Where that opens
+   (pauses) the engines, this buffer's write digests and weight-checker hashes are taken
+   just before it, outside the pause; every later buffer's while its writes run.
 3. place: delta entries are packed.
 4. write: each runner's batch goes to its rank's writer, to the addresses of the
    phase-2 plan; direct loads go into the memory the same plan maps (views taken from
@@ -644,9 +646,11 @@ class _Run:
         digested = self._compare_before_open(buffer, placed)  # while the engines generate
         # The buffer that opens the engines is hashed before it does, while they still
         # generate (its writes then start later, but the pause is shorter by the hashing);
-        # any later one while its writes run. Delta entries replace slot bytes when placed:
+        # any later one while its writes run, as is every buffer of a run whose engines
+        # were paused before it began (``paused_before``: hashing first would only delay
+        # the writes inside the pause). Delta entries replace slot bytes when placed:
         # there the slots were digested before (``_compare_before_open``).
-        early = not self._opened and self._delta is None
+        early = not self._opened and not self._hooks.paused_before and self._delta is None
         if early:
             self._hash_staged(buffer, placed, digested)
         plan = self._open()  # phase 2: every later phase of this flush runs against ``plan``

@@ -11,10 +11,11 @@ engine the sender therefore hashes on CUDA: a slot staged in host memory is copi
 the trainer's current GPU first (a trainer without CUDA cannot check a GPU engine this
 way; ``verification.checker`` says so at connect).
 
-The executor calls ``add_spans`` once per flushed staging buffer (after its writes were
-handed to the writers, before the buffer is refilled) and ``add`` for what a direct load
-left in an engine's memory. Hashing is synchronous: sha256 releases the GIL while the
-writer threads send the same bytes, and the GPU hash waits for its own kernel.
+The executor calls ``add_spans`` once per flushed staging buffer (the buffer that opens
+the engines just before it does, outside their pause; any later one after its writes
+were handed to the writers, before the buffer is refilled) and ``add`` for what a
+direct load left in an engine's memory. Hashing is synchronous: sha256 releases the GIL
+while the writer threads send the same bytes, and the GPU hash waits for its own kernel.
 """
 
 from __future__ import annotations

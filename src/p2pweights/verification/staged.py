@@ -1,7 +1,9 @@
 """The sender side of verified writes: the digest of every staged slot, per runner.
 
-The executor calls ``StagedDigests.add_spans`` once per flushed staging buffer, after
-its writes were handed to the writers (the writers and this only read the buffer), and
+The executor calls ``StagedDigests.add_spans`` once per flushed staging buffer: for the
+buffer that opens the engines just before it does (outside their pause), for any later
+one after its writes were handed to the writers (the writers and this only read the
+buffer); and
 ``add`` for what a direct load left in an engine's memory: each slot is digested once
 and filed under every runner (engine URL, rank, role) it is written to. On a GPU the
 sums are left on the device: a staging buffer's in the stream's order (before any later
