@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, hf_tensors, machine, markdown_table, median, named_config
+from cases.verify_cost import compared
+from harness import ROOT, hf_tensors, machine, markdown_table, named_config
 
 sys.path.insert(0, str(ROOT / "tests" / "real_sglang"))
 
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seen = {tuple(e.verified_by) for r in rs for e in r.engines.values()}
         if seen != {EXPECTED[mode]}:
             raise SystemExit(f"verify checker-real: {mode} updates were verified by {seen}")
-    result = summarize(reports, modes)
+    result = {**compared(reports, PARTS), "verified_by": {m: list(EXPECTED[m]) for m in modes}}
     result["meta"] = {
         "model": args.model,
         "config": config,
@@ -142,34 +143,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(describe(result))
     return result
-
-
-def summarize(reports: dict[str, list[Any]], modes: list[str]) -> dict[str, Any]:
-    seconds = {mode: median([r.seconds for r in rs]) for mode, rs in reports.items()}
-    paused = {
-        mode: median([max(r.paused_s.values(), default=0.0) for r in rs])
-        for mode, rs in reports.items()
-    }
-    checked = [mode for mode in modes if mode != "off"]
-    return {
-        "bytes_written": reports["off"][0].bytes_written,
-        "median_update_s": seconds,
-        "median_paused_s": paused,
-        "median_parts_s": {
-            mode: {p: median([r.stage_seconds.get(p, 0.0) for r in reports[mode]]) for p in PARTS}
-            for mode in checked
-        },
-        "cost_fraction": {mode: seconds[mode] / seconds["off"] - 1 for mode in checked},
-        "pause_cost_fraction": {mode: paused[mode] / paused["off"] - 1 for mode in checked},
-        "verified_by": {mode: list(EXPECTED[mode]) for mode in modes},
-        "updates": {
-            mode: [
-                {"seconds": r.seconds, "paused_s": r.paused_s, "stages": r.stage_seconds}
-                for r in rs
-            ]
-            for mode, rs in reports.items()
-        },
-    }
 
 
 def describe(result: dict[str, Any]) -> str:

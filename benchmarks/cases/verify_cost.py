@@ -190,28 +190,31 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
         for engine in engines.values():
             engine.stop()
         shutil.rmtree(folder, ignore_errors=True)
+    path = f"buffer {args.buffer}"
+    if gpu:
+        path = f"{'staged' if args.no_direct else 'loaded directly'}, {path}"
+    return {"path": path, **compared(reports, PARTS)}
+
+
+def compared(reports: dict[str, list[Any]], parts: tuple[str, ...]) -> dict[str, Any]:
+    """Medians of the update reports of each mode, and each checked mode's cost against
+    ``"off"``'s (the update's and the pause's, as fractions), with every update kept."""
     seconds = {mode: median([r.seconds for r in rs]) for mode, rs in reports.items()}
     paused = {
         mode: median([max(r.paused_s.values(), default=0.0) for r in rs])
         for mode, rs in reports.items()
     }
-    verified = [mode for mode in modes if mode != "off"]
-    parts = {
-        mode: {p: median([r.stage_seconds.get(p, 0.0) for r in reports[mode]]) for p in PARTS}
-        for mode in verified
-    }
+    checked = [mode for mode in reports if mode != "off"]
     return {
-        "path": (
-            f"{'staged' if args.no_direct else 'loaded directly'}, buffer {args.buffer}"
-            if gpu
-            else f"buffer {args.buffer}"
-        ),
         "bytes_written": reports["off"][0].bytes_written,
         "median_update_s": seconds,
         "median_paused_s": paused,
-        "median_parts_s": parts,
-        "cost_fraction": {mode: seconds[mode] / seconds["off"] - 1 for mode in verified},
-        "pause_cost_fraction": {mode: paused[mode] / paused["off"] - 1 for mode in verified},
+        "median_parts_s": {
+            mode: {p: median([r.stage_seconds.get(p, 0.0) for r in reports[mode]]) for p in parts}
+            for mode in checked
+        },
+        "cost_fraction": {mode: seconds[mode] / seconds["off"] - 1 for mode in checked},
+        "pause_cost_fraction": {mode: paused[mode] / paused["off"] - 1 for mode in checked},
         "updates": {
             mode: [
                 {"seconds": r.seconds, "paused_s": r.paused_s, "stages": r.stage_seconds}

@@ -527,7 +527,7 @@ class UpdateAttempt:
         return with_shares(hashed.result, lambda: run.partial_digests, self.collective.gather)
 
     def _checks(self) -> UpdateChecks:
-        """This update's write checks (``integrity.update_checks``)."""
+        """This update's write checks (``verification.update_checks``)."""
         return UpdateChecks(
             self.connection.write_check,
             self.connection.fleet,

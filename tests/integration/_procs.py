@@ -25,13 +25,17 @@ import functools
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from multiprocessing.context import ForkServerContext, ForkServerProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from p2pweights.local_engine import LocalEngine
+
+if TYPE_CHECKING:
+    from p2pweights import WeightSyncSession
 
 PRELOAD = ["torch", "torch.distributed"]
 ENGINE_PRELOAD = [
@@ -76,6 +80,30 @@ class _Context(ForkServerContext):
             args = (dict(os.environ), target, tuple(args), dict(kwargs or {}))
             target, kwargs = _with_env, None
         return ForkServerProcess(group, target, name, args, kwargs or {}, daemon=daemon)
+
+
+@contextmanager
+def gloo_session(
+    rank: int, size: int, port: int, urls: list[str], **settings: Any
+) -> Iterator[WeightSyncSession]:
+    """In a trainer process: rank ``rank`` of a gloo group of ``size`` at ``port``, and a
+    session of every rank (``from_torch_distributed``) connected to ``urls``, over
+    Mooncake TCP with 1 MiB buffers unless ``settings`` (``SyncConfig``'s) say otherwise;
+    the session is closed and the group destroyed on leaving."""
+    import torch.distributed as dist
+
+    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    config = {"transport": MooncakeConfig(protocol="tcp"), "buffer_bytes": "1MiB", **settings}
+    try:
+        with WeightSyncSession.from_torch_distributed(SyncConfig(**config)) as session:
+            session.connect(urls)
+            yield session
+    finally:
+        dist.destroy_process_group()
 
 
 def warm_context() -> ForkServerContext:

@@ -4,7 +4,7 @@ before ``end_weight_update``): what a write that landed wrong, or late, leaves t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import pytest
@@ -59,3 +59,40 @@ def wrong_byte_after_writes(
         patched.setattr(update_attempt_module.UpdateAttempt, "_verify_before_end", corrupted)
         yield
     assert done, "the update never asked the weight checker"
+
+
+def fails_on_a_wrong_byte_then_converges(
+    monkeypatch: pytest.MonkeyPatch,
+    session: WeightSyncSession,
+    url: str,
+    weights: Callable[[int], Mapping[str, torch.Tensor]],
+    seeds: tuple[int, int, int],
+    param: str,
+) -> str:
+    """Three updates of ``session`` (connected to the engine at ``url``, verified through
+    its weight checker), one per seed of ``seeds`` (``weights(seed)``): the first passes;
+    the second, with one byte of ``param`` on rank 0 written wrong after its writes, fails
+    naming engine, rank and parameter and leaves the engine paused and torn at that
+    update's marker; after ``abort()``, which leaves it paused, the third passes. Returns
+    the second's error message."""
+    from p2pweights.engines.client import EngineClient
+    from p2pweights.engines.update_state import UPDATING_PREFIX
+    from p2pweights.errors import TransferError
+
+    first, wrong_seed, last = seeds
+    report = session.update(dict(weights(first)))
+    assert report.engines[url].verified_by == ("weights_checker",)
+    sent = dict(weights(wrong_seed))
+    wrong = int(sent[param].reshape(-1).view(torch.uint8)[0]) ^ 0x01
+    with (
+        wrong_byte_after_writes(monkeypatch, session, url, 0, param, wrong),
+        pytest.raises(TransferError) as failed,
+    ):
+        session.update(sent)
+    message = str(failed.value)
+    assert f"engine {url} rank 0" in message and param in message
+    assert EngineClient(url).weight_version() == f"{UPDATING_PREFIX}2"
+    assert session.abort().left_paused == [url]
+    report = session.update(dict(weights(last)))
+    assert report.engines[url].verified_by == ("weights_checker",)
+    return message

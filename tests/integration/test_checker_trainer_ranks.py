@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 from _bit_exact import assert_bit_exact, seed_weights
-from _procs import warm_context
+from _procs import gloo_session, warm_context
 
 from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.local_engine import free_port
@@ -30,10 +30,8 @@ STEPS = {"first": 61, "wrong": 62, "again": 63}
 
 def _trainer(rank, size, port, urls, wrong_url, folder, out, gos) -> None:
     import torch
-    import torch.distributed as dist
     from _wrong_byte import write_byte
 
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights import update_attempt as update_attempt_module
     from p2pweights.engines.client import EngineClient
 
@@ -48,45 +46,37 @@ def _trainer(rank, size, port, urls, wrong_url, folder, out, gos) -> None:
     EngineClient.weights_checker = counted  # type: ignore[method-assign]
     checked = update_attempt_module.UpdateAttempt._verify_before_end
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
-    try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect(urls)
-            written = sorted(
-                (pub.engine_url, pub.engine_rank)
-                for pubs in session._connection.targets.values()
-                for pub in pubs
-            )
-            writes_it = (wrong_url, 1) in written
-            for go, (step, seed) in zip(gos, STEPS.items(), strict=True):
-                weights = seed_weights(folder, seed)
-                if step == "wrong" and writes_it:  # after every rank's writes, before the check
-                    sent = dict(weights)[PARAM].reshape(-1).view(torch.uint8)
-                    value = int(sent[0]) ^ 0x01
+    with gloo_session(rank, size, port, urls) as session:
+        written = sorted(
+            (pub.engine_url, pub.engine_rank)
+            for pubs in session._connection.targets.values()
+            for pub in pubs
+        )
+        writes_it = (wrong_url, 1) in written
+        for go, (step, seed) in zip(gos, STEPS.items(), strict=True):
+            weights = seed_weights(folder, seed)
+            if step == "wrong" and writes_it:  # after every rank's writes, before the check
+                sent = dict(weights)[PARAM].reshape(-1).view(torch.uint8)
+                value = int(sent[0]) ^ 0x01
 
-                    def corrupted(self, result, value=value):  # type: ignore[no-untyped-def]
-                        write_byte(session, wrong_url, 1, PARAM, value)
-                        return checked(self, result)
+                def corrupted(self, result, value=value):  # type: ignore[no-untyped-def]
+                    write_byte(session, wrong_url, 1, PARAM, value)
+                    return checked(self, result)
 
-                    update_attempt_module.UpdateAttempt._verify_before_end = corrupted  # type: ignore[method-assign]
-                try:
-                    report = session.update(weights)
-                    result = {url: report.engines[url].verified_by for url in urls}
-                except Exception as exc:
-                    # what the failure left the engine in, then what abort() says of it
-                    version = EngineClient(wrong_url).weight_version()
-                    left_paused = list(session.abort().left_paused)
-                    result = (type(exc).__name__, str(exc), version, left_paused)
-                finally:
-                    update_attempt_module.UpdateAttempt._verify_before_end = checked  # type: ignore[method-assign]
-                out.put((step, rank, written, result, dict(calls)))
-                calls.clear()
-                go.wait(timeout=300)
-    finally:
-        dist.destroy_process_group()
+                update_attempt_module.UpdateAttempt._verify_before_end = corrupted  # type: ignore[method-assign]
+            try:
+                report = session.update(weights)
+                result = {url: report.engines[url].verified_by for url in urls}
+            except Exception as exc:
+                # what the failure left the engine in, then what abort() says of it
+                version = EngineClient(wrong_url).weight_version()
+                left_paused = list(session.abort().left_paused)
+                result = (type(exc).__name__, str(exc), version, left_paused)
+            finally:
+                update_attempt_module.UpdateAttempt._verify_before_end = checked  # type: ignore[method-assign]
+            out.put((step, rank, written, result, dict(calls)))
+            calls.clear()
+            go.wait(timeout=300)
 
 
 def test_two_trainer_ranks_ask_each_checker_once_and_both_fail_on_a_wrong_byte(

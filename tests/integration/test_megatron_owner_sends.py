@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
-from _procs import warm_context
+from _procs import gloo_session, warm_context
 
 from p2pweights.local_engine import free_port
 from p2pweights.testing import synthetic_weights
@@ -125,36 +125,25 @@ def _tasks(folder: str, seed: int, rank: int, size: int):
 
 
 def _trainer(rank, size, port, urls, folder, gos, out) -> None:
-    import torch.distributed as dist
-
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.adapters.megatron import MegatronExport
 
     _stub_megatron()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
-    try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect(urls)
-            for go, seed in zip(gos, SEEDS, strict=True):
-                tasks, whole = _tasks(folder, seed, rank, size)
-                export = MegatronExport(_Bridge(tasks, whole), object())
-                pairs = export.named_tensors(owned=True)
-                try:
-                    report = session.update(pairs)
-                    result = (
-                        sorted(pairs.shards()),
-                        dict(report.bytes_by_target),
-                        sorted(pairs.owned()),
-                    )
-                except Exception as exc:
-                    result = ("error", f"{type(exc).__name__}: {exc}")
-                out.put((seed, rank, result))
-                go.wait(timeout=300)
-    finally:
-        dist.destroy_process_group()
+    with gloo_session(rank, size, port, urls) as session:
+        for go, seed in zip(gos, SEEDS, strict=True):
+            tasks, whole = _tasks(folder, seed, rank, size)
+            export = MegatronExport(_Bridge(tasks, whole), object())
+            pairs = export.named_tensors(owned=True)
+            try:
+                report = session.update(pairs)
+                result = (
+                    sorted(pairs.shards()),
+                    dict(report.bytes_by_target),
+                    sorted(pairs.owned()),
+                )
+            except Exception as exc:
+                result = ("error", f"{type(exc).__name__}: {exc}")
+            out.put((seed, rank, result))
+            go.wait(timeout=300)
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])

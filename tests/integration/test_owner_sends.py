@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
-from _procs import warm_context
+from _procs import gloo_session, warm_context
 
 from p2pweights.local_engine import free_port
 from p2pweights.testing import synthetic_weights
@@ -46,38 +46,27 @@ def _held(folder: str, seed: int, rank: int, size: int, num_experts: int):
 
 
 def _trainer(rank, size, port, urls, folder, num_experts, gos, out) -> None:
-    import torch.distributed as dist
-
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.adapters import owned_tensors
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
-    try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect(urls)
-            for go, (step, seed) in zip(gos, STEPS.items(), strict=True):
-                held, owned = _held(folder, seed, rank, size, num_experts)
-                if step == "double_claim" and rank == 1:  # also claims rank 0's first expert
-                    extra, _ = _held(folder, seed, 0, size, num_experts)
-                    first = next(n for n, _ in extra if ".experts.0." in n)
-                    held += [(n, t) for n, t in extra if n == first]
-                    owned.add(first)
-                if step == "unowned" and rank == 1:  # drops one of its experts: nobody has it
-                    dropped = sorted(owned)[0]
-                    held = [(n, t) for n, t in held if n != dropped]
-                    owned.discard(dropped)
-                try:
-                    report = session.update(owned_tensors(held, owned))
-                    result = dict(report.bytes_by_target)
-                except Exception as exc:
-                    result = (type(exc).__name__, str(exc))
-                out.put((step, rank, result))
-                go.wait(timeout=300)  # the test checks the engines in between
-    finally:
-        dist.destroy_process_group()
+    with gloo_session(rank, size, port, urls) as session:
+        for go, (step, seed) in zip(gos, STEPS.items(), strict=True):
+            held, owned = _held(folder, seed, rank, size, num_experts)
+            if step == "double_claim" and rank == 1:  # also claims rank 0's first expert
+                extra, _ = _held(folder, seed, 0, size, num_experts)
+                first = next(n for n, _ in extra if ".experts.0." in n)
+                held += [(n, t) for n, t in extra if n == first]
+                owned.add(first)
+            if step == "unowned" and rank == 1:  # drops one of its experts: nobody has it
+                dropped = sorted(owned)[0]
+                held = [(n, t) for n, t in held if n != dropped]
+                owned.discard(dropped)
+            try:
+                report = session.update(owned_tensors(held, owned))
+                result = dict(report.bytes_by_target)
+            except Exception as exc:
+                result = (type(exc).__name__, str(exc))
+            out.put((step, rank, result))
+            go.wait(timeout=300)  # the test checks the engines in between
 
 
 @pytest.mark.parametrize(
@@ -155,29 +144,18 @@ def _sliced(folder: str, seed: int, rank: int, size: int, overlap: bool):
 
 
 def _shard_trainer(rank, size, port, urls, folder, gos, out) -> None:
-    import torch.distributed as dist
-
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.adapters import owned_tensors
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
-    try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect(urls)
-            for go, (step, seed) in zip(gos, SHARD_STEPS.items(), strict=True):
-                held, shards = _sliced(folder, seed, rank, size, step == "overlap")
-                try:
-                    report = session.update(owned_tensors(held, shards=shards))
-                    result = dict(report.bytes_by_target)
-                except Exception as exc:
-                    result = (type(exc).__name__, str(exc))
-                out.put((step, rank, result))
-                go.wait(timeout=300)
-    finally:
-        dist.destroy_process_group()
+    with gloo_session(rank, size, port, urls) as session:
+        for go, (step, seed) in zip(gos, SHARD_STEPS.items(), strict=True):
+            held, shards = _sliced(folder, seed, rank, size, step == "overlap")
+            try:
+                report = session.update(owned_tensors(held, shards=shards))
+                result = dict(report.bytes_by_target)
+            except Exception as exc:
+                result = (type(exc).__name__, str(exc))
+            out.put((step, rank, result))
+            go.wait(timeout=300)
 
 
 def test_row_shards_are_written_by_their_holders(model_dir, shared_engines):
@@ -241,34 +219,23 @@ def _ep_and_rows(folder: str, seed: int, rank: int, size: int, num_experts: int)
 
 
 def _gather_trainer(rank, size, port, urls, folder, num_experts, gos, out) -> None:
-    import torch.distributed as dist
-
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.adapters import owned_tensors
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
-    try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect(urls)
-            for go, (step, seed) in zip(gos, GATHER_STEPS.items(), strict=True):
-                pairs, owned, shards = _ep_and_rows(folder, seed, rank, size, num_experts)
-                try:
-                    report = session.update(owned_tensors(pairs, owned, shards=shards))
-                    result = {
-                        "targets": dict(report.bytes_by_target),
-                        "gathered": dict(report.gathered_bytes_by_tensor),
-                        "metric": report.metrics()["p2pweights/gathered_bytes"],
-                        "dict": report.to_dict()["gathered_bytes"],
-                    }
-                except Exception as exc:
-                    result = {"error": (type(exc).__name__, str(exc))}
-                out.put((step, rank, result))
-                go.wait(timeout=300)
-    finally:
-        dist.destroy_process_group()
+    with gloo_session(rank, size, port, urls) as session:
+        for go, (step, seed) in zip(gos, GATHER_STEPS.items(), strict=True):
+            pairs, owned, shards = _ep_and_rows(folder, seed, rank, size, num_experts)
+            try:
+                report = session.update(owned_tensors(pairs, owned, shards=shards))
+                result = {
+                    "targets": dict(report.bytes_by_target),
+                    "gathered": dict(report.gathered_bytes_by_tensor),
+                    "metric": report.metrics()["p2pweights/gathered_bytes"],
+                    "dict": report.to_dict()["gathered_bytes"],
+                }
+            except Exception as exc:
+                result = {"error": (type(exc).__name__, str(exc))}
+            out.put((step, rank, result))
+            go.wait(timeout=300)
 
 
 def test_a_sharded_tensor_an_fp8_engine_quantizes_is_gathered_alone(model_dir, shared_engines):
@@ -319,30 +286,15 @@ def test_a_sharded_tensor_an_fp8_engine_quantizes_is_gathered_alone(model_dir, s
 
 
 def _refused_trainer(rank, size, port, urls, folder, digest_as_written, out) -> None:
-    import torch.distributed as dist
-
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.adapters import owned_tensors
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    config = SyncConfig(
-        transport=MooncakeConfig(protocol="tcp"),
-        buffer_bytes="1MiB",
-        digest_as_written=digest_as_written,
-    )
-    try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect(urls)
-            held, owned = _held(folder, 71, rank, size, 8)
-            try:
-                session.update(owned_tensors(held, owned))
-                out.put((rank, None))
-            except Exception as exc:
-                out.put((rank, (type(exc).__name__, str(exc))))
-    finally:
-        dist.destroy_process_group()
+    with gloo_session(rank, size, port, urls, digest_as_written=digest_as_written) as session:
+        held, owned = _held(folder, 71, rank, size, 8)
+        try:
+            session.update(owned_tensors(held, owned))
+            out.put((rank, None))
+        except Exception as exc:
+            out.put((rank, (type(exc).__name__, str(exc))))
 
 
 @pytest.mark.parametrize("guard", ["digest_as_written", "weights_checker"])
@@ -421,34 +373,23 @@ def _trained(name: str) -> bool:
 
 
 def _partial_trainer(rank, size, port, urls, folder, gos, out) -> None:
-    import torch.distributed as dist
-
-    from p2pweights import MooncakeConfig, SyncConfig, WeightSyncSession
     from p2pweights.adapters import owned_tensors
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-    )
-    config = SyncConfig(transport=MooncakeConfig(protocol="tcp"), buffer_bytes="1MiB")
-    try:
-        with WeightSyncSession.from_torch_distributed(config) as session:
-            session.connect(urls)
-            for go, (step, seed) in zip(gos, PARTIAL_SEEDS.items(), strict=True):
-                held, shards = _sliced(folder, seed, rank, size, overlap=False)
-                subset = None
-                if step == "partial":
-                    held = [(n, t) for n, t in held if _trained(n)]
-                    shards = {n: s for n, s in shards.items() if _trained(n)}
-                    subset = set(shards)
-                try:
-                    report = session.update(owned_tensors(held, shards=shards), subset=subset)
-                    result = dict(report.bytes_by_target)
-                except Exception as exc:
-                    result = (type(exc).__name__, str(exc))
-                out.put((step, rank, result))
-                go.wait(timeout=300)
-    finally:
-        dist.destroy_process_group()
+    with gloo_session(rank, size, port, urls) as session:
+        for go, (step, seed) in zip(gos, PARTIAL_SEEDS.items(), strict=True):
+            held, shards = _sliced(folder, seed, rank, size, overlap=False)
+            subset = None
+            if step == "partial":
+                held = [(n, t) for n, t in held if _trained(n)]
+                shards = {n: s for n, s in shards.items() if _trained(n)}
+                subset = set(shards)
+            try:
+                report = session.update(owned_tensors(held, shards=shards), subset=subset)
+                result = dict(report.bytes_by_target)
+            except Exception as exc:
+                result = (type(exc).__name__, str(exc))
+            out.put((step, rank, result))
+            go.wait(timeout=300)
 
 
 def test_a_partial_update_of_sharded_tensors_writes_its_subset_from_the_holders(

@@ -48,11 +48,9 @@ from p2pweights import (
     NixlConfig,
     SyncConfig,
     Timeouts,
-    TransferError,
     WeightSyncSession,
 )
 from p2pweights.engines.client import EngineClient
-from p2pweights.engines.update_state import UPDATING_PREFIX
 from p2pweights.errors import EngineError
 from p2pweights.report import UpdateReport
 from p2pweights.testing import model_config, save_safetensors, synthetic_weights, write_model_dir
@@ -341,31 +339,23 @@ def test_a_wrong_byte_after_the_writes_fails_the_update_on_a_server_without_dige
     through the transport after the writes fails the update, naming engine, rank and
     parameter, and leaves the server paused and torn; the next update converges."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "integration"))
-    from _wrong_byte import wrong_byte_after_writes
+    from _wrong_byte import fails_on_a_wrong_byte_then_converges
 
     server = start_server("tp1-no-digests")
     client = EngineClient(server.url)
     reference = reference_checksums(server.url, model_folder)
-    param = "model.layers.1.mlp.down_proj.weight"  # TP 1: held as sent, until end packs it
     config = SyncConfig(transport=NixlConfig(backend="UCX"), timeouts=Timeouts(transfer=60))
-    first, wrong_seed, last = SEEDS
     with WeightSyncSession(config) as session:
         session.connect([server.url])
-        report = session.update(dict(synthetic_weights(CONFIG, first)))
-        assert report.engines[server.url].verified_by == ("weights_checker",)
-        sent = dict(synthetic_weights(CONFIG, wrong_seed))
-        wrong = int(sent[param].reshape(-1).view(torch.uint8)[0]) ^ 0x01
-        with (
-            wrong_byte_after_writes(monkeypatch, session, server.url, 0, param, wrong),
-            pytest.raises(TransferError) as failed,
-        ):
-            session.update(sent)
-        message = str(failed.value)
-        assert f"engine {server.url} rank 0" in message and param in message
-        assert client.weight_version() == f"{UPDATING_PREFIX}2"
-        assert session.abort().left_paused == [server.url]
-        report = session.update(dict(synthetic_weights(CONFIG, last)))
-        assert report.engines[server.url].verified_by == ("weights_checker",)
+        fails_on_a_wrong_byte_then_converges(
+            monkeypatch,
+            session,
+            server.url,
+            lambda seed: dict(synthetic_weights(CONFIG, seed)),
+            SEEDS,
+            "model.layers.1.mlp.down_proj.weight",  # TP 1: held as sent, until end packs it
+        )
+    last = SEEDS[-1]
     actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
     assert actual[0] == reference[last][0]
     assert_generates_as_transformers(server, last)

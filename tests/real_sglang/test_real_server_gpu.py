@@ -268,11 +268,8 @@ def test_a_wrong_byte_over_sglangs_own_mooncake_publication_fails_the_update(
     before its end. One byte written wrong over Mooncake after the update's writes fails
     the update, naming engine, rank and parameter, and leaves the server paused and torn;
     after ``abort()`` the next update is verified and bit-exact."""
-    from p2pweights.engines.update_state import UPDATING_PREFIX
-    from p2pweights.errors import TransferError
-
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "integration"))
-    from _wrong_byte import wrong_byte_after_writes
+    from _wrong_byte import fails_on_a_wrong_byte_then_converges
 
     config, folder = MODELS["qwen3"], model_folders["qwen3"]
     options = dict(PATHS["mooncake-device"])
@@ -280,26 +277,18 @@ def test_a_wrong_byte_over_sglangs_own_mooncake_publication_fails_the_update(
     server = start_server("qwen3-mooncake-wrong-byte", folder, **options)
     client = EngineClient(server.url)
     reference = reference_checksums(server.url, config, folder, SEEDS)
-    param = "model.layers.1.mlp.down_proj.weight"
-    first, wrong_seed, last = SEEDS
     sync = SyncConfig(transport=MooncakeConfig(protocol="tcp"), timeouts=Timeouts(transfer=60))
     with WeightSyncSession(sync, staging_device=staging) as session:
         session.connect([server.url])
-        report = session.update(dict(synthetic_weights(config, first)))
-        assert report.engines[server.url].verified_by == ("weights_checker",)
-        sent = dict(synthetic_weights(config, wrong_seed))
-        wrong = int(sent[param].reshape(-1).view(torch.uint8)[0]) ^ 0x01
-        with (
-            wrong_byte_after_writes(monkeypatch, session, server.url, 0, param, wrong),
-            pytest.raises(TransferError) as failed,
-        ):
-            session.update(sent)
-        message = str(failed.value)
-        assert f"engine {server.url} rank 0" in message and param in message
-        assert client.weight_version() == f"{UPDATING_PREFIX}2"
-        assert session.abort().left_paused == [server.url]
-        report = session.update(dict(synthetic_weights(config, last)))
-        assert report.engines[server.url].verified_by == ("weights_checker",)
+        message = fails_on_a_wrong_byte_then_converges(
+            monkeypatch,
+            session,
+            server.url,
+            lambda seed: dict(synthetic_weights(config, seed)),
+            SEEDS,
+            "model.layers.1.mlp.down_proj.weight",
+        )
+    last = SEEDS[-1]
     actual = checksums_by_rank(server.url, client.weights_checker("checksum"))
     assert actual[0] == reference[last][0]
     assert server.alive

@@ -164,7 +164,7 @@ class EngineClient:
     ) -> dict[str, Any]:
         """The record engine rank ``rank``'s ``runner`` took before its last
         ``end_weight_update`` (``p2pweights.engine_side.steps``: ``update``, ``digests``, ...),
-        as the engine sent it: ``integrity.records`` reads what it holds.
+        as the engine sent it: ``verification.records`` reads what it holds.
 
         Asked as ``?rank=R&role=p2pweights-digests`` (and ``&runner=draft`` for a draft).
         sglang's own route forwards only the rank, so its answer is then the rank's

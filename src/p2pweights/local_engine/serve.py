@@ -81,7 +81,7 @@ def serve(
         }
     )
     # not sglang's: the device its weights are on (sglang's resolved "device" says "cuda"
-    # on a host without one), which its weights checker hashes on (integrity.checker)
+    # on a host without one), which its weights checker hashes on (verification.checker)
     server_info["p2pweights_engine_device"] = engine_device.type
 
     def hf_weights() -> Iterator[tuple[str, torch.Tensor]]:
