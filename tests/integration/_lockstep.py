@@ -11,19 +11,23 @@ def run_in_lockstep(
     trainers: Sequence[Any],
     out: Any,
     gos: Sequence[Any],
-    check: Callable[[int, list[tuple]], None],
+    check: Callable[[Any, list[tuple]], None],
+    steps: Sequence[Any] | None = None,
+    timeout_s: float = 300,
 ) -> None:
     """Start ``trainers`` (processes); after update ``index`` gather one result per process
-    from ``out`` (tuples starting ``(index, rank)``, sorted by rank), call
-    ``check(index, results)``, then set ``gos[index]`` to let them go on. Every process
-    must exit 0."""
+    from ``out`` (tuples starting ``(step, rank)``, sorted by rank; ``step`` is
+    ``steps[index]``, by default ``index``), call ``check(step, results)``, then set
+    ``gos[index]`` to let them go on. Every process must exit 0."""
+    labels = list(range(len(gos)) if steps is None else steps)
+    assert len(labels) == len(gos)
     for process in trainers:
         process.start()
     try:
-        for index, go in enumerate(gos):
-            results = sorted(out.get(timeout=300) for _ in trainers)
-            assert [r[:2] for r in results] == [(index, rank) for rank in range(len(trainers))]
-            check(index, results)
+        for step, go in zip(labels, gos, strict=True):
+            results = sorted(out.get(timeout=timeout_s) for _ in trainers)
+            assert [r[:2] for r in results] == [(step, rank) for rank in range(len(trainers))]
+            check(step, results)
             go.set()
     finally:
         for process in trainers:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
+from _lockstep import run_in_lockstep
 from _procs import gloo_session, warm_context
 
 from p2pweights.local_engine import free_port
@@ -159,27 +160,20 @@ def test_tensor_parallel_shards_are_sent_by_their_megatron_ranks(name, model_dir
         ctx.Process(target=_trainer, args=(rank, size, port, urls, str(folder), gos, out))
         for rank in range(size)
     ]
-    for p in trainers:
-        p.start()
-    try:
-        for index, seed in enumerate(SEEDS):
-            results = sorted(out.get(timeout=400) for _ in trainers)
-            assert [r[0] for r in results] == [seed] * size
-            outcomes = [r[2] for r in results]
-            assert all(o[0] != "error" for o in outcomes), outcomes
-            shards = outcomes[0][0]
-            assert any(n.endswith("o_proj.weight") for n in shards), shards  # sent as shards
-            assert not any(n.endswith("q_proj.weight") for n in shards), shards  # exported
-            owned = [o[2] for o in outcomes]
-            if "moe" in name:  # each rank its own experts' down_proj, no two the same
-                assert owned[0] and owned[1] and not set(owned[0]) & set(owned[1]), owned
-            else:
-                assert owned == [[], []]
-            every = {(e.url, r) for e in engines for r in range(e.tp)}
-            assert set().union(*(o[1] for o in outcomes)) == every, outcomes
-            assert_bit_exact(engines, folder, seed)
-            gos[index].set()
-    finally:
-        for p in trainers:
-            p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0] * size
+
+    def check(seed: int, results: list[tuple]) -> None:
+        outcomes = [r[2] for r in results]
+        assert all(o[0] != "error" for o in outcomes), outcomes
+        shards = outcomes[0][0]
+        assert any(n.endswith("o_proj.weight") for n in shards), shards  # sent as shards
+        assert not any(n.endswith("q_proj.weight") for n in shards), shards  # exported
+        owned = [o[2] for o in outcomes]
+        if "moe" in name:  # each rank its own experts' down_proj, no two the same
+            assert owned[0] and owned[1] and not set(owned[0]) & set(owned[1]), owned
+        else:
+            assert owned == [[], []]
+        every = {(e.url, r) for e in engines for r in range(e.tp)}
+        assert set().union(*(o[1] for o in outcomes)) == every, outcomes
+        assert_bit_exact(engines, folder, seed)
+
+    run_in_lockstep(trainers, out, gos, check, steps=list(SEEDS), timeout_s=400)

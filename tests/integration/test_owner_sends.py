@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 from _bit_exact import assert_bit_exact
+from _lockstep import run_in_lockstep
 from _procs import gloo_session, warm_context
 
 from p2pweights.local_engine import free_port
@@ -93,36 +94,30 @@ def test_expert_owners_write_their_experts(model, num_experts, size, model_dir, 
         )
         for rank in range(size)
     ]
-    for p in trainers:
-        p.start()
-    try:
-        for index, (step, seed) in enumerate(STEPS.items()):
-            results = sorted(out.get(timeout=400) for _ in trainers)
-            assert [r[0] for r in results] == [step] * size
-            outcomes = [r[2] for r in results]
-            if step == "double_claim":
-                assert len({str(o) for o in outcomes}) == 1, outcomes  # the same on every rank
-                kind, message = outcomes[0]
-                assert kind == "ConfigError", message
-                assert (
-                    ".experts.0." in message
-                    and "claimed by trainer rank 0 and trainer rank 1" in message
-                )
-            elif step == "unowned":
-                kind, message = outcomes[0]
-                assert kind == "ConfigError", message
-                assert ".experts." in message, message
-            else:
-                every = {(e.url, r) for e in engines for r in range(e.tp)}
-                assert set().union(*outcomes) == every, outcomes
-                tp1 = (engines[1].url, 0)  # both ranks write their experts' ranges there
-                assert all(o.get(tp1, 0) > 0 for o in outcomes), outcomes
-                assert_bit_exact(engines, folder, seed)
-            gos[index].set()
-    finally:
-        for p in trainers:
-            p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0] * size
+
+    def check(step: str, results: list[tuple]) -> None:
+        seed = STEPS[step]
+        outcomes = [r[2] for r in results]
+        if step == "double_claim":
+            assert len({str(o) for o in outcomes}) == 1, outcomes  # the same on every rank
+            kind, message = outcomes[0]
+            assert kind == "ConfigError", message
+            assert (
+                ".experts.0." in message
+                and "claimed by trainer rank 0 and trainer rank 1" in message
+            )
+        elif step == "unowned":
+            kind, message = outcomes[0]
+            assert kind == "ConfigError", message
+            assert ".experts." in message, message
+        else:
+            every = {(e.url, r) for e in engines for r in range(e.tp)}
+            assert set().union(*outcomes) == every, outcomes
+            tp1 = (engines[1].url, 0)  # both ranks write their experts' ranges there
+            assert all(o.get(tp1, 0) > 0 for o in outcomes), outcomes
+            assert_bit_exact(engines, folder, seed)
+
+    run_in_lockstep(trainers, out, gos, check, steps=list(STEPS), timeout_s=400)
 
 
 SHARD_STEPS = {"overlap": 51, "first": 52, "second": 53}
@@ -173,29 +168,24 @@ def test_row_shards_are_written_by_their_holders(model_dir, shared_engines):
         ctx.Process(target=_shard_trainer, args=(rank, size, port, urls, str(folder), gos, out))
         for rank in range(size)
     ]
-    for p in trainers:
-        p.start()
-    try:
-        for index, (step, seed) in enumerate(SHARD_STEPS.items()):
-            results = sorted(out.get(timeout=400) for _ in trainers)
-            outcomes = [r[2] for r in results]
-            if step == "overlap":
-                kind, message = outcomes[0]
-                assert kind == "ConfigError", message
-                assert "are claimed by trainer rank 0 and trainer rank 1" in message
-            else:
-                every = {(e.url, r) for e in engines for r in range(e.tp)}
-                assert all(set(o) == every for o in outcomes), outcomes
-                # each holder writes about half of the bytes (on the TP 2 engine mostly one
-                # rank's: a column-parallel weight's first rows are TP rank 0's)
-                total = sum(sum(o.values()) for o in outcomes)
-                assert all(0.3 * total < sum(o.values()) < 0.7 * total for o in outcomes)
-                assert_bit_exact(engines, folder, seed)
-            gos[index].set()
-    finally:
-        for p in trainers:
-            p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0] * size
+
+    def check(step: str, results: list[tuple]) -> None:
+        seed = SHARD_STEPS[step]
+        outcomes = [r[2] for r in results]
+        if step == "overlap":
+            kind, message = outcomes[0]
+            assert kind == "ConfigError", message
+            assert "are claimed by trainer rank 0 and trainer rank 1" in message
+        else:
+            every = {(e.url, r) for e in engines for r in range(e.tp)}
+            assert all(set(o) == every for o in outcomes), outcomes
+            # each holder writes about half of the bytes (on the TP 2 engine mostly one
+            # rank's: a column-parallel weight's first rows are TP rank 0's)
+            total = sum(sum(o.values()) for o in outcomes)
+            assert all(0.3 * total < sum(o.values()) < 0.7 * total for o in outcomes)
+            assert_bit_exact(engines, folder, seed)
+
+    run_in_lockstep(trainers, out, gos, check, steps=list(SHARD_STEPS), timeout_s=400)
 
 
 GATHER_STEPS = {"first": 61, "second": 62}
@@ -256,33 +246,27 @@ def test_a_sharded_tensor_an_fp8_engine_quantizes_is_gathered_alone(model_dir, s
         ctx.Process(target=_gather_trainer, args=(rank, size, port, urls, str(folder), 8, gos, out))
         for rank in range(size)
     ]
-    for p in trainers:
-        p.start()
-    try:
-        for index, (step, seed) in enumerate(GATHER_STEPS.items()):
-            results = sorted(out.get(timeout=400) for _ in trainers)
-            assert [r[0] for r in results] == [step] * size
-            outcomes = [r[2] for r in results]
-            assert all("error" not in o for o in outcomes), outcomes
-            every = {(e.url, r) for e in engines for r in range(e.tp)}
-            assert set().union(*(o["targets"] for o in outcomes)) == every, outcomes
-            assert_bit_exact(engines, folder, seed)
-            for o in outcomes:
-                gathered = o["gathered"]
-                assert gathered and all(v > 0 for v in gathered.values()), gathered
-                assert o["metric"] == o["dict"] == sum(gathered.values())
-                assert not any(_EXPERT.search(n) for n in gathered), gathered  # experts: 0
-                # the linear weights the engine takes in fp8 (q_a_proj, kv_a_proj_with_mqa,
-                # ...): not norms, embeddings, the router or the lm head (bf16 there)
-                assert all("_proj" in n and n.endswith(".weight") for n in gathered), gathered
-                assert "model.embed_tokens.weight" not in gathered
-            # each rank received the other's rows of the same tensors
-            assert outcomes[0]["gathered"].keys() == outcomes[1]["gathered"].keys()
-            gos[index].set()
-    finally:
-        for p in trainers:
-            p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0] * size
+
+    def check(step: str, results: list[tuple]) -> None:
+        seed = GATHER_STEPS[step]
+        outcomes = [r[2] for r in results]
+        assert all("error" not in o for o in outcomes), outcomes
+        every = {(e.url, r) for e in engines for r in range(e.tp)}
+        assert set().union(*(o["targets"] for o in outcomes)) == every, outcomes
+        assert_bit_exact(engines, folder, seed)
+        for o in outcomes:
+            gathered = o["gathered"]
+            assert gathered and all(v > 0 for v in gathered.values()), gathered
+            assert o["metric"] == o["dict"] == sum(gathered.values())
+            assert not any(_EXPERT.search(n) for n in gathered), gathered  # experts: 0
+            # the linear weights the engine takes in fp8 (q_a_proj, kv_a_proj_with_mqa,
+            # ...): not norms, embeddings, the router or the lm head (bf16 there)
+            assert all("_proj" in n and n.endswith(".weight") for n in gathered), gathered
+            assert "model.embed_tokens.weight" not in gathered
+        # each rank received the other's rows of the same tensors
+        assert outcomes[0]["gathered"].keys() == outcomes[1]["gathered"].keys()
+
+    run_in_lockstep(trainers, out, gos, check, steps=list(GATHER_STEPS), timeout_s=400)
 
 
 def _refused_trainer(rank, size, port, urls, folder, digest_as_written, out) -> None:
@@ -412,21 +396,14 @@ def test_a_partial_update_of_sharded_tensors_writes_its_subset_from_the_holders(
         ctx.Process(target=_partial_trainer, args=(rank, size, port, urls, str(folder), gos, out))
         for rank in range(size)
     ]
-    for p in trainers:
-        p.start()
     written = {}
-    try:
-        for index, step in enumerate(PARTIAL_SEEDS):
-            results = sorted(out.get(timeout=400) for _ in trainers)
-            assert [r[0] for r in results] == [step] * size
-            outcomes = [r[2] for r in results]
-            assert all(isinstance(o, dict) for o in outcomes), outcomes
-            written[step] = sum(sum(o.values()) for o in outcomes)
-            gos[index].set()
-    finally:
-        for p in trainers:
-            p.join(timeout=60)
-    assert [p.exitcode for p in trainers] == [0] * size
+
+    def check(step: str, results: list[tuple]) -> None:
+        outcomes = [r[2] for r in results]
+        assert all(isinstance(o, dict) for o in outcomes), outcomes
+        written[step] = sum(sum(o.values()) for o in outcomes)
+
+    run_in_lockstep(trainers, out, gos, check, steps=list(PARTIAL_SEEDS), timeout_s=400)
     first, second = seed_weights(folder, 57), seed_weights(folder, 58)
     mixed = [(n, t) for n, t in second if _trained(n)] + [
         (n, t) for n, t in first if not _trained(n)
